@@ -1,0 +1,24 @@
+"""ckptstore: asynchronous, sharded, verified checkpoint storage for PyTorch.
+
+Drop-in for torch.save / torch.load::
+
+    fut = ckptstore.save(model.state_dict(), "ckpt/latest.pt")   # returns once staged
+    state = ckptstore.load("ckpt/latest.pt")
+
+Managed, for training loops::
+
+    store = ckptstore.Store("runs/exp1")
+    store.save(step, {"model": model.state_dict(), "optim": opt.state_dict()})
+    state = store.load()            # latest committed step
+"""
+
+__version__ = "0.1.0"
+
+from . import errors  # noqa: E402
+from .api import Store, load, save, wait  # noqa: E402
+from .checkpoint.save import SaveFuture  # noqa: E402
+from .checkpoint.verify import verify  # noqa: E402
+from .errors import *  # noqa: E402,F401,F403
+from .pipeline import configure  # noqa: E402
+
+__all__ = ["Store", "SaveFuture", "configure", "errors", "load", "save", "verify", "wait", "__version__"]

@@ -1,0 +1,207 @@
+"""The public calls: drop-in ``save`` / ``load`` / ``wait`` and the managed ``Store``.
+
+Thin on purpose: every save goes through :func:`checkpoint.save.start_save` (the
+blocking API is ``result()`` on the asynchronous one), every load through
+:func:`checkpoint.restore.restore`.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from typing import Any
+
+import torch
+
+from . import format as fmt
+from . import lifecycle
+from .checkpoint.commit import generations, read_manifest
+from .checkpoint.container import MAGIC, read_container, write_container
+from .checkpoint.group import agree_on_attempt, rank_and_world
+from .checkpoint.restore import latest_manifest, restore
+from .checkpoint.save import SaveFuture, SaveOptions, start_save
+from .codecs import CompressionPolicy
+from .errors import CheckpointNotFoundError, FormatError, NotACheckpointError, ObjectNotFoundError
+from .pipeline import runtime
+from .storage import MemoryStorage, Storage, is_url, open_storage
+
+wait = lifecycle.wait
+
+
+def _options(compression: str | CompressionPolicy, commit_timeout: float, chunk_bytes: int | None,
+             pickle_protocol: int) -> SaveOptions:
+    policy = compression if isinstance(compression, CompressionPolicy) else CompressionPolicy(mode=compression)
+    kw = {} if chunk_bytes is None else {"chunk_bytes": int(chunk_bytes)}
+    return SaveOptions(compression=policy, commit_timeout=float(commit_timeout),
+                       pickle_protocol=pickle_protocol, **kw)
+
+
+def _is_stream(f) -> bool:
+    return hasattr(f, "write") or hasattr(f, "read")
+
+
+def save(obj: Any, f, pickle_protocol: int = 2, *, compression: str | CompressionPolicy = "auto",
+         commit_timeout: float = 600.0, chunk_bytes: int | None = None) -> SaveFuture:
+    """Save ``obj`` like ``torch.save``; returns once its tensors are staged.
+
+    ``f`` is a local path (the checkpoint is a directory there), a ``memory://`` or
+    (with the S3 backend) ``s3://`` URL, or a writable binary file object. Saving to a
+    path that holds a checkpoint makes a new generation: the old one stays loadable until
+    the new one is committed. A file object is written before ``save`` returns.
+    This call is not collective: in a distributed job it saves this process's object.
+    """
+    lifecycle.raise_earlier_failure()
+    options = _options(compression, commit_timeout, chunk_bytes, pickle_protocol)
+    rt = runtime()
+    if _is_stream(f):
+        store = MemoryStorage()
+        future = start_save(obj, store, rt=rt, attempt=fmt.new_attempt_id(), step=None, rank=0,
+                            world_size=1, metrics=None, options=options)
+        future.result()
+        write_container(store, f)
+        return future
+    if not is_url(f) and os.path.isfile(f):
+        raise FileExistsError(
+            f"{os.fspath(f)}: is a file (perhaps written by torch.save); ckptstore saves a "
+            "checkpoint directory here. Remove the file or choose another path."
+        )
+    storage = open_storage(f)
+    future = start_save(obj, storage, rt=rt, attempt=fmt.new_attempt_id(), step=None, rank=0,
+                        world_size=1, metrics=None, options=options)
+    return lifecycle.track(future)
+
+
+def load(f, map_location=None, weights_only: bool = True, *, rank: int | None = None, **pickle_load_args) -> Any:
+    """Load what ``save`` (or ``torch.save``) wrote, checking every byte read.
+
+    ``map_location`` takes torch.load's forms (str, device, dict, callable). With
+    ``weights_only=True`` (the default) only torch's allow-list of types is rebuilt; pass
+    ``weights_only=False`` only for checkpoints you trust. A file written by
+    ``torch.save`` is loaded with ``torch.load``.
+    """
+    if _is_stream(f):
+        head = f.read(len(MAGIC))
+        if head == MAGIC:
+            return _load_storage(read_container(f, head), map_location, weights_only, rank, pickle_load_args)
+        f.seek(-len(head), io.SEEK_CUR)
+        return torch.load(f, map_location=map_location, weights_only=weights_only, **pickle_load_args)
+    if not is_url(f):
+        path = os.fspath(f)
+        if os.path.isfile(path):
+            with open(path, "rb") as fh:
+                if fh.read(len(MAGIC)) == MAGIC:
+                    fh.seek(0)
+                    return _load_storage(read_container(fh), map_location, weights_only, rank, pickle_load_args)
+            return torch.load(path, map_location=map_location, weights_only=weights_only, **pickle_load_args)
+        if not os.path.exists(path):
+            raise CheckpointNotFoundError(f"{path}: no such file or directory")
+    return _load_storage(open_storage(f), map_location, weights_only, rank, pickle_load_args)
+
+
+def _load_storage(storage: Storage, map_location, weights_only: bool, rank: int | None, pickle_load_args):
+    for attempt in range(3):
+        manifest = latest_manifest(storage)
+        r = _rank_to_load(manifest, rank, storage)
+        try:
+            return restore(storage, manifest, r, map_location, weights_only, pickle_load_args=pickle_load_args)
+        except Exception:
+            # A newer generation may have retired this one while we read it: retry then.
+            if attempt == 2 or latest_manifest(storage).generation == manifest.generation:
+                raise
+
+
+def _rank_to_load(manifest: fmt.Manifest, rank: int | None, storage: Storage) -> int:
+    if rank is None:
+        if manifest.world_size == 1:
+            return 0
+        rank, world = rank_and_world()
+        if world != manifest.world_size:
+            raise FormatError(
+                f"{storage.describe()}: saved by {manifest.world_size} ranks, loading on {world}; "
+                "pass rank= to load one rank's state"
+            )
+    if not 0 <= rank < manifest.world_size:
+        raise ValueError(f"rank {rank} out of range: the checkpoint has {manifest.world_size} ranks")
+    return rank
+
+
+class Store:
+    """Checkpoints of a training run, one per step, under one root (path or URL).
+
+    ``save`` is collective when torch.distributed is initialised: every rank of
+    ``process_group`` calls it with the same step, each saving its own state.
+    """
+
+    def __init__(self, url, *, process_group=None, compression: str | CompressionPolicy = "auto",
+                 commit_timeout: float = 600.0, chunk_bytes: int | None = None):
+        self.url = os.fspath(url) if not isinstance(url, str) else url
+        self.storage = open_storage(self.url)
+        self.process_group = process_group
+        self.options = _options(compression, commit_timeout, chunk_bytes, 2)
+
+    def __repr__(self) -> str:
+        return f"Store({self.url!r})"
+
+    def location(self, step: int) -> Storage:
+        return self.storage.child(fmt.step_dir_name(step))
+
+    def save(self, step: int, state: Any, metrics: dict | None = None) -> SaveFuture:
+        lifecycle.raise_earlier_failure()
+        where = self.location(step)
+        attempt = agree_on_attempt(step, where.describe(), self.process_group)
+        rank, world = rank_and_world(self.process_group)
+        future = start_save(state, where, rt=runtime(), attempt=attempt, step=step, rank=rank,
+                            world_size=world, metrics=_check_metrics(metrics), options=self.options)
+        return lifecycle.track(future)
+
+    def steps(self) -> list[int]:
+        """Committed steps, ascending."""
+        found = []
+        try:
+            names = self.storage.list("")
+        except ObjectNotFoundError:
+            return []
+        for name in names:
+            step = fmt.parse_step_dir_name(name.rstrip("/"))
+            if step is not None and name.endswith("/") and generations(self.location(step)):
+                found.append(step)
+        return sorted(found)
+
+    def latest(self) -> int | None:
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def manifest(self, step: int | None = None) -> fmt.Manifest:
+        return latest_manifest(self.location(self._resolve(step)))
+
+    def _resolve(self, step: int | None) -> int:
+        if step is None:
+            step = self.latest()
+            if step is None:
+                raise CheckpointNotFoundError(f"{self.storage.describe()}: the store holds no committed checkpoint")
+        return step
+
+    def load(self, step: int | None = None, map_location=None, weights_only: bool = True,
+             *, rank: int | None = None) -> Any:
+        """The state saved at ``step`` (None: the latest committed step)."""
+        return _load_storage(self.location(self._resolve(step)), map_location, weights_only, rank, None)
+
+
+def _check_metrics(metrics: dict | None) -> dict:
+    import json
+    import math
+
+    metrics = dict(metrics or {})
+    for k, v in metrics.items():
+        if not isinstance(k, str):
+            raise TypeError(f"metric names must be str, got {k!r}")
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ValueError(f"metric {k!r} is {v}: JSON cannot hold it")
+    try:
+        json.dumps(metrics, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"metrics must be JSON values: {e}") from e
+    return metrics
+
+
+__all__ = ["save", "load", "wait", "Store", "SaveFuture", "read_manifest", "NotACheckpointError"]

@@ -1,0 +1,1 @@
+"""Checkpoint logic: flattening, snapshots, commit, restore, verify, containers."""

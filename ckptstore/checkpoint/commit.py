@@ -1,0 +1,185 @@
+"""Phase two of a save: votes through storage, validation, the create-only manifest.
+
+Every rank, once its data file is durable, writes its vote (create-only). Rank 0, the
+committer, waits for all votes, checks them (same attempt, step and world size; chunks
+cover each tensor exactly once: I5), and writes ``manifest-<generation>.json``
+create-only (I1). The other ranks wait until that manifest or an abort marker
+appears. Both waits end at a deadline, so a dead rank means a clean failure, never a
+hang and never a partial commit. After committing, older generations of the same
+checkpoint are retired: manifest first, then their files (I6, I7).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from .. import __version__
+from .. import format as fmt
+from ..errors import (
+    AlreadyExistsError,
+    CkptStoreError,
+    CommitConflictError,
+    CommitError,
+    CommitTimeoutError,
+    FormatError,
+    ObjectNotFoundError,
+)
+from ..storage import Storage
+
+
+class Deadline:
+    """Polling with backoff until a deadline: waits on storage, never on the training
+    process group (votes travel through storage, so background threads need no
+    collectives)."""
+
+    def __init__(self, timeout: float):
+        self.end = time.monotonic() + timeout
+        self.delay = 0.002
+
+    def sleep_or_expire(self) -> bool:
+        left = self.end - time.monotonic()
+        if left <= 0:
+            return False
+        time.sleep(min(self.delay, left))
+        self.delay = min(self.delay * 2, 0.25)
+        return True
+
+
+def write_vote(storage: Storage, vote: fmt.Vote) -> None:
+    data = json.dumps(vote.to_json(), separators=(",", ":")).encode()
+    storage.put(fmt.vote_name(vote.attempt, vote.rank), data, if_absent=True)
+
+
+def write_failure_vote(storage: Storage, attempt: str, step, world_size: int, rank: int, error: BaseException) -> None:
+    """Tell the committer at once that this rank cannot vote yes (best effort)."""
+    try:
+        write_vote(storage, fmt.Vote(attempt, step, world_size, rank, ok=False, error=f"{type(error).__name__}: {error}"))
+    except BaseException:
+        pass
+
+
+def read_votes(storage: Storage, attempt: str) -> dict[int, fmt.Vote]:
+    votes = {}
+    prefix = fmt.attempt_dir(attempt)
+    for name in storage.list(prefix):
+        if name.startswith("vote-r") and name.endswith(".json"):
+            try:
+                v = fmt.Vote.from_json(json.loads(storage.read(f"{prefix}/{name}")))
+            except (ValueError, ObjectNotFoundError) as e:
+                raise FormatError(f"{storage.describe(prefix + '/' + name)}: unreadable vote: {e}") from e
+            votes[v.rank] = v
+    return votes
+
+
+def generations(storage: Storage) -> list[int]:
+    """The generations of the manifests present, ascending."""
+    gens = (fmt.parse_manifest_name(n) for n in storage.list(""))
+    return sorted(g for g in gens if g is not None)
+
+
+def read_manifest(storage: Storage, generation: int) -> fmt.Manifest:
+    name = fmt.manifest_name(generation)
+    data = storage.read(name)
+    try:
+        return fmt.Manifest.from_bytes(data)
+    except FormatError as e:
+        raise type(e)(f"{storage.describe(name)}: {e}") from e
+
+
+def commit(storage: Storage, own: fmt.Vote, world_size: int, created_at: str, metrics: dict,
+           timeout: float) -> fmt.Manifest:
+    """Rank 0: gather and validate votes, write the manifest, retire older generations."""
+    attempt = own.attempt
+    where = storage.describe()
+    votes = {0: own}
+    deadline = Deadline(timeout)
+    while True:
+        if world_size > 1:
+            votes.update(read_votes(storage, attempt))
+        refusals = [v for v in votes.values() if not v.ok]
+        if refusals:
+            abort(storage, attempt, refusals[0].error)
+            raise CommitError(f"{where}: rank {refusals[0].rank} failed: {refusals[0].error}; nothing was committed")
+        if len(votes) >= world_size:
+            break
+        if not deadline.sleep_or_expire():
+            missing = sorted(set(range(world_size)) - votes.keys())
+            abort(storage, attempt, f"ranks {missing} did not vote within {timeout}s")
+            raise CommitTimeoutError(
+                f"{where}: ranks {missing} did not vote within {timeout}s; nothing was committed"
+            )
+    for v in votes.values():
+        if (v.attempt, v.step, v.world_size) != (attempt, own.step, world_size):
+            abort(storage, attempt, "votes disagree")
+            raise CommitError(
+                f"{where}: rank {v.rank} voted for attempt {v.attempt} step {v.step} world size "
+                f"{v.world_size}, rank 0 for attempt {attempt} step {own.step} world size {world_size}"
+            )
+    ranks = tuple(votes[r].state for r in sorted(votes))
+    try:
+        fmt.validate_ranks(ranks, world_size)
+    except FormatError as e:
+        abort(storage, attempt, str(e))
+        raise CommitError(f"{where}: refusing to commit: {e}") from e
+    previous = generations(storage)
+    generation = (previous[-1] + 1) if previous else 1
+    manifest = fmt.Manifest(
+        generation=generation, attempt=attempt, step=own.step, world_size=world_size,
+        created_at=created_at, committed_at=fmt.utc_now(), ranks=ranks, metrics=metrics,
+        library=f"ckptstore {__version__}",
+    )
+    try:
+        storage.put(fmt.manifest_name(generation), manifest.to_bytes(), if_absent=True)
+    except AlreadyExistsError as e:
+        raise CommitConflictError(
+            f"{where}: another writer committed generation {generation} first; this save was not committed"
+        ) from e
+    retire_generations(storage, below=generation)
+    return manifest
+
+
+def retire_generations(storage: Storage, below: int) -> None:
+    """Delete generations older than ``below``: each manifest before its files (I7)."""
+    for gen in generations(storage):
+        if gen >= below:
+            break
+        try:
+            old = read_manifest(storage, gen)
+            attempt = old.attempt
+        except (CkptStoreError, ValueError):
+            attempt = None  # unreadable: drop the manifest, leave files to gc
+        storage.delete(fmt.manifest_name(gen))
+        if attempt is not None and fmt.is_attempt_id(attempt):
+            storage.delete_prefix(fmt.attempt_dir(attempt) + "/")
+
+
+def abort(storage: Storage, attempt: str, reason) -> None:
+    try:
+        data = json.dumps({"attempt": attempt, "reason": str(reason), "at": fmt.utc_now()}).encode()
+        storage.put(fmt.abort_name(attempt), data, if_absent=True)
+    except BaseException:
+        pass
+
+
+def await_outcome(storage: Storage, attempt: str, timeout: float) -> fmt.Manifest:
+    """Ranks other than 0: wait until rank 0 committed this attempt or gave up."""
+    where = storage.describe()
+    deadline = Deadline(timeout)
+    seen: set[int] = set()
+    while True:
+        for gen in reversed(generations(storage)):
+            if gen in seen:
+                continue
+            try:
+                m = read_manifest(storage, gen)
+            except ObjectNotFoundError:
+                continue  # retired while we looked
+            seen.add(gen)
+            if m.attempt == attempt:
+                return m
+        if storage.exists(fmt.abort_name(attempt)):
+            reason = json.loads(storage.read(fmt.abort_name(attempt))).get("reason")
+            raise CommitError(f"{where}: rank 0 did not commit attempt {attempt}: {reason}")
+        if not deadline.sleep_or_expire():
+            raise CommitTimeoutError(f"{where}: attempt {attempt} was not committed within {timeout}s")

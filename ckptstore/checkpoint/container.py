@@ -1,0 +1,75 @@
+"""The single-stream container: a checkpoint written to, or read from, one file-like
+object (``ckptstore.save(obj, buffer)``).
+
+A save to a stream goes through the normal write path into an in-memory store; the
+container then lays that store's objects end to end::
+
+    MAGIC  ("CKPTSTR\\x01", 8 bytes)
+    repeated: u32 name length | name (UTF-8) | u64 data length | data
+    END    ("CKPTEND\\x01", 8 bytes)
+
+all integers little-endian. The manifest is the last object, so a stream cut short
+has no END and no manifest, and does not load. Loading parses it back into a memory
+store and reads that as any other checkpoint.
+"""
+
+from __future__ import annotations
+
+import struct
+
+from .. import format as fmt
+from ..errors import FormatError, NotACheckpointError
+from ..storage import MemoryStorage
+
+MAGIC = b"CKPTSTR\x01"
+END = b"CKPTEND\x01"
+
+
+def write_container(store: MemoryStorage, f) -> None:
+    items = store.items()
+    # Manifests last: the stream is only complete once its commit record is in it.
+    items.sort(key=lambda kv: fmt.parse_manifest_name(kv[0]) is not None)
+    f.write(MAGIC)
+    for name, data in items:
+        raw = name.encode()
+        f.write(struct.pack("<I", len(raw)))
+        f.write(raw)
+        f.write(struct.pack("<Q", len(data)))
+        f.write(data)
+    f.write(END)
+    if hasattr(f, "flush"):
+        f.flush()
+
+
+def _read_exact(f, n: int, what: str) -> bytes:
+    data = f.read(n)
+    if data is None or len(data) != n:
+        raise FormatError(f"checkpoint stream ends inside {what}")
+    return data
+
+
+def read_container(f, head: bytes = b"") -> MemoryStorage:
+    """Parse a container whose first bytes (``head``, up to 8) were already read."""
+    magic = head + _read_exact(f, len(MAGIC) - len(head), "the header")
+    if magic != MAGIC:
+        raise NotACheckpointError("stream is not a ckptstore container")
+    store = MemoryStorage()
+    while True:
+        tag = _read_exact(f, 4, "an object header")
+        if tag + _peek4(f, tag) == END:
+            return store
+        (n,) = struct.unpack("<I", tag)
+        name = _read_exact(f, n, "an object name").decode()
+        fmt.check_relative_name(name, "container object name")
+        (size,) = struct.unpack("<Q", _read_exact(f, 8, "an object length"))
+        store.put(name, _read_exact(f, size, f"object {name!r}"))
+
+
+def _peek4(f, tag: bytes) -> bytes:
+    # END is 8 bytes and starts with "CKPT": only then read its second half.
+    if tag != END[:4]:
+        return b""
+    rest = _read_exact(f, 4, "the end marker")
+    if tag + rest != END:
+        raise FormatError("checkpoint stream holds a corrupt end marker")
+    return rest

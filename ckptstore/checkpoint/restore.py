@@ -1,0 +1,182 @@
+"""Loading: find the visible manifest, read and check every chunk, rebuild the object.
+
+Every blob read is decoded and its xxh3-128 compared with the manifest before any of
+its bytes reach the caller (I3). The skeleton is unpickled with torch's weights-only
+unpickler unless the caller opts out, so a load runs no code from the checkpoint.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from .. import format as fmt
+from ..codecs import decode_into
+from ..errors import (
+    CheckpointNotFoundError,
+    CkptStoreError,
+    FormatError,
+    IntegrityError,
+    NotACheckpointError,
+    NotCommittedError,
+    ObjectNotFoundError,
+    StorageError,
+    UnsafeLoadError,
+)
+from ..hashing import digest
+from ..storage import Storage
+from .commit import generations, read_manifest
+
+
+def latest_manifest(storage: Storage) -> fmt.Manifest:
+    """The visible (highest-generation) manifest of a checkpoint location."""
+    for _ in range(5):  # a newer commit may retire what we listed; look again
+        gens = generations(storage)
+        if not gens:
+            break
+        try:
+            return read_manifest(storage, gens[-1])
+        except ObjectNotFoundError:
+            continue
+    names = storage.list("")
+    where = storage.describe()
+    if not names:
+        raise CheckpointNotFoundError(f"{where}: no checkpoint here (no such file or directory)")
+    if f"{fmt.ATTEMPTS_DIR}/" in names:
+        raise NotCommittedError(f"{where}: holds save attempts but no committed manifest")
+    raise NotACheckpointError(f"{where}: exists but is not a ckptstore checkpoint (no manifest)")
+
+
+def read_blob(storage: Storage, blob: fmt.Blob, out: memoryview, what: str) -> None:
+    """Read one blob into ``out`` (its raw length), decode it and check its hash."""
+    where = f"{what} (file {blob.file}, offset {blob.offset}, {blob.length} bytes)"
+    try:
+        if not blob.codec:
+            if blob.length != blob.raw_length:
+                raise FormatError(f"{where}: raw blob length {blob.length} != raw_length {blob.raw_length}")
+            storage.readinto(blob.file, blob.offset, out)
+        else:
+            stored = bytearray(blob.length)
+            storage.readinto(blob.file, blob.offset, memoryview(stored))
+            decode_into(blob.codec, stored, out, where)
+    except ObjectNotFoundError as e:
+        raise IntegrityError(f"{where}: file is missing: {e}") from e
+    except StorageError as e:
+        if "short read" in str(e):
+            raise IntegrityError(f"{where}: file is truncated: {e}") from e
+        raise
+    except FormatError as e:
+        raise IntegrityError(f"{where}: cannot decode: {e}") from e
+    actual = digest(out)
+    if actual != blob.xxh3_128:
+        raise IntegrityError(f"{where}: xxh3-128 mismatch (stored {blob.xxh3_128}, read {actual})")
+
+
+def read_tensors(storage: Storage, tensors: dict[str, fmt.TensorEntry], where: str,
+                 pool: ThreadPoolExecutor) -> dict[str, torch.UntypedStorage]:
+    """Read every chunk of every tensor into new CPU storages, all chunks in parallel."""
+    from .flatten import region_byte_offset
+
+    out: dict[str, torch.UntypedStorage] = {}
+    jobs = []
+    for key, entry in tensors.items():
+        size = fmt.itemsize(entry.dtype)
+        data = torch.empty(entry.nbytes, dtype=torch.uint8)
+        view = memoryview(data.numpy()) if entry.nbytes else memoryview(bytearray())
+        for c in entry.chunks:
+            start = region_byte_offset(entry.shape, c.offsets, size)
+            dst = view[start:start + c.blob.raw_length]
+            jobs.append(pool.submit(read_blob, storage, c.blob, dst, f"{where}: tensor {key!r}"))
+        out[key] = data.untyped_storage()
+    try:
+        for j in jobs:
+            j.result()
+    finally:
+        for j in jobs:
+            j.cancel()
+    return out
+
+
+class _StorageType:
+    """What ``find_class`` returns for legacy storage classes (as torch.load does)."""
+
+    def __init__(self, name: str):
+        self.dtype = torch.serialization.StorageType(name).dtype
+
+
+def restore(storage: Storage, manifest: fmt.Manifest, rank: int, map_location=None,
+            weights_only: bool = True, pool: ThreadPoolExecutor | None = None, pickle_load_args=None):
+    """Rebuild the object rank ``rank`` saved."""
+    from ..pipeline import runtime
+
+    pool = pool or runtime().readers
+    where = storage.describe()
+    try:
+        state = next(r for r in manifest.ranks if r.rank == rank)
+    except StopIteration:
+        raise FormatError(f"{where}: the checkpoint holds no state for rank {rank}") from None
+    if manifest.byteorder != "little":
+        raise FormatError(f"{where}: big-endian checkpoints are not supported")
+    skeleton = bytearray(state.skeleton.raw_length)
+    read_blob(storage, state.skeleton, memoryview(skeleton), f"{where}: object skeleton of rank {rank}")
+
+    raw = read_tensors(storage, state.tensors, where, pool)
+
+    restore_location = torch.serialization._get_restore_location(map_location)
+    loaded: dict[str, torch.storage.TypedStorage] = {}
+
+    def persistent_load(pid):
+        if not isinstance(pid, tuple) or len(pid) != 5 or pid[0] != "storage":
+            raise FormatError(f"{where}: unexpected persistent id {pid!r} in the skeleton")
+        storage_type, key, location, numel = pid[1:]
+        if key in loaded:
+            return loaded[key]
+        if key not in raw:
+            raise FormatError(f"{where}: the skeleton names tensor {key!r}, which the manifest lacks")
+        dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
+        untyped = raw[key]
+        if untyped.nbytes() != numel * dtype.itemsize:
+            raise FormatError(f"{where}: tensor {key!r} holds {untyped.nbytes()} bytes, skeleton expects {numel * dtype.itemsize}")
+        typed = torch.storage.TypedStorage(wrap_storage=restore_location(untyped, location), dtype=dtype, _internal=True)
+        loaded[key] = typed
+        return typed
+
+    args = {"encoding": "utf-8", **(pickle_load_args or {})}
+    if weights_only:
+        unpickler = torch._weights_only_unpickler.Unpickler(io.BytesIO(skeleton), **args)
+    else:
+        unpickler = _FullUnpickler(io.BytesIO(skeleton), **args)
+    unpickler.persistent_load = persistent_load
+    try:
+        result = unpickler.load()
+    except CkptStoreError:
+        raise
+    except pickle.UnpicklingError as e:
+        if weights_only:
+            raise UnsafeLoadError(
+                f"{where}: weights_only=True refused this checkpoint: {e}. Load it with "
+                "weights_only=False only if you trust its source, or allow the type with "
+                "torch.serialization.add_safe_globals([...])."
+            ) from e
+        raise FormatError(f"{where}: cannot unpickle the object skeleton: {e}") from e
+    _validate_sparse = getattr(torch._utils, "_validate_loaded_sparse_tensors", None)
+    if _validate_sparse is not None:
+        _validate_sparse()
+    return result
+
+
+class _FullUnpickler(pickle.Unpickler):
+    """weights_only=False: plain pickle (runs code by design), with torch's storage names."""
+
+    def find_class(self, module, name):
+        if isinstance(name, str) and "Storage" in name:
+            try:
+                return _StorageType(name)
+            except (KeyError, AttributeError):
+                pass
+        if module == "torch.tensor":
+            module = "torch._tensor"
+        return super().find_class(module, name)

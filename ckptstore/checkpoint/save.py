@@ -1,0 +1,115 @@
+"""One save attempt from end to end: snapshot now, write and commit in the background."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from .. import format as fmt
+from ..codecs import CompressionPolicy
+from ..errors import CkptStoreError
+from ..pipeline import RankWriter, Runtime
+from ..storage import Storage
+from .commit import abort, await_outcome, commit, write_failure_vote, write_vote
+from .snapshot import DEFAULT_CHUNK_BYTES, snapshot
+
+
+@dataclass(frozen=True)
+class SaveOptions:
+    compression: CompressionPolicy = CompressionPolicy()
+    commit_timeout: float = 600.0
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    pickle_protocol: int = 2
+
+
+class SaveFuture:
+    """The outcome of one save: committed manifest, or the error that stopped it.
+
+    ``save`` returns once the snapshot is staged, so ``staged()`` is then already true;
+    ``result()`` waits for the commit and returns the :class:`~ckptstore.format.Manifest`.
+    """
+
+    def __init__(self, where: str, step: int | None, attempt: str):
+        self.where = where
+        self.step = step
+        self.attempt = attempt
+        self._future: Future = Future()
+        self._staged = threading.Event()
+        self.observed = False  # the caller has seen the outcome
+
+    def result(self, timeout: float | None = None) -> fmt.Manifest:
+        try:
+            return self._future.result(timeout)
+        finally:
+            if self._future.done():
+                self.observed = True
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        exc = self._future.exception(timeout)
+        self.observed = True
+        return exc
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def staged(self) -> bool:
+        return self._staged.is_set()
+
+    def wait_staged(self, timeout: float | None = None) -> bool:
+        """Wait until every tensor's bytes sit in staging memory."""
+        return self._staged.wait(timeout)
+
+    def add_done_callback(self, fn) -> None:
+        self._future.add_done_callback(lambda _f: fn(self))
+
+    def __repr__(self) -> str:
+        state = "committed" if self.done() and self._future.exception() is None else (
+            "failed" if self.done() else "in flight")
+        return f"<SaveFuture {self.where} step={self.step} {state}>"
+
+
+def start_save(obj, storage: Storage, *, rt: Runtime, attempt: str, step: int | None, rank: int,
+               world_size: int, metrics: dict | None, options: SaveOptions) -> SaveFuture:
+    """Stage ``obj`` (blocking), then write, vote and commit on background threads."""
+    created_at = fmt.utc_now()
+    future = SaveFuture(storage.describe(), step, attempt)
+    writer = RankWriter(storage, attempt, rank, options.compression, rt)
+    try:
+        entries = snapshot(obj, writer, rt.pool, options.chunk_bytes, options.pickle_protocol)
+    except BaseException as e:
+        writer.abort()
+        _refuse(storage, attempt, step, world_size, rank, e)
+        if isinstance(e, CkptStoreError):
+            raise type(e)(f"{storage.describe()}: {e}") from e
+        raise
+    future._staged.set()
+
+    def finish() -> None:
+        try:
+            skeleton, chunks = writer.finish()
+            tensors = {key: fmt.TensorEntry(dtype, shape, tuple(chunks.get(key, ())))
+                       for key, (dtype, shape) in entries.items()}
+            vote = fmt.Vote(attempt, step, world_size, rank, ok=True,
+                            state=fmt.RankState(rank, skeleton, tensors))
+            write_vote(storage, vote)
+            if rank == 0:
+                manifest = commit(storage, vote, world_size, created_at, dict(metrics or {}), options.commit_timeout)
+            else:
+                manifest = await_outcome(storage, attempt, options.commit_timeout)
+        except BaseException as e:
+            _refuse(storage, attempt, step, world_size, rank, e)
+            future._future.set_exception(e)
+        else:
+            future._future.set_result(manifest)
+
+    rt.committer.submit(finish)
+    return future
+
+
+def _refuse(storage: Storage, attempt: str, step, world_size: int, rank: int, error: BaseException) -> None:
+    """A failed rank tells the others at once: a no-vote, and from rank 0 an abort."""
+    if world_size > 1:
+        write_failure_vote(storage, attempt, step, world_size, rank, error)
+        if rank == 0:
+            abort(storage, attempt, f"rank 0 failed: {type(error).__name__}: {error}")

@@ -1,0 +1,76 @@
+"""Check a committed checkpoint without loading it: every file present at the right
+size and, in full mode, every blob read, decoded and its xxh3-128 matched."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .. import format as fmt
+from ..errors import CkptStoreError, ObjectNotFoundError
+from ..storage import Storage, open_storage
+from .restore import latest_manifest, read_blob
+
+
+@dataclass(frozen=True)
+class Problem:
+    checkpoint: str
+    rank: int | None
+    key: str | None  # tensor key; None for the skeleton or a whole file
+    file: str | None
+    offset: int | None
+    message: str
+
+    def __str__(self) -> str:
+        what = f"tensor {self.key!r}" if self.key else "skeleton" if self.file else "checkpoint"
+        at = f" in {self.file} at byte {self.offset}" if self.file else ""
+        return f"{self.checkpoint}: rank {self.rank} {what}{at}: {self.message}"
+
+
+def verify_manifest(storage: Storage, manifest: fmt.Manifest, quick: bool = False, pool=None) -> list[Problem]:
+    """Every problem found; an empty list means the checkpoint is sound."""
+    from ..pipeline import runtime
+
+    where = storage.describe()
+    problems: list[Problem] = []
+    sizes: dict[str, int | None] = {}
+    for name in sorted(manifest.files()):
+        try:
+            sizes[name] = storage.stat(name).size
+        except ObjectNotFoundError:
+            sizes[name] = None
+            problems.append(Problem(where, None, None, name, None, "file is missing"))
+    jobs = []
+    pool = pool or runtime().readers
+    for rank, key, blob in manifest.blobs():
+        size = sizes.get(blob.file)
+        if size is None:
+            continue
+        if blob.offset + blob.length > size:
+            problems.append(Problem(where, rank, key, blob.file, blob.offset,
+                                    f"file is truncated: blob ends at {blob.offset + blob.length}, file holds {size}"))
+            continue
+        if not quick:
+            jobs.append((rank, key, blob, pool.submit(_check_blob, storage, blob, key)))
+    for rank, key, blob, job in jobs:
+        err = job.result()
+        if err is not None:
+            problems.append(Problem(where, rank, key, blob.file, blob.offset, err))
+    return problems
+
+
+def _check_blob(storage: Storage, blob: fmt.Blob, key) -> str | None:
+    try:
+        read_blob(storage, blob, memoryview(bytearray(blob.raw_length)), f"tensor {key!r}" if key else "skeleton")
+    except CkptStoreError as e:
+        return str(e)
+    return None
+
+
+def verify(location, quick: bool = False) -> list[Problem]:
+    """Verify the visible checkpoint at a path or URL; returns the problems found."""
+    storage = location if isinstance(location, Storage) else open_storage(location)
+    try:
+        manifest = latest_manifest(storage)
+    except CkptStoreError as e:
+        return [Problem(storage.describe(), None, None, None, None, str(e))]
+    return verify_manifest(storage, manifest, quick)

@@ -1,0 +1,144 @@
+"""Codecs: bytes -> bytes transforms, each recording its own id and parameters.
+
+A chunk's ``codec`` field is the list of codec records applied on write, in order;
+reading applies their inverses in reverse. An empty list means raw bytes. Known ids:
+
+- ``{"id": "shuffle", "elementsize": N}``: byte-plane shuffle (blosc's filter), which
+  groups the bytes of each element by significance so that zstd finds the redundancy in
+  float exponents.
+- ``{"id": "zstd", "level": L}``: zstandard frame with the content size in its header.
+
+``encode`` picks per chunk: it trial-compresses a small sample with and without the
+shuffle and keeps compression only when it saves enough to pay for the CPU it costs on
+write and, above all, on every read.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import zstandard
+
+from . import native
+from .errors import FormatError
+
+_local = threading.local()
+
+SAMPLE_BYTES = 64 << 10  # per sample slice; three slices per chunk
+SMALL_BYTES = 256 << 10  # below this, try the whole chunk instead of a sample
+
+
+@dataclass(frozen=True)
+class CompressionPolicy:
+    """How ``encode`` chooses. ``mode``: "auto", "zstd" (always, when smaller) or "none".
+
+    ``max_ratio``: auto keeps zstd only when stored/raw <= this on the sample and on the
+    whole chunk; the default demands a 20% saving, since decoding costs every load.
+    """
+
+    mode: str = "auto"
+    level: int = 1
+    max_ratio: float = 0.8
+
+    def __post_init__(self):
+        if self.mode not in ("auto", "zstd", "none"):
+            raise ValueError(f"compression must be 'auto', 'zstd' or 'none', got {self.mode!r}")
+        if not (1 <= self.level <= 22):
+            raise ValueError(f"zstd level must be in 1..22, got {self.level}")
+
+
+def _compressor(level: int) -> zstandard.ZstdCompressor:
+    # ZstdCompressor objects are not safe to share between threads: one per thread+level.
+    cache = getattr(_local, "compressors", None)
+    if cache is None:
+        cache = _local.compressors = {}
+    c = cache.get(level)
+    if c is None:
+        c = cache[level] = zstandard.ZstdCompressor(level=level, write_content_size=True)
+    return c
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    d = getattr(_local, "decompressor", None)
+    if d is None:
+        d = _local.decompressor = zstandard.ZstdDecompressor()
+    return d
+
+
+def _shuffle_bytes(data: memoryview, elementsize: int) -> memoryview:
+    import torch
+
+    src = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
+    return memoryview(native.shuffle(src, elementsize).numpy())
+
+
+def _sample(data: memoryview) -> memoryview | bytes:
+    n = len(data)
+    if n <= SMALL_BYTES:
+        return data
+    mid = (n // 2) - (SAMPLE_BYTES // 2)
+    return b"".join((data[:SAMPLE_BYTES], data[mid:mid + SAMPLE_BYTES], data[n - SAMPLE_BYTES:]))
+
+
+def _candidates(elementsize: int) -> list[list[dict]]:
+    chains = [[]]
+    if elementsize > 1:
+        chains.append([{"id": "shuffle", "elementsize": elementsize}])
+    return chains
+
+
+def _apply(chain: list[dict], data: memoryview, level: int) -> memoryview | bytes:
+    for c in chain:
+        if c["id"] == "shuffle":
+            data = _shuffle_bytes(data, c["elementsize"])
+    return _compressor(level).compress(data)
+
+
+def encode(data: memoryview, elementsize: int, policy: CompressionPolicy) -> tuple[list[dict], Any]:
+    """Encode raw chunk bytes; returns (codec records, stored bytes-like)."""
+    n = len(data)
+    if policy.mode == "none" or n == 0:
+        return [], data
+    best_chain, best_ratio = None, 1.0
+    sample = _sample(data)
+    for filters in _candidates(elementsize):
+        ratio = len(_apply(filters, memoryview(sample), 1)) / len(sample)
+        if ratio < best_ratio:
+            best_chain, best_ratio = filters, ratio
+    limit = policy.max_ratio if policy.mode == "auto" else 1.0
+    if best_chain is None or best_ratio > limit:
+        return [], data
+    out = _apply(best_chain, data, policy.level)
+    if len(out) > n * limit or len(out) >= n:
+        return [], data
+    return best_chain + [{"id": "zstd", "level": policy.level}], out
+
+
+def decode_into(chain: list[Mapping[str, Any]], stored, out: memoryview, what: str) -> None:
+    """Decode ``stored`` into the preallocated ``out`` (exactly raw_length bytes)."""
+    ids = [c.get("id") for c in chain]
+    if ids == []:
+        if len(stored) != len(out):
+            raise FormatError(f"{what}: raw chunk holds {len(stored)} bytes, expected {len(out)}")
+        out[:] = stored
+        return
+    if ids not in (["zstd"], ["shuffle", "zstd"]):
+        raise FormatError(f"{what}: unknown codec chain {ids}")
+    try:
+        raw = _decompressor().decompress(stored, max_output_size=len(out))
+    except zstandard.ZstdError as e:
+        raise FormatError(f"{what}: zstd frame is corrupt: {e}") from e
+    if len(raw) != len(out):
+        raise FormatError(f"{what}: decoded {len(raw)} bytes, expected {len(out)}")
+    if ids[0] == "shuffle":
+        import torch
+
+        size = chain[0].get("elementsize")
+        if not isinstance(size, int) or size < 1:
+            raise FormatError(f"{what}: bad shuffle elementsize {size!r}")
+        dst = torch.frombuffer(out, dtype=torch.uint8)
+        native.unshuffle_into(dst, torch.frombuffer(bytearray(raw), dtype=torch.uint8), size)
+    else:
+        out[:] = raw

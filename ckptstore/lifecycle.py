@@ -1,0 +1,116 @@
+"""In-flight saves of this process: ``wait()``, errors surfaced on the next save, and a
+bounded wait at interpreter exit and on SIGTERM (preemption) so that a save whose
+``save()`` call returned gets its chance to commit."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import threading
+import time
+
+from .checkpoint.save import SaveFuture
+from .errors import CkptStoreError
+
+_lock = threading.Lock()
+_inflight: set[SaveFuture] = set()
+_unobserved_failures: list[SaveFuture] = []
+_hooks_installed = False
+
+
+def exit_timeout() -> float:
+    """Seconds to wait at exit or SIGTERM; CKPTSTORE_EXIT_TIMEOUT overrides (default 300)."""
+    return float(os.environ.get("CKPTSTORE_EXIT_TIMEOUT", "300"))
+
+
+def track(future: SaveFuture) -> SaveFuture:
+    _install_hooks()
+    with _lock:
+        _inflight.add(future)
+    future.add_done_callback(_on_done)
+    return future
+
+
+def _on_done(future: SaveFuture) -> None:
+    with _lock:
+        _inflight.discard(future)
+        if future._future.exception() is not None:
+            _unobserved_failures.append(future)
+
+
+def raise_earlier_failure() -> None:
+    """Called at the start of a save: report a background failure nobody has seen yet."""
+    with _lock:
+        pending = [f for f in _unobserved_failures if not f.observed]
+        _unobserved_failures.clear()
+    if pending:
+        first = pending[0]
+        first.observed = True
+        exc = first._future.exception()
+        raise CkptStoreError(f"an earlier save to {first.where} (step {first.step}) failed: {exc}") from exc
+
+
+def wait(timeout: float | None = None) -> None:
+    """Wait for every in-flight save of this process; raise the first error."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        with _lock:
+            pending = list(_inflight)
+            failed = [f for f in _unobserved_failures if not f.observed]
+        for f in pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            f.exception(left)  # TimeoutError when the deadline passes
+        if not pending:
+            break
+    with _lock:
+        failed += [f for f in _unobserved_failures if not f.observed]
+        _unobserved_failures.clear()
+    for f in failed + pending:
+        exc = f._future.exception()
+        f.observed = True
+        if exc is not None:
+            raise exc
+
+
+def drain(timeout: float) -> bool:
+    """Wait up to ``timeout`` seconds for in-flight saves; True when none is left."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with _lock:
+            pending = list(_inflight)
+        if not pending:
+            return True
+        for f in pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            try:
+                f._future.exception(left)
+            except TimeoutError:
+                return False
+
+
+def _install_hooks() -> None:
+    global _hooks_installed
+    if _hooks_installed:
+        return
+    _hooks_installed = True
+    atexit.register(lambda: drain(exit_timeout()))
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if os.environ.get("CKPTSTORE_HANDLE_SIGTERM", "1") == "0":
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def on_sigterm(signum, frame):
+        drain(exit_timeout())
+        if callable(previous):
+            previous(signum, frame)
+        else:
+            # Default action: die by SIGTERM, as the process would have without us.
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    if previous in (signal.SIG_DFL, None) or callable(previous):
+        signal.signal(signal.SIGTERM, on_sigterm)

@@ -1,0 +1,175 @@
+"""The background half of a save: encode -> hash -> write, on worker threads.
+
+The caller's thread fills staging buffers and hands each one to a :class:`RankWriter`,
+which hashes the raw bytes, encodes them, returns the buffer to the pool as soon as
+its bytes are no longer needed, and appends the stored bytes to the rank's data file.
+zstandard, xxhash and file I/O release the GIL, so the workers run while training
+runs. One process-wide :class:`Runtime` owns the workers, the commit thread and the
+staging pool, and so one memory budget covers every save in flight.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+
+from . import format as fmt
+from .codecs import CompressionPolicy, encode
+from .errors import CkptStoreError, StorageError
+from .hashing import digest
+from .staging import StagingBuffer, StagingPool
+from .storage import AppendWriter, Storage
+
+
+def _default_workers() -> int:
+    env = os.environ.get("CKPTSTORE_WORKERS")
+    return int(env) if env else max(2, min(8, os.cpu_count() or 2))
+
+
+class Runtime:
+    """Process-wide executors and staging pool, created on first use."""
+
+    def __init__(self, workers: int | None = None, staging_bytes: int | None = None):
+        self.workers = ThreadPoolExecutor(workers or _default_workers(), thread_name_prefix="ckptstore-io")
+        self.readers = ThreadPoolExecutor(workers or _default_workers(), thread_name_prefix="ckptstore-read")
+        # One commit thread: a process's saves commit in the order they were made, so a
+        # later save of the same path always gets the later generation.
+        self.committer = ThreadPoolExecutor(1, thread_name_prefix="ckptstore-commit")
+        self.pool = StagingPool(staging_bytes)
+
+
+_runtime: Runtime | None = None
+_runtime_lock = threading.Lock()
+
+
+def runtime() -> Runtime:
+    global _runtime
+    with _runtime_lock:
+        if _runtime is None:
+            _runtime = Runtime()
+        return _runtime
+
+
+def configure(*, workers: int | None = None, staging_bytes: int | None = None) -> Runtime:
+    """Replace the process runtime (only while no save is in flight)."""
+    global _runtime
+    with _runtime_lock:
+        _runtime = Runtime(workers, staging_bytes)
+        return _runtime
+
+
+class RankWriter:
+    """One rank's data file for one save attempt, fed chunk by chunk."""
+
+    def __init__(self, storage: Storage, attempt: str, rank: int, policy: CompressionPolicy,
+                 rt: Runtime | None = None):
+        self.storage = storage
+        self.attempt = attempt
+        self.rank = rank
+        self.policy = policy
+        self.rt = rt or runtime()
+        self.file = fmt.data_file_name(attempt, rank, 0)
+        self._out: AppendWriter | None = None
+        self._open_lock = threading.Lock()
+        self._futures: list[Future] = []
+        self._chunks: dict[str, list[fmt.Chunk]] = {}
+        self._skeleton: fmt.Blob | None = None
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self.stored_bytes = 0
+
+    # -- feeding (caller's thread)
+    def submit_chunk(self, key: str, offsets: tuple, sizes: tuple, itemsize: int, buf: StagingBuffer) -> None:
+        """Hand over a filled staging buffer; the writer returns it to the pool."""
+        self._futures.append(self.rt.workers.submit(self._chunk_task, key, offsets, sizes, itemsize, buf))
+
+    def submit_skeleton(self, data: bytes) -> None:
+        self._futures.append(self.rt.workers.submit(self._skeleton_task, memoryview(data)))
+
+    @property
+    def failed(self) -> BaseException | None:
+        return self._error
+
+    # -- workers
+    def _writer(self) -> AppendWriter:
+        with self._open_lock:
+            if self._out is None:
+                self._out = self.storage.open_append(self.file)
+            return self._out
+
+    def _store(self, raw: memoryview, itemsize: int, release=None) -> fmt.Blob:
+        """Hash, encode and append one blob; calls ``release`` once ``raw`` is not needed."""
+        raw_hash = digest(raw)
+        chain, stored = encode(raw, itemsize, self.policy)
+        if release is not None and stored is not raw:
+            release()  # the encoded copy is all we still need
+            release = None
+        try:
+            offset = self._writer().append(stored) if len(stored) else 0
+        finally:
+            if release is not None:
+                release()
+        with self._lock:
+            self.stored_bytes += len(stored)
+        return fmt.Blob(self.file, offset, len(stored), len(raw), tuple(chain), raw_hash)
+
+    def _chunk_task(self, key, offsets, sizes, itemsize, buf: StagingBuffer) -> None:
+        released = False
+
+        def release():
+            nonlocal released
+            if not released:
+                released = True
+                self.rt.pool.release(buf)
+
+        try:
+            if self._error is not None:
+                return
+            blob = self._store(buf.view, itemsize, release)
+            with self._lock:
+                self._chunks.setdefault(key, []).append(fmt.Chunk(tuple(offsets), tuple(sizes), blob))
+        except BaseException as e:
+            self._fail(e, f"tensor {key!r}")
+        finally:
+            release()
+
+    def _skeleton_task(self, data: memoryview) -> None:
+        try:
+            if self._error is None:
+                self._skeleton = self._store(data, 1)
+        except BaseException as e:
+            self._fail(e, "object skeleton")
+
+    def _fail(self, e: BaseException, what: str) -> None:
+        with self._lock:
+            if self._error is None:
+                if isinstance(e, CkptStoreError):
+                    self._error = e
+                else:
+                    err = StorageError(f"writing {what} to {self.storage.describe(self.file)} failed: {e}")
+                    err.__cause__ = e
+                    self._error = err
+
+    # -- finishing (commit thread)
+    def finish(self) -> tuple[fmt.Blob, dict[str, list[fmt.Chunk]]]:
+        """Wait for every chunk, make the data file durable; raise the first error."""
+        wait_futures(self._futures)
+        if self._error is None and self._out is not None:
+            try:
+                self._out.close()
+            except BaseException as e:
+                self._fail(e, "data file")
+        if self._error is not None:
+            self.abort()
+            raise self._error
+        assert self._skeleton is not None
+        for chunks in self._chunks.values():
+            chunks.sort(key=lambda c: c.offsets)
+        return self._skeleton, self._chunks
+
+    def abort(self) -> None:
+        wait_futures(self._futures)
+        if self._out is not None:
+            self._out.abort()

@@ -1,0 +1,107 @@
+"""The byte-store interface every backend implements.
+
+Keys are relative, '/'-separated names under the store's root. The contract, which the
+conformance suite (tests/test_storage_conformance.py) checks for every backend:
+
+- ``put`` is atomic and durable on return: a reader sees all of the bytes or none, and
+  the bytes survive a crash. With ``if_absent=True`` it is create-only: when the key
+  exists it raises :class:`AlreadyExistsError` and leaves the key untouched (I1).
+- ``open_append`` creates a new key (never an existing one) and returns an
+  :class:`AppendWriter`; its ``close`` makes every appended byte durable.
+- ``readinto`` fills the whole buffer from ``offset`` or raises (a short object is an
+  error, never a silent short read). ``read`` returns bytes.
+- ``list`` names the immediate children of a prefix; sub-prefixes end with '/'.
+- ``walk`` yields every object under a prefix, recursively, with size and mtime.
+- ``delete`` of a missing key is not an error.
+- Missing keys raise :class:`ObjectNotFoundError` (a ``FileNotFoundError``).
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Iterator
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    key: str
+    size: int
+    mtime: float  # seconds since the epoch
+
+
+class AppendWriter(abc.ABC):
+    """A new object written by appending; ``append`` is safe to call from many threads."""
+
+    key: str
+
+    @abc.abstractmethod
+    def append(self, data) -> int:
+        """Append a bytes-like object; returns the byte offset it was written at."""
+
+    @abc.abstractmethod
+    def close(self) -> int:
+        """Make everything appended durable; returns the final size."""
+
+    @abc.abstractmethod
+    def abort(self) -> None:
+        """Give up: remove what was written (best effort), never raise."""
+
+
+class Storage(abc.ABC):
+    """A byte store rooted at ``url``."""
+
+    url: str
+
+    @abc.abstractmethod
+    def child(self, prefix: str) -> "Storage":
+        """The same store rooted at ``prefix`` below this root."""
+
+    @abc.abstractmethod
+    def put(self, key: str, data, *, if_absent: bool = False) -> None: ...
+
+    @abc.abstractmethod
+    def open_append(self, key: str) -> AppendWriter: ...
+
+    @abc.abstractmethod
+    def readinto(self, key: str, offset: int, out: memoryview) -> None: ...
+
+    def read(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
+        if length is None:
+            length = self.stat(key).size - offset
+        buf = bytearray(length)
+        self.readinto(key, offset, memoryview(buf))
+        return bytes(buf)
+
+    @abc.abstractmethod
+    def list(self, prefix: str = "") -> list[str]: ...
+
+    @abc.abstractmethod
+    def walk(self, prefix: str = "") -> Iterator[ObjectInfo]: ...
+
+    @abc.abstractmethod
+    def stat(self, key: str) -> ObjectInfo: ...
+
+    def exists(self, key: str) -> bool:
+        from ..errors import ObjectNotFoundError
+
+        try:
+            self.stat(key)
+            return True
+        except ObjectNotFoundError:
+            return False
+
+    @abc.abstractmethod
+    def delete(self, key: str) -> None: ...
+
+    def delete_prefix(self, prefix: str) -> None:
+        """Delete every object under ``prefix`` (a key ending in '/')."""
+        for info in list(self.walk(prefix)):
+            self.delete(info.key)
+
+    def describe(self, key: str = "") -> str:
+        """A human-readable location for error messages."""
+        return f"{self.url.rstrip('/')}/{key}" if key else self.url
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"

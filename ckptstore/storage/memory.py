@@ -1,0 +1,137 @@
+"""In-memory backend: for tests, and the staging area of single-stream containers."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Iterator
+
+from ..errors import AlreadyExistsError, ObjectNotFoundError, StorageError
+from .base import AppendWriter, ObjectInfo, Storage
+
+class _Objects(dict):
+    """key -> [bytes, mtime], with the lock every view of the store shares."""
+
+    def __init__(self):
+        super().__init__()
+        self.lock = threading.RLock()
+
+
+_NAMED: dict[str, _Objects] = {}
+_NAMED_LOCK = threading.Lock()
+
+
+class MemoryStorage(Storage):
+    """Objects in a dict shared by every view of the same store."""
+
+    def __init__(self, objects: _Objects | None = None, prefix: str = "", name: str = ""):
+        self._objects = _Objects() if objects is None else objects
+        self._lock = self._objects.lock
+        self._prefix = prefix
+        self._name = name
+        self.url = f"memory://{name}/{prefix}".rstrip("/")
+
+    @classmethod
+    def named(cls, name: str) -> "MemoryStorage":
+        """The process-wide store behind ``memory://name`` URLs."""
+        with _NAMED_LOCK:
+            objects = _NAMED.setdefault(name, _Objects())
+        return cls(objects, "", name)
+
+    def _k(self, key: str) -> str:
+        return f"{self._prefix}/{key}" if self._prefix else key
+
+    def child(self, prefix: str) -> "MemoryStorage":
+        return MemoryStorage(self._objects, self._k(prefix.strip("/")), self._name)
+
+    def put(self, key: str, data, *, if_absent: bool = False) -> None:
+        k = self._k(key)
+        with self._lock:
+            if if_absent and k in self._objects:
+                raise AlreadyExistsError(f"{self.describe(key)}: already exists")
+            self._objects[k] = [bytes(data), time.time()]
+
+    def open_append(self, key: str) -> AppendWriter:
+        k = self._k(key)
+        with self._lock:
+            if k in self._objects:
+                raise AlreadyExistsError(f"{self.describe(key)}: already exists")
+            self._objects[k] = [b"", time.time()]
+        return _MemoryAppendWriter(self, key, k)
+
+    def readinto(self, key: str, offset: int, out: memoryview) -> None:
+        data = self._get(key)
+        if offset + len(out) > len(data):
+            raise StorageError(
+                f"{self.describe(key)}: short read, wanted {len(out)} bytes at offset {offset}, "
+                f"object holds {len(data)}"
+            )
+        out[:] = data[offset:offset + len(out)]
+
+    def _get(self, key: str) -> bytes:
+        with self._lock:
+            try:
+                return self._objects[self._k(key)][0]
+            except KeyError:
+                raise ObjectNotFoundError(f"{self.describe(key)}: not found") from None
+
+    def list(self, prefix: str = "") -> list[str]:
+        base = self._k(prefix.strip("/"))
+        base = f"{base}/" if base else ""
+        names = set()
+        with self._lock:
+            keys = list(self._objects)
+        for k in keys:
+            if k.startswith(base):
+                rest = k[len(base):]
+                head, sep, _ = rest.partition("/")
+                names.add(head + sep)
+        return sorted(names)
+
+    def walk(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        base = self._k(prefix.strip("/"))
+        base = f"{base}/" if base else ""
+        mine = f"{self._prefix}/" if self._prefix else ""
+        with self._lock:
+            items = [(k, v) for k, v in self._objects.items() if k.startswith(base)]
+        for k, (data, mtime) in sorted(items):
+            yield ObjectInfo(k[len(mine):], len(data), mtime)
+
+    def stat(self, key: str) -> ObjectInfo:
+        with self._lock:
+            try:
+                data, mtime = self._objects[self._k(key)]
+            except KeyError:
+                raise ObjectNotFoundError(f"{self.describe(key)}: not found") from None
+        return ObjectInfo(key, len(data), mtime)
+
+    def delete(self, key: str) -> None:
+        with self._lock:
+            self._objects.pop(self._k(key), None)
+
+    def items(self) -> list[tuple[str, bytes]]:
+        """Every (key, bytes) below this root, for serialising a container."""
+        return [(info.key, self._get(info.key)) for info in self.walk()]
+
+
+class _MemoryAppendWriter(AppendWriter):
+    def __init__(self, storage: MemoryStorage, key: str, full_key: str):
+        self.key = key
+        self._storage = storage
+        self._full = full_key
+        self._buf = bytearray()
+        self._lock = threading.Lock()
+
+    def append(self, data) -> int:
+        with self._lock:
+            offset = len(self._buf)
+            self._buf += memoryview(data).cast("B")
+            return offset
+
+    def close(self) -> int:
+        with self._storage._lock:
+            self._storage._objects[self._full] = [bytes(self._buf), time.time()]
+        return len(self._buf)
+
+    def abort(self) -> None:
+        self._storage.delete(self.key)
