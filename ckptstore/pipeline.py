@@ -11,8 +11,9 @@ staging pool, and so one memory budget covers every save in flight.
 from __future__ import annotations
 
 import os
+import queue
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 
 from . import format as fmt
@@ -28,16 +29,62 @@ def _default_workers() -> int:
     return int(env) if env else max(2, min(8, os.cpu_count() or 2))
 
 
+class DaemonExecutor:
+    """A thread pool whose threads do not block interpreter exit.
+
+    concurrent.futures' pool joins its threads before atexit handlers run, which would
+    make the exit wait unbounded; ckptstore bounds it itself (``lifecycle``), so its
+    threads are daemons and the bounded drain decides how long exit waits.
+    """
+
+    def __init__(self, threads: int, name: str):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True)
+                         for i in range(threads)]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, fn, *args, **kwargs) -> Future:
+        future: Future = Future()
+        self._queue.put((future, fn, args, kwargs))
+        return future
+
+    def shutdown(self) -> None:
+        for _ in self._threads:
+            self._queue.put(None)
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            future, fn, args, kwargs = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as e:
+                future.set_exception(e)
+            else:
+                future.set_result(result)
+            del item, future, fn, args, kwargs
+
+
 class Runtime:
     """Process-wide executors and staging pool, created on first use."""
 
     def __init__(self, workers: int | None = None, staging_bytes: int | None = None):
-        self.workers = ThreadPoolExecutor(workers or _default_workers(), thread_name_prefix="ckptstore-io")
-        self.readers = ThreadPoolExecutor(workers or _default_workers(), thread_name_prefix="ckptstore-read")
+        n = workers or _default_workers()
+        self.workers = DaemonExecutor(n, "ckptstore-io")
+        self.readers = DaemonExecutor(n, "ckptstore-read")
         # One commit thread: a process's saves commit in the order they were made, so a
         # later save of the same path always gets the later generation.
-        self.committer = ThreadPoolExecutor(1, thread_name_prefix="ckptstore-commit")
+        self.committer = DaemonExecutor(1, "ckptstore-commit")
         self.pool = StagingPool(staging_bytes)
+
+    def shutdown(self) -> None:
+        for ex in (self.workers, self.readers, self.committer):
+            ex.shutdown()
 
 
 _runtime: Runtime | None = None
@@ -56,6 +103,8 @@ def configure(*, workers: int | None = None, staging_bytes: int | None = None) -
     """Replace the process runtime (only while no save is in flight)."""
     global _runtime
     with _runtime_lock:
+        if _runtime is not None:
+            _runtime.shutdown()  # threads finish what they hold, then end
         _runtime = Runtime(workers, staging_bytes)
         return _runtime
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import io
 import pickle
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -76,7 +75,7 @@ def read_blob(storage: Storage, blob: fmt.Blob, out: memoryview, what: str) -> N
 
 
 def read_tensors(storage: Storage, tensors: dict[str, fmt.TensorEntry], where: str,
-                 pool: ThreadPoolExecutor) -> dict[str, torch.UntypedStorage]:
+                 pool) -> dict[str, torch.UntypedStorage]:
     """Read every chunk of every tensor into new CPU storages, all chunks in parallel."""
     from .flatten import region_byte_offset
 
@@ -108,7 +107,7 @@ class _StorageType:
 
 
 def restore(storage: Storage, manifest: fmt.Manifest, rank: int, map_location=None,
-            weights_only: bool = True, pool: ThreadPoolExecutor | None = None, pickle_load_args=None):
+            weights_only: bool = True, pool=None, pickle_load_args=None):
     """Rebuild the object rank ``rank`` saved."""
     from ..pipeline import runtime
 
