@@ -1,0 +1,189 @@
+"""Fast byte movement: parallel memcpy and the byte-shuffle filter.
+
+This is the only module that imports the compiled extension ``ckptstore._C``
+(built from ``csrc/``). When the extension is missing, or the environment
+variable ``CKPTSTORE_DISABLE_NATIVE=1`` is set, the same functions run on
+``ctypes.memmove`` and torch views instead, with bit-identical results, and
+one ``RuntimeWarning`` says why. ``NATIVE`` tells which path is active.
+
+Pointers are plain ints (``tensor.data_ptr()``); shuffle functions take 1-D
+contiguous ``torch.uint8`` CPU tensors. Overlapping source and destination
+ranges are rejected with ``ValueError`` on both paths (memcpy semantics).
+The native functions release the GIL while they work.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import warnings
+from typing import Sequence
+
+import torch
+
+__all__ = [
+    "NATIVE",
+    "copy_bytes",
+    "copy_many",
+    "hardware_threads",
+    "shuffle",
+    "shuffle_into",
+    "unshuffle",
+    "unshuffle_into",
+]
+
+
+def _load_native():
+    """Return (module or None, reason it is unavailable)."""
+    if os.environ.get("CKPTSTORE_DISABLE_NATIVE") == "1":
+        return None, "CKPTSTORE_DISABLE_NATIVE=1 is set"
+    try:
+        from . import _C
+    except ImportError as exc:
+        return None, f"ckptstore._C could not be imported: {exc}"
+    return _C, ""
+
+
+_C, _WHY_NOT = _load_native()
+NATIVE: bool = _C is not None
+if not NATIVE:
+    warnings.warn(
+        f"ckptstore.native: using the slower pure-Python/torch fallback ({_WHY_NOT})",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+
+
+# ---- argument checks shared by both paths ----------------------------------
+
+
+def _check_ranges(dst: int, src: int, nbytes: int, what: str) -> None:
+    if nbytes < 0:
+        raise ValueError(f"{what}: nbytes must be >= 0, got {nbytes}")
+    if nbytes == 0:
+        return
+    if not dst or not src:
+        raise ValueError(f"{what}: null pointer (dst={dst}, src={src}, nbytes={nbytes})")
+    if dst < src + nbytes and src < dst + nbytes:
+        raise ValueError(
+            f"{what}: source and destination overlap (dst={dst}, src={src}, nbytes={nbytes})"
+        )
+
+
+def _check_bytes_tensor(t: torch.Tensor, name: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.uint8 or t.dim() != 1 or not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError(
+            f"{name} must be a 1-D contiguous uint8 CPU tensor, "
+            f"got dtype={t.dtype} shape={tuple(t.shape)} device={t.device}"
+        )
+
+
+def _check_shuffle_args(dst: torch.Tensor, src: torch.Tensor, itemsize: int, what: str) -> None:
+    _check_bytes_tensor(dst, "dst")
+    _check_bytes_tensor(src, "src")
+    if not isinstance(itemsize, int) or itemsize < 1:
+        raise ValueError(f"{what}: itemsize must be an int >= 1, got {itemsize!r}")
+    if dst.numel() != src.numel():
+        raise ValueError(f"{what}: dst has {dst.numel()} bytes, src has {src.numel()}")
+    _check_ranges(dst.data_ptr(), src.data_ptr(), src.numel(), what)
+
+
+# ---- fallback implementations (arguments already checked) -------------------
+
+
+def _fallback_copy_bytes(dst_ptr: int, src_ptr: int, nbytes: int) -> None:
+    if nbytes:
+        ctypes.memmove(dst_ptr, src_ptr, nbytes)
+
+
+def _fallback_copy_many(dsts: Sequence[int], srcs: Sequence[int], sizes: Sequence[int]) -> None:
+    for d, s, n in zip(dsts, srcs, sizes):
+        _fallback_copy_bytes(d, s, n)
+
+
+def _fallback_shuffle_into(dst: torch.Tensor, src: torch.Tensor, itemsize: int) -> None:
+    n = src.numel() // itemsize
+    body = n * itemsize
+    # (n, itemsize) -> (itemsize, n): row j is byte plane j.
+    dst[:body].view(itemsize, n).copy_(src[:body].view(n, itemsize).t())
+    dst[body:].copy_(src[body:])
+
+
+def _fallback_unshuffle_into(dst: torch.Tensor, src: torch.Tensor, itemsize: int) -> None:
+    n = src.numel() // itemsize
+    body = n * itemsize
+    dst[:body].view(n, itemsize).copy_(src[:body].view(itemsize, n).t())
+    dst[body:].copy_(src[body:])
+
+
+# ---- public API --------------------------------------------------------------
+
+
+def hardware_threads() -> int:
+    """Number of hardware threads the native pool can use."""
+    return _C.hardware_threads() if NATIVE else (os.cpu_count() or 1)
+
+
+def copy_bytes(dst_ptr: int, src_ptr: int, nbytes: int, threads: int = 0) -> None:
+    """memcpy ``nbytes`` from ``src_ptr`` to ``dst_ptr`` (threads=0: default count)."""
+    _check_ranges(dst_ptr, src_ptr, nbytes, "copy_bytes")
+    if NATIVE:
+        _C.parallel_copy(dst_ptr, src_ptr, nbytes, threads)
+    else:
+        _fallback_copy_bytes(dst_ptr, src_ptr, nbytes)
+
+
+def copy_many(
+    dsts: Sequence[int], srcs: Sequence[int], sizes: Sequence[int], threads: int = 0
+) -> None:
+    """Copy ``sizes[k]`` bytes from ``srcs[k]`` to ``dsts[k]`` for all k, in one call."""
+    if not len(dsts) == len(srcs) == len(sizes):
+        raise ValueError(
+            f"copy_many: dsts, srcs and sizes differ in length "
+            f"({len(dsts)}, {len(srcs)}, {len(sizes)})"
+        )
+    if NATIVE:
+        _C.copy_many(dsts, srcs, sizes, threads)  # checks each range itself
+    else:
+        for k, (d, s, n) in enumerate(zip(dsts, srcs, sizes)):
+            _check_ranges(d, s, n, f"copy_many[{k}]")
+        _fallback_copy_many(dsts, srcs, sizes)
+
+
+def shuffle_into(dst: torch.Tensor, src: torch.Tensor, itemsize: int) -> torch.Tensor:
+    """Write the byte-plane shuffle of ``src`` into ``dst`` and return ``dst``.
+
+    For n = len(src) // itemsize elements, byte plane j of the output holds byte
+    j of every element (``dst[j*n + i] = src[i*itemsize + j]``); the trailing
+    ``len(src) % itemsize`` bytes are copied unchanged at the end (as blosc).
+    """
+    _check_shuffle_args(dst, src, itemsize, "shuffle")
+    if NATIVE:
+        _C.shuffle(dst.data_ptr(), src.data_ptr(), src.numel(), itemsize)
+    else:
+        _fallback_shuffle_into(dst, src, itemsize)
+    return dst
+
+
+def unshuffle_into(dst: torch.Tensor, src: torch.Tensor, itemsize: int) -> torch.Tensor:
+    """Inverse of :func:`shuffle_into`: write the unshuffled ``src`` into ``dst``."""
+    _check_shuffle_args(dst, src, itemsize, "unshuffle")
+    if NATIVE:
+        _C.unshuffle(dst.data_ptr(), src.data_ptr(), src.numel(), itemsize)
+    else:
+        _fallback_unshuffle_into(dst, src, itemsize)
+    return dst
+
+
+def shuffle(src: torch.Tensor, itemsize: int) -> torch.Tensor:
+    """Byte-plane shuffle of a 1-D uint8 CPU tensor into a new tensor."""
+    _check_bytes_tensor(src, "src")
+    return shuffle_into(torch.empty_like(src), src, itemsize)
+
+
+def unshuffle(src: torch.Tensor, itemsize: int) -> torch.Tensor:
+    """Inverse of :func:`shuffle`, into a new tensor."""
+    _check_bytes_tensor(src, "src")
+    return unshuffle_into(torch.empty_like(src), src, itemsize)
