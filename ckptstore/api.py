@@ -8,6 +8,7 @@ blocking API is ``result()`` on the asynchronous one), every load through
 from __future__ import annotations
 
 import io
+import json
 import os
 from typing import Any
 
@@ -21,7 +22,10 @@ from .checkpoint.group import agree_on_attempt, rank_and_world
 from .checkpoint.restore import latest_manifest, restore
 from .checkpoint.save import SaveFuture, SaveOptions, start_save
 from .codecs import CompressionPolicy
-from .errors import CheckpointNotFoundError, FormatError, NotACheckpointError, ObjectNotFoundError
+from .checkpoint import gc
+from .checkpoint.catalog import PIN_NAME
+from .checkpoint.retention import Retention, parse_duration
+from .errors import CheckpointNotFoundError, CkptStoreError, FormatError, NotACheckpointError, ObjectNotFoundError
 from .pipeline import runtime
 from .storage import MemoryStorage, Storage, is_url, open_storage
 
@@ -133,11 +137,14 @@ class Store:
     """
 
     def __init__(self, url, *, process_group=None, compression: str | CompressionPolicy = "auto",
-                 commit_timeout: float = 600.0, chunk_bytes: int | None = None):
+                 commit_timeout: float = 600.0, chunk_bytes: int | None = None,
+                 keep: Retention | None = None, grace: float | str = gc.DEFAULT_GRACE):
         self.url = os.fspath(url) if not isinstance(url, str) else url
         self.storage = open_storage(self.url)
         self.process_group = process_group
         self.options = _options(compression, commit_timeout, chunk_bytes, 2)
+        self.keep = keep
+        self.grace = parse_duration(grace)
 
     def __repr__(self) -> str:
         return f"Store({self.url!r})"
@@ -150,9 +157,31 @@ class Store:
         where = self.location(step)
         attempt = agree_on_attempt(step, where.describe(), self.process_group)
         rank, world = rank_and_world(self.process_group)
+        after_commit = self._apply_retention if (self.keep is not None and rank == 0) else None
         future = start_save(state, where, rt=runtime(), attempt=attempt, step=step, rank=rank,
-                            world_size=world, metrics=_check_metrics(metrics), options=self.options)
+                            world_size=world, metrics=_check_metrics(metrics), options=self.options,
+                            after_commit=after_commit)
         return lifecycle.track(future)
+
+    def _apply_retention(self) -> None:
+        gc.collect(self.storage, self.keep, self.grace)
+
+    def gc(self, keep: Retention | None = None, grace: float | str | None = None, dry_run: bool = False) -> gc.GcPlan:
+        """Delete what ``keep`` (default: the store's policy) does not keep, and debris."""
+        policy = keep if keep is not None else (self.keep or Retention())
+        return gc.collect(self.storage, policy, self.grace if grace is None else parse_duration(grace), dry_run)
+
+    def pin(self, step: int, note: str = "") -> None:
+        """Protect a committed checkpoint from retention and gc."""
+        loc = self.location(step)
+        latest_manifest(loc)  # must exist and be committed
+        loc.put(PIN_NAME, json.dumps({"step": step, "note": note, "at": fmt.utc_now()}).encode())
+
+    def unpin(self, step: int) -> None:
+        self.location(step).delete(PIN_NAME)
+
+    def pinned(self) -> list[int]:
+        return [s for s in self.steps() if self.location(s).exists(PIN_NAME)]
 
     def steps(self) -> list[int]:
         """Committed steps, ascending."""
@@ -184,11 +213,19 @@ class Store:
     def load(self, step: int | None = None, map_location=None, weights_only: bool = True,
              *, rank: int | None = None) -> Any:
         """The state saved at ``step`` (None: the latest committed step)."""
-        return _load_storage(self.location(self._resolve(step)), map_location, weights_only, rank, None)
+        if step is not None:
+            return _load_storage(self.location(step), map_location, weights_only, rank, None)
+        for attempt in range(5):
+            chosen = self._resolve(None)
+            try:
+                return _load_storage(self.location(chosen), map_location, weights_only, rank, None)
+            except CkptStoreError:
+                # Retention may have removed it while we read a newer one: take the new latest.
+                if attempt == 4 or chosen in self.steps():
+                    raise
 
 
 def _check_metrics(metrics: dict | None) -> dict:
-    import json
     import math
 
     metrics = dict(metrics or {})

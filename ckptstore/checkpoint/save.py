@@ -70,7 +70,7 @@ class SaveFuture:
 
 
 def start_save(obj, storage: Storage, *, rt: Runtime, attempt: str, step: int | None, rank: int,
-               world_size: int, metrics: dict | None, options: SaveOptions) -> SaveFuture:
+               world_size: int, metrics: dict | None, options: SaveOptions, after_commit=None) -> SaveFuture:
     """Stage ``obj`` (blocking), then write, vote and commit on background threads."""
     created_at = fmt.utc_now()
     future = SaveFuture(storage.describe(), step, attempt)
@@ -101,6 +101,8 @@ def start_save(obj, storage: Storage, *, rt: Runtime, attempt: str, step: int | 
             _refuse(storage, attempt, step, world_size, rank, e)
             future._future.set_exception(e)
         else:
+            if after_commit is not None:
+                _run_after_commit(after_commit, storage)  # before the future resolves: wait() covers it
             future._future.set_result(manifest)
 
     rt.committer.submit(finish)
@@ -113,3 +115,13 @@ def _refuse(storage: Storage, attempt: str, step, world_size: int, rank: int, er
         write_failure_vote(storage, attempt, step, world_size, rank, error)
         if rank == 0:
             abort(storage, attempt, f"rank 0 failed: {type(error).__name__}: {error}")
+
+
+def _run_after_commit(hook, storage: Storage) -> None:
+    """Retention after a commit: its failure must not fail the (committed) save."""
+    import warnings
+
+    try:
+        hook()
+    except Exception as e:  # the checkpoint is committed; report, do not raise
+        warnings.warn(f"{storage.describe()}: retention after commit failed: {e}", RuntimeWarning, stacklevel=1)

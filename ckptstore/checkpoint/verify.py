@@ -26,7 +26,8 @@ class Problem:
         return f"{self.checkpoint}: rank {self.rank} {what}{at}: {self.message}"
 
 
-def verify_manifest(storage: Storage, manifest: fmt.Manifest, quick: bool = False, pool=None) -> list[Problem]:
+def verify_manifest(storage: Storage, manifest: fmt.Manifest, quick: bool = False, pool=None,
+                    on_blob=None) -> list[Problem]:
     """Every problem found; an empty list means the checkpoint is sound."""
     from ..pipeline import runtime
 
@@ -53,6 +54,8 @@ def verify_manifest(storage: Storage, manifest: fmt.Manifest, quick: bool = Fals
             jobs.append((rank, key, blob, pool.submit(_check_blob, storage, blob, key)))
     for rank, key, blob, job in jobs:
         err = job.result()
+        if on_blob is not None:
+            on_blob()
         if err is not None:
             problems.append(Problem(where, rank, key, blob.file, blob.offset, err))
     return problems

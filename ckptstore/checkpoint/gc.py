@@ -1,0 +1,133 @@
+"""Garbage collection: retention for committed checkpoints, and cleanup of superseded
+generations and of the debris of failed or abandoned attempts.
+
+Safe beside running saves (I7): an attempt no manifest references is deleted only
+when nothing under it changed for the grace period; deletions are explicit keys
+chosen when the plan was made, so a generation committed meanwhile is never touched;
+a manifest is always deleted before the files it names, so a gc killed at any moment
+leaves every listed checkpoint whole, and running it again finishes the job.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from .. import format as fmt
+from ..errors import CkptStoreError
+from ..storage import Storage
+from .catalog import Location, read_pin, scan_store
+from .commit import read_manifest
+from .retention import Candidate, Retention, select_kept
+
+DEFAULT_GRACE = 6 * 3600.0
+
+
+@dataclass
+class Deletion:
+    kind: str  # "checkpoint", "generation", "attempt" or "temp"
+    location: str
+    keys: list[str]  # in deletion order: manifests first
+    bytes: int
+    reason: str
+
+
+@dataclass
+class GcPlan:
+    url: str
+    kept: dict[str, list[str]] = field(default_factory=dict)
+    deletions: list[Deletion] = field(default_factory=list)
+
+    @property
+    def bytes(self) -> int:
+        return sum(d.bytes for d in self.deletions)
+
+    def to_json(self) -> dict:
+        return {
+            "url": self.url,
+            "kept": [{"name": k, "reasons": v} for k, v in self.kept.items()],
+            "deleted": [{"kind": d.kind, "location": d.location, "reason": d.reason, "bytes": d.bytes,
+                         "objects": len(d.keys)} for d in self.deletions],
+            "bytes": self.bytes,
+        }
+
+
+def _attempt_keys(loc: Location, attempt: str) -> tuple[list[str], int]:
+    prefix = f"{fmt.ATTEMPTS_DIR}/{attempt}/"
+    infos = list(loc.storage.walk(prefix))
+    return [i.key for i in infos], sum(i.size for i in infos)
+
+
+def _label(loc: Location) -> str:
+    return loc.name or "."
+
+
+def plan(storage: Storage, policy: Retention = Retention(), grace: float = DEFAULT_GRACE,
+         now: float | None = None) -> GcPlan:
+    now = time.time() if now is None else now
+    locations = scan_store(storage)
+    result = GcPlan(storage.describe())
+    committed = [loc for loc in locations if loc.committed]
+    cands = [Candidate(_label(loc), loc.step, loc.committed_at(), dict(loc.manifest.metrics), loc.pinned)
+             for loc in committed]
+    result.kept = select_kept(cands, policy, now)
+
+    for loc in locations:
+        label = _label(loc)
+        referenced = {loc.manifest.attempt} if loc.manifest else set()
+        if loc.committed and label not in result.kept:
+            # The whole checkpoint goes: its manifests, then the attempts they name.
+            keys = [fmt.manifest_name(g) for g in loc.generations]
+            size = 0
+            for attempt in sorted(referenced):
+                files, n = _attempt_keys(loc, attempt)
+                keys += files
+                size += n
+            result.deletions.append(Deletion("checkpoint", label, keys, size, "not kept by any policy"))
+        elif loc.committed:
+            for g in loc.generations[:-1]:
+                keys = [fmt.manifest_name(g)]
+                size = 0
+                try:
+                    old = read_manifest(loc.storage, g).attempt
+                except (CkptStoreError, ValueError):
+                    old = None
+                if old and old not in referenced and old in loc.attempts:
+                    files, size = _attempt_keys(loc, old)
+                    keys += files
+                    loc.attempts.pop(old)
+                result.deletions.append(Deletion("generation", label, keys, size, f"generation {g} superseded"))
+        for attempt, info in sorted(loc.attempts.items()):
+            if attempt in referenced:
+                continue
+            if info.age(now) < grace:
+                continue  # may belong to a save still in flight
+            files, size = _attempt_keys(loc, attempt)
+            why = "aborted" if info.aborted else "never committed"
+            result.deletions.append(Deletion("attempt", label, files, size,
+                                             f"attempt {attempt} {why}, idle {info.age(now):.0f}s"))
+        for key, mtime in loc.temp_files:
+            if now - mtime >= grace:
+                result.deletions.append(Deletion("temp", label, [key], 0, "temporary file of an interrupted write"))
+    return result
+
+
+def execute(storage: Storage, gc_plan: GcPlan, on_deleted=None) -> None:
+    """Carry out a plan, deletion by deletion, each in its key order (manifests first)."""
+    for d in gc_plan.deletions:
+        loc = storage.child(d.location) if d.location != "." else storage
+        for key in d.keys:
+            loc.delete(key)
+        if on_deleted is not None:
+            on_deleted(d)
+
+
+def collect(storage: Storage, policy: Retention = Retention(), grace: float = DEFAULT_GRACE,
+            dry_run: bool = False) -> GcPlan:
+    p = plan(storage, policy, grace)
+    if not dry_run:
+        execute(storage, p)
+    return p
+
+
+__all__ = ["DEFAULT_GRACE", "Deletion", "GcPlan", "collect", "execute", "plan", "read_pin"]

@@ -1,0 +1,295 @@
+"""The ``ckptstore`` command: ls, verify, gc, doctor.
+
+Exit codes: 0 success (verify: everything sound); 1 verify found a problem, or a
+command failed on the store; 2 usage error or unreachable store. Expected errors print
+one line on stderr, never a traceback. ``--json`` prints one JSON document on stdout.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import sys
+import time
+
+import click
+
+from . import __version__
+from .checkpoint import gc as gc_mod
+from .checkpoint.catalog import Location, is_location, scan_location, scan_store
+from .checkpoint.retention import KeepBest, Retention, parse_duration
+from .checkpoint.verify import Problem, verify_manifest
+from .errors import CkptStoreError
+from .storage import Storage, open_storage
+
+EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2
+
+
+def _fail(message: str, code: int) -> None:
+    click.echo(f"ckptstore: {message}", err=True)
+    sys.exit(code)
+
+
+def _open(url: str) -> Storage:
+    try:
+        storage = open_storage(url)
+        storage.list("")
+    except (CkptStoreError, ValueError, OSError) as e:
+        _fail(f"cannot open {url}: {e}", EXIT_USAGE)
+    if hasattr(storage, "is_dir") and not storage.is_dir():
+        _fail(f"cannot open {url}: no such directory", EXIT_USAGE)
+    return storage
+
+
+def _locations(storage: Storage) -> list[Location]:
+    """The URL itself when it is a checkpoint, else the checkpoints below it."""
+    if is_location(storage):
+        return [scan_location(storage, "")]
+    return scan_store(storage)
+
+
+def _human_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths))]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="ckptstore")
+def main() -> None:
+    """Inspect, verify and clean up ckptstore checkpoints (local paths or URLs)."""
+
+
+# ---------------------------------------------------------------------------- ls
+def _ls_record(loc: Location, now: float) -> dict:
+    m = loc.manifest
+    rec = {
+        "name": loc.name or ".",
+        "url": loc.storage.describe(),
+        "committed": m is not None,
+        "step": loc.step,
+        "generation": m.generation if m else None,
+        "committed_at": m.committed_at if m else None,
+        "world_size": m.world_size if m else None,
+        "bytes": m.stored_bytes if m else 0,
+        "raw_bytes": m.raw_bytes if m else 0,
+        "metrics": dict(m.metrics) if m else {},
+        "pinned": loc.pinned,
+    }
+    if loc.manifest_error:
+        rec["error"] = loc.manifest_error
+    return rec
+
+
+@main.command()
+@click.argument("url")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (a list of objects).")
+@click.option("--all", "show_all", is_flag=True, help="Also list uncommitted attempts.")
+def ls(url: str, as_json: bool, show_all: bool) -> None:
+    """List the committed checkpoints at URL, oldest first."""
+    storage = _open(url)
+    now = time.time()
+    try:
+        locations = _locations(storage)
+    except CkptStoreError as e:
+        _fail(str(e), EXIT_PROBLEM)
+    records = []
+    for loc in locations:
+        if loc.committed:
+            rec = _ls_record(loc, now)
+            if show_all:
+                rec["attempts"] = _attempt_records(loc, now)
+            records.append(rec)
+        elif show_all:
+            rec = _ls_record(loc, now)
+            rec["attempts"] = _attempt_records(loc, now)
+            records.append(rec)
+    if as_json:
+        click.echo(json.dumps(records, indent=2))
+        return
+    rows = []
+    for r in records:
+        metrics = ", ".join(f"{k}={v}" for k, v in r["metrics"].items())
+        rows.append([r["name"], "" if r["step"] is None else str(r["step"]),
+                     (r["committed_at"] or "uncommitted")[:19].replace("T", " "),
+                     "" if r["world_size"] is None else str(r["world_size"]),
+                     _human_bytes(r["bytes"]), _human_bytes(r["raw_bytes"]),
+                     ("pinned " if r["pinned"] else "") + metrics])
+        for a in r.get("attempts", []):
+            if not a["committed"]:
+                rows.append([f"  {a['attempt']}", "", f"uncommitted, age {a['age_s']:.0f}s",
+                             f"voted {a['voted']}", _human_bytes(a["bytes"]), "",
+                             "aborted" if a["aborted"] else ""])
+    click.echo(_table(["NAME", "STEP", "COMMITTED (UTC)", "RANKS", "STORED", "RAW", "NOTES"], rows))
+
+
+def _attempt_records(loc: Location, now: float) -> list[dict]:
+    committed = loc.manifest.attempt if loc.manifest else None
+    return [{"attempt": a.attempt, "committed": a.attempt == committed, "age_s": round(a.age(now), 3),
+             "voted": a.voted, "aborted": a.aborted, "files": a.files, "bytes": a.bytes}
+            for a in sorted(loc.attempts.values(), key=lambda a: a.attempt)]
+
+
+# ---------------------------------------------------------------------------- verify
+@main.command()
+@click.argument("url")
+@click.option("--quick", is_flag=True, help="Check files and sizes only; do not read chunks.")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON report.")
+def verify(url: str, quick: bool, as_json: bool) -> None:
+    """Check one checkpoint, or every committed checkpoint under URL.
+
+    Full mode reads, decodes and hashes every chunk. Exit 0 when all is sound, 1 when
+    anything is missing or corrupt. Never changes the store.
+    """
+    storage = _open(url)
+    try:
+        locations = [loc for loc in _locations(storage) if loc.committed or loc.manifest_error]
+    except CkptStoreError as e:
+        _fail(str(e), EXIT_PROBLEM)
+    if not locations:
+        _fail(f"{url}: no committed checkpoint found", EXIT_PROBLEM)
+    total = sum(len(list(loc.manifest.blobs())) for loc in locations if loc.manifest)
+    reports = []
+    show_bar = not as_json and sys.stderr.isatty()
+    with click.progressbar(length=total, label="verifying", file=sys.stderr, hidden=not show_bar) as bar:
+        for loc in locations:
+            if loc.manifest is None:
+                problems = [Problem(loc.storage.describe(), None, None, None, None, loc.manifest_error or "unreadable")]
+            else:
+                problems = verify_manifest(loc.storage, loc.manifest, quick, on_blob=lambda: bar.update(1))
+            reports.append({"name": loc.name or ".", "url": loc.storage.describe(),
+                            "step": loc.step, "ok": not problems,
+                            "problems": [_problem_record(p) for p in problems]})
+    ok = all(r["ok"] for r in reports)
+    if as_json:
+        click.echo(json.dumps({"ok": ok, "quick": quick, "checkpoints": reports}, indent=2))
+    else:
+        for r in reports:
+            click.echo(f"{'ok  ' if r['ok'] else 'FAIL'}  {r['url']}")
+            for p in r["problems"]:
+                click.echo(f"      {p['text']}")
+        click.echo(f"{len(reports)} checkpoint(s) checked, "
+                   f"{sum(not r['ok'] for r in reports)} with problems")
+    sys.exit(EXIT_OK if ok else EXIT_PROBLEM)
+
+
+def _problem_record(p: Problem) -> dict:
+    return {"rank": p.rank, "key": p.key, "file": p.file, "offset": p.offset, "message": p.message, "text": str(p)}
+
+
+# ---------------------------------------------------------------------------- gc
+def _duration(ctx, param, value):
+    if value is None:
+        return None
+    try:
+        return parse_duration(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from e
+
+
+def _keep_best(ctx, param, values):
+    try:
+        return tuple(KeepBest.parse(v) for v in values)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from e
+
+
+@main.command()
+@click.argument("url")
+@click.option("--keep-last", type=click.IntRange(min=1), help="Keep the N newest checkpoints.")
+@click.option("--keep-every", type=click.IntRange(min=1), help="Keep steps that are multiples of K.")
+@click.option("--keep-within", callback=_duration, help="Keep checkpoints committed within DURATION (e.g. 7d, 12h).")
+@click.option("--keep-best", multiple=True, callback=_keep_best, help="METRIC:min|max:N, repeatable.")
+@click.option("--grace", callback=_duration, default="6h", show_default=True,
+              help="Leave uncommitted attempts alone until idle this long.")
+@click.option("--dry-run", is_flag=True, help="Print what would be deleted; change nothing.")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON report.")
+def gc(url, keep_last, keep_every, keep_within, keep_best, grace, dry_run, as_json) -> None:
+    """Delete checkpoints no policy keeps, superseded generations and stale debris.
+
+    A checkpoint is kept when any policy keeps it; pinned checkpoints and the newest
+    committed one are always kept. Without any --keep option no committed checkpoint is
+    deleted. Manifests go before their files, so an interrupted gc is safe to re-run.
+    """
+    storage = _open(url)
+    policy = Retention(last=keep_last, every=keep_every, within=keep_within, best=keep_best)
+    try:
+        p = gc_mod.plan(storage, policy, grace)
+        if not dry_run:
+            show_bar = not as_json and sys.stderr.isatty()
+            with click.progressbar(length=len(p.deletions), label="deleting", file=sys.stderr,
+                                   hidden=not show_bar) as bar:
+                gc_mod.execute(storage, p, on_deleted=lambda d: bar.update(1))
+    except CkptStoreError as e:
+        _fail(str(e), EXIT_PROBLEM)
+    if as_json:
+        click.echo(json.dumps({**p.to_json(), "dry_run": dry_run}, indent=2))
+        return
+    verb = "would delete" if dry_run else "deleted"
+    for d in p.deletions:
+        click.echo(f"{verb} {d.kind:<10} {d.location}: {d.reason} ({_human_bytes(d.bytes)})")
+    click.echo(f"{verb} {len(p.deletions)} item(s), {_human_bytes(p.bytes)}; kept {len(p.kept)} checkpoint(s)")
+
+
+# ---------------------------------------------------------------------------- doctor
+def doctor_report() -> dict:
+    import platform
+
+    import torch
+    import xxhash
+    import zstandard
+
+    from . import native
+    from .pipeline import runtime
+
+    cuda = torch.cuda.is_available()
+    backends = ["local", "memory"]
+    try:
+        import boto3  # noqa: F401
+
+        backends.append("s3 (boto3 present)")
+    except ImportError:
+        pass
+    return {
+        "ckptstore": __version__,
+        "native": native.NATIVE,
+        "native_reason": native._WHY_NOT or None,
+        "hardware_threads": native.hardware_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "zstandard": zstandard.__version__,
+        "xxhash": xxhash.VERSION,
+        "cuda": {
+            "available": cuda,
+            "runtime": torch.version.cuda,
+            "devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else [],
+        },
+        "staging_pool": runtime().pool.stats(),
+        "backends": backends,
+        "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def doctor(as_json: bool) -> None:
+    """Report the native extension, CUDA, staging pool, backends and versions."""
+    report = doctor_report()
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+        return
+    for k, v in report.items():
+        click.echo(f"{k:<18} {v}")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()
