@@ -99,6 +99,11 @@ class Storage(abc.ABC):
         for info in list(self.walk(prefix)):
             self.delete(info.key)
 
+    def abort_stale_uploads(self, older_than: float, dry_run: bool = False) -> list[str]:
+        """Abort unfinished multipart uploads under this root started more than
+        ``older_than`` seconds ago; returns their keys. Stores without them: nothing."""
+        return []
+
     def describe(self, key: str = "") -> str:
         """A human-readable location for error messages."""
         return f"{self.url.rstrip('/')}/{key}" if key else self.url
