@@ -15,10 +15,10 @@ Managed, for training loops::
 __version__ = "0.1.0"
 
 from . import errors  # noqa: E402
-from .api import Store, load, save, wait  # noqa: E402
+from .api import LoadInfo, Store, WorldSizeChangedWarning, load, save, wait  # noqa: E402
 from .checkpoint.save import SaveFuture  # noqa: E402
 from .checkpoint.verify import verify  # noqa: E402
 from .errors import *  # noqa: E402,F401,F403
 from .pipeline import configure  # noqa: E402
 
-__all__ = ["Store", "SaveFuture", "configure", "errors", "load", "save", "verify", "wait", "__version__"]
+__all__ = ["LoadInfo", "Store", "SaveFuture", "WorldSizeChangedWarning", "configure", "errors", "load", "save", "verify", "wait", "__version__"]

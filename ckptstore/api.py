@@ -7,9 +7,12 @@ blocking API is ``result()`` on the asynchronous one), every load through
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
+import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,6 +22,7 @@ from . import lifecycle
 from .checkpoint.commit import generations, read_manifest
 from .checkpoint.container import MAGIC, read_container, write_container
 from .checkpoint.group import agree_on_attempt, rank_and_world
+from .checkpoint.reshard import fill_template
 from .checkpoint.restore import latest_manifest, restore
 from .checkpoint.save import SaveFuture, SaveOptions, start_save
 from .codecs import CompressionPolicy
@@ -86,7 +90,7 @@ def load(f, map_location=None, weights_only: bool = True, *, rank: int | None = 
     if _is_stream(f):
         head = f.read(len(MAGIC))
         if head == MAGIC:
-            return _load_storage(read_container(f, head), map_location, weights_only, rank, pickle_load_args)
+            return _load_storage(read_container(f, head), map_location, weights_only, rank, pickle_load_args)[0]
         f.seek(-len(head), io.SEEK_CUR)
         return torch.load(f, map_location=map_location, weights_only=weights_only, **pickle_load_args)
     if not is_url(f):
@@ -95,38 +99,67 @@ def load(f, map_location=None, weights_only: bool = True, *, rank: int | None = 
             with open(path, "rb") as fh:
                 if fh.read(len(MAGIC)) == MAGIC:
                     fh.seek(0)
-                    return _load_storage(read_container(fh), map_location, weights_only, rank, pickle_load_args)
+                    return _load_storage(read_container(fh), map_location, weights_only, rank, pickle_load_args)[0]
             return torch.load(path, map_location=map_location, weights_only=weights_only, **pickle_load_args)
         if not os.path.exists(path):
             raise CheckpointNotFoundError(f"{path}: no such file or directory")
-    return _load_storage(open_storage(f), map_location, weights_only, rank, pickle_load_args)
+    return _load_storage(open_storage(f), map_location, weights_only, rank, pickle_load_args)[0]
 
 
-def _load_storage(storage: Storage, map_location, weights_only: bool, rank: int | None, pickle_load_args):
+@dataclass(frozen=True)
+class LoadInfo:
+    """What a load found: which checkpoint, and whether the world size changed."""
+
+    url: str
+    step: int | None
+    generation: int
+    saved_world_size: int
+    world_size: int
+    rank_state_of: int  # the saved rank whose own (rank-local) object was loaded
+
+    @property
+    def resharded(self) -> bool:
+        return self.saved_world_size != self.world_size
+
+
+class WorldSizeChangedWarning(UserWarning):
+    """Loading a checkpoint saved on another number of ranks."""
+
+
+def _load_storage(storage: Storage, map_location, weights_only: bool, rank: int | None, pickle_load_args,
+                  template=None, group=None):
+    """(object, LoadInfo) of the visible checkpoint at ``storage``."""
     for attempt in range(3):
         manifest = latest_manifest(storage)
-        r = _rank_to_load(manifest, rank, storage)
+        info = _load_info(storage, manifest, rank, group)
         try:
-            return restore(storage, manifest, r, map_location, weights_only, pickle_load_args=pickle_load_args)
+            obj = restore(storage, manifest, info.rank_state_of, map_location, weights_only,
+                          pickle_load_args=pickle_load_args, globals_as_meta=template is not None)
+            if template is not None:
+                obj = fill_template(template, obj, manifest, storage, runtime().readers)
+            return obj, info
         except Exception:
             # A newer generation may have retired this one while we read it: retry then.
             if attempt == 2 or latest_manifest(storage).generation == manifest.generation:
                 raise
 
 
-def _rank_to_load(manifest: fmt.Manifest, rank: int | None, storage: Storage) -> int:
+def _load_info(storage: Storage, manifest: fmt.Manifest, rank: int | None, group) -> LoadInfo:
+    my_rank, world = rank_and_world(group)
     if rank is None:
-        if manifest.world_size == 1:
-            return 0
-        rank, world = rank_and_world()
-        if world != manifest.world_size:
-            raise FormatError(
-                f"{storage.describe()}: saved by {manifest.world_size} ranks, loading on {world}; "
-                "pass rank= to load one rank's state"
-            )
-    if not 0 <= rank < manifest.world_size:
-        raise ValueError(f"rank {rank} out of range: the checkpoint has {manifest.world_size} ranks")
-    return rank
+        rank = my_rank if world > 1 else 0
+    if not 0 <= rank:
+        raise ValueError(f"rank must be >= 0, got {rank}")
+    saved = manifest.world_size
+    info = LoadInfo(storage.describe(), manifest.step, manifest.generation, saved, world, rank % saved)
+    if saved > 1 and world != saved:
+        warnings.warn(
+            f"{storage.describe()}: saved by {saved} ranks, loading on {world}: global (sharded) tensors "
+            f"are resharded, rank-local state comes from saved rank {info.rank_state_of}; the effective "
+            "batch size and the data sharding change",
+            WorldSizeChangedWarning, stacklevel=3,
+        )
+    return info
 
 
 class Store:
@@ -152,14 +185,23 @@ class Store:
     def location(self, step: int) -> Storage:
         return self.storage.child(fmt.step_dir_name(step))
 
-    def save(self, step: int, state: Any, metrics: dict | None = None) -> SaveFuture:
+    def save(self, step: int, state: Any, metrics: dict | None = None, *,
+             replicated: list[str] | tuple[str, ...] = ()) -> SaveFuture:
+        """Save ``state`` as ``step``; returns once it is staged.
+
+        Under torch.distributed every rank calls this with the same step. DTensors are
+        saved by shard (each written once); ``replicated`` lists fnmatch patterns of state
+        paths (e.g. ``["model.*"]`` for a DDP model) that are identical on every rank and
+        so written once in total, spread over the ranks. Everything else is rank-local.
+        """
         lifecycle.raise_earlier_failure()
         where = self.location(step)
         attempt = agree_on_attempt(step, where.describe(), self.process_group)
         rank, world = rank_and_world(self.process_group)
         after_commit = self._apply_retention if (self.keep is not None and rank == 0) else None
+        options = dataclasses.replace(self.options, replicated=tuple(replicated))
         future = start_save(state, where, rt=runtime(), attempt=attempt, step=step, rank=rank,
-                            world_size=world, metrics=_check_metrics(metrics), options=self.options,
+                            world_size=world, metrics=_check_metrics(metrics), options=options,
                             after_commit=after_commit)
         return lifecycle.track(future)
 
@@ -210,18 +252,25 @@ class Store:
                 raise CheckpointNotFoundError(f"{self.storage.describe()}: the store holds no committed checkpoint")
         return step
 
-    def load(self, step: int | None = None, map_location=None, weights_only: bool = True,
-             *, rank: int | None = None) -> Any:
-        """The state saved at ``step`` (None: the latest committed step)."""
-        if step is not None:
-            return _load_storage(self.location(step), map_location, weights_only, rank, None)
+    def load(self, step: int | None = None, map_location=None, weights_only: bool = True, *,
+             rank: int | None = None, template=None, return_info: bool = False) -> Any:
+        """The state saved at ``step`` (None: the latest committed step).
+
+        With ``template`` (a state dict of DTensors or plain tensors, on any world size),
+        its tensors are filled in place from the checkpoint, each rank reading only the
+        chunks overlapping its shards, and the template is returned. Without it, a
+        checkpoint's global (sharded) tensors come back whole. ``return_info=True``
+        returns ``(state, LoadInfo)``.
+        """
         for attempt in range(5):
-            chosen = self._resolve(None)
+            chosen = self._resolve(step)
             try:
-                return _load_storage(self.location(chosen), map_location, weights_only, rank, None)
+                obj, info = _load_storage(self.location(chosen), map_location, weights_only, rank, None,
+                                          template, self.process_group)
+                return (obj, info) if return_info else obj
             except CkptStoreError:
                 # Retention may have removed it while we read a newer one: take the new latest.
-                if attempt == 4 or chosen in self.steps():
+                if step is not None or attempt == 4 or chosen in self.steps():
                     raise
 
 

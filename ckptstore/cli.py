@@ -240,6 +240,46 @@ def gc(url, keep_last, keep_every, keep_within, keep_best, grace, dry_run, as_js
     click.echo(f"{verb} {len(p.deletions)} item(s), {_human_bytes(p.bytes)}; kept {len(p.kept)} checkpoint(s)")
 
 
+# ---------------------------------------------------------------------------- consolidate
+@main.command()
+@click.argument("src")
+@click.argument("dst")
+@click.option("--torch", "as_torch", is_flag=True, help="Write a torch.save file instead of a ckptstore checkpoint.")
+@click.option("--rank", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Whose rank-local values (RNG state, counters) to keep.")
+@click.option("--weights-only/--no-weights-only", default=True, show_default=True,
+              help="Refuse pickled objects outside torch's allow-list (trust the source before disabling).")
+def consolidate(src: str, dst: str, as_torch: bool, rank: int, weights_only: bool) -> None:
+    """Write a single-process checkpoint (or with --torch a torch.save file) holding the
+    full tensors of the sharded checkpoint SRC."""
+    import warnings
+
+    import torch
+
+    from . import api
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", api.WorldSizeChangedWarning)
+            obj = api.load(src, map_location="cpu", weights_only=weights_only, rank=rank)
+        if as_torch:
+            with open(dst, "xb") as f:
+                torch.save(obj, f)
+                f.flush()
+                import os
+
+                os.fsync(f.fileno())
+        else:
+            api.save(obj, dst).result()
+    except FileExistsError as e:
+        _fail(f"{dst}: already exists ({e})", EXIT_USAGE)
+    except FileNotFoundError as e:
+        _fail(str(e), EXIT_USAGE)
+    except CkptStoreError as e:
+        _fail(str(e), EXIT_PROBLEM)
+    click.echo(f"wrote {dst}")
+
+
 # ---------------------------------------------------------------------------- doctor
 def doctor_report() -> dict:
     import platform

@@ -275,8 +275,41 @@ def _header_fields(d: dict, kind: str) -> None:
 
 
 @dataclass(frozen=True)
+class ReplicaHash:
+    """A rank's hash of a replicated chunk another rank wrote (checked at commit)."""
+
+    key: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    xxh3_128: str
+
+    def to_json(self) -> dict:
+        return {"key": self.key, "offsets": list(self.offsets), "sizes": list(self.sizes), "xxh3_128": self.xxh3_128}
+
+    @classmethod
+    def from_json(cls, d: dict, what: str) -> "ReplicaHash":
+        _fields(d, {"key", "offsets", "sizes", "xxh3_128"}, set(), what)
+        return cls(_expect(d["key"], str, f"{what}.key"), _int_list(d["offsets"], f"{what}.offsets"),
+                   _int_list(d["sizes"], f"{what}.sizes"), _expect(d["xxh3_128"], str, f"{what}.xxh3_128"))
+
+
+def _entries_json(entries: Mapping[str, TensorEntry]) -> dict:
+    return {k: v.to_json() for k, v in entries.items()}
+
+
+def _entries_from_json(d: Any, what: str) -> dict[str, TensorEntry]:
+    _expect(d, dict, what)
+    return {k: TensorEntry.from_json(v, f"{what}[{k!r}]") for k, v in d.items()}
+
+
+@dataclass(frozen=True)
 class Vote:
-    """Phase one of the commit: one rank's data is durable, and this is what it wrote."""
+    """Phase one of the commit: one rank's data is durable, and this is what it wrote.
+
+    ``state`` is the rank's own object (skeleton and rank-local tensors); ``shards`` the
+    chunks it wrote of global tensors (DTensor shards, replicated tensors it was chosen
+    to write); ``replicas`` its hashes of replicated chunks another rank wrote.
+    """
 
     attempt: str
     step: int | None
@@ -285,6 +318,8 @@ class Vote:
     ok: bool
     error: str | None = None
     state: RankState | None = None
+    shards: Mapping[str, TensorEntry] = field(default_factory=dict)
+    replicas: tuple[ReplicaHash, ...] = ()
     written_at: str = field(default_factory=utc_now)
 
     def to_json(self) -> dict:
@@ -299,6 +334,8 @@ class Vote:
             "ok": self.ok,
             "error": self.error,
             "state": self.state.to_json() if self.state is not None else None,
+            "shards": _entries_json(self.shards),
+            "replicas": [r.to_json() for r in self.replicas],
             "written_at": self.written_at,
         }
 
@@ -308,13 +345,14 @@ class Vote:
         _expect(d, dict, what)
         _header_fields(d, what)
         _fields(d, {"format", "format_version", "kind", "attempt", "step", "world_size", "rank", "ok",
-                    "error", "state", "written_at"}, set(), what)
+                    "error", "state", "shards", "replicas", "written_at"}, set(), what)
         if d["kind"] != "vote":
             raise FormatError(f"vote has kind {d['kind']!r}")
         ok = _expect(d["ok"], bool, "vote.ok")
         state = RankState.from_json(d["state"], "vote.state") if d["state"] is not None else None
         if ok and state is None:
             raise FormatError("a yes-vote must carry the rank's state")
+        replicas = _expect(d["replicas"], list, "vote.replicas")
         return cls(
             attempt=_expect(d["attempt"], str, "vote.attempt"),
             step=None if d["step"] is None else _int_list([d["step"]], "vote.step")[0],
@@ -323,19 +361,25 @@ class Vote:
             ok=ok,
             error=d["error"],
             state=state,
+            shards=_entries_from_json(d["shards"], "vote.shards"),
+            replicas=tuple(ReplicaHash.from_json(r, f"vote.replicas[{i}]") for i, r in enumerate(replicas)),
             written_at=_expect(d["written_at"], str, "vote.written_at"),
         )
 
 
 _MANIFEST_FIELDS = {
     "format", "format_version", "kind", "generation", "attempt", "step", "world_size",
-    "created_at", "committed_at", "byteorder", "metrics", "library", "ranks",
+    "created_at", "committed_at", "byteorder", "metrics", "library", "ranks", "tensors",
 }
 
 
 @dataclass(frozen=True)
 class Manifest:
-    """A committed checkpoint. Its existence is the commit (I1)."""
+    """A committed checkpoint. Its existence is the commit (I1).
+
+    ``ranks`` holds each rank's own object; ``tensors`` the global tensors (sharded or
+    replicated across ranks), whose chunks may lie in the files of several ranks.
+    """
 
     generation: int
     attempt: str
@@ -344,6 +388,7 @@ class Manifest:
     created_at: str
     committed_at: str
     ranks: tuple[RankState, ...]
+    tensors: Mapping[str, TensorEntry] = field(default_factory=dict)
     metrics: Mapping[str, Any] = field(default_factory=dict)
     byteorder: str = "little"
     library: str = ""
@@ -363,6 +408,7 @@ class Manifest:
             "metrics": dict(self.metrics),
             "library": self.library,
             "ranks": [r.to_json() for r in self.ranks],
+            "tensors": _entries_json(self.tensors),
         }
 
     def to_bytes(self) -> bytes:
@@ -387,11 +433,14 @@ class Manifest:
             created_at=_expect(d["created_at"], str, "manifest.created_at"),
             committed_at=_expect(d["committed_at"], str, "manifest.committed_at"),
             ranks=tuple(RankState.from_json(r, f"manifest.ranks[{i}]") for i, r in enumerate(ranks)),
+            tensors=_entries_from_json(d["tensors"], "manifest.tensors"),
             metrics=_expect(d["metrics"], dict, "manifest.metrics"),
             byteorder=d["byteorder"],
             library=_expect(d["library"], str, "manifest.library"),
         )
         validate_ranks(m.ranks, m.world_size)
+        for key, entry in m.tensors.items():
+            validate_coverage(entry, f"global tensor {key!r}")
         return m
 
     @classmethod
@@ -404,10 +453,13 @@ class Manifest:
 
     # -- summaries
     def blobs(self):
-        """Every (rank, tensor key or None, blob) of the checkpoint."""
+        """Every (rank or None for global tensors, tensor key or None, blob) of the checkpoint."""
         for r in self.ranks:
             for key, blob in r.blobs():
                 yield r.rank, key, blob
+        for key, entry in self.tensors.items():
+            for chunk in entry.chunks:
+                yield None, key, chunk.blob
 
     def files(self) -> set[str]:
         return {blob.file for _, _, blob in self.blobs()}

@@ -14,6 +14,7 @@ import os
 import queue
 import threading
 from concurrent.futures import Future
+from dataclasses import dataclass
 from concurrent.futures import wait as wait_futures
 
 from . import format as fmt
@@ -109,6 +110,16 @@ def configure(*, workers: int | None = None, staging_bytes: int | None = None) -
         return _runtime
 
 
+@dataclass(frozen=True)
+class Written:
+    """What one rank's writer made durable."""
+
+    skeleton: fmt.Blob
+    local: dict  # rank-local tensor key -> chunks
+    shards: dict  # global tensor key -> the chunks this rank wrote
+    replicas: tuple  # ReplicaHash of replicated chunks other ranks write
+
+
 class RankWriter:
     """One rank's data file for one save attempt, fed chunk by chunk."""
 
@@ -123,16 +134,23 @@ class RankWriter:
         self._out: AppendWriter | None = None
         self._open_lock = threading.Lock()
         self._futures: list[Future] = []
-        self._chunks: dict[str, list[fmt.Chunk]] = {}
+        self._chunks: dict[tuple[str, str], list[fmt.Chunk]] = {}
+        self._replicas: list[fmt.ReplicaHash] = []
         self._skeleton: fmt.Blob | None = None
         self._error: BaseException | None = None
         self._lock = threading.Lock()
         self.stored_bytes = 0
 
     # -- feeding (caller's thread)
-    def submit_chunk(self, key: str, offsets: tuple, sizes: tuple, itemsize: int, buf: StagingBuffer) -> None:
-        """Hand over a filled staging buffer; the writer returns it to the pool."""
-        self._futures.append(self.rt.workers.submit(self._chunk_task, key, offsets, sizes, itemsize, buf))
+    def submit_chunk(self, key: str, offsets: tuple, sizes: tuple, itemsize: int, buf: StagingBuffer,
+                     scope: str = "l", write: bool = True) -> None:
+        """Hand over a filled staging buffer; the writer returns it to the pool.
+
+        ``scope`` "l" is a rank-local tensor, "g" a global one. ``write=False`` only
+        hashes: a replica that another rank writes, checked against it at commit.
+        """
+        self._futures.append(self.rt.workers.submit(self._chunk_task, key, offsets, sizes, itemsize, buf,
+                                                    scope, write))
 
     def submit_skeleton(self, data: bytes) -> None:
         self._futures.append(self.rt.workers.submit(self._skeleton_task, memoryview(data)))
@@ -164,7 +182,7 @@ class RankWriter:
             self.stored_bytes += len(stored)
         return fmt.Blob(self.file, offset, len(stored), len(raw), tuple(chain), raw_hash)
 
-    def _chunk_task(self, key, offsets, sizes, itemsize, buf: StagingBuffer) -> None:
+    def _chunk_task(self, key, offsets, sizes, itemsize, buf: StagingBuffer, scope: str, write: bool) -> None:
         released = False
 
         def release():
@@ -176,9 +194,14 @@ class RankWriter:
         try:
             if self._error is not None:
                 return
+            if not write:
+                replica = fmt.ReplicaHash(key, tuple(offsets), tuple(sizes), digest(buf.view))
+                with self._lock:
+                    self._replicas.append(replica)
+                return
             blob = self._store(buf.view, itemsize, release)
             with self._lock:
-                self._chunks.setdefault(key, []).append(fmt.Chunk(tuple(offsets), tuple(sizes), blob))
+                self._chunks.setdefault((scope, key), []).append(fmt.Chunk(tuple(offsets), tuple(sizes), blob))
         except BaseException as e:
             self._fail(e, f"tensor {key!r}")
         finally:
@@ -202,7 +225,7 @@ class RankWriter:
                     self._error = err
 
     # -- finishing (commit thread)
-    def finish(self) -> tuple[fmt.Blob, dict[str, list[fmt.Chunk]]]:
+    def finish(self) -> "Written":
         """Wait for every chunk, make the data file durable; raise the first error."""
         wait_futures(self._futures)
         if self._error is None and self._out is not None:
@@ -216,7 +239,9 @@ class RankWriter:
         assert self._skeleton is not None
         for chunks in self._chunks.values():
             chunks.sort(key=lambda c: c.offsets)
-        return self._skeleton, self._chunks
+        local = {k: v for (scope, k), v in self._chunks.items() if scope == "l"}
+        shards = {k: v for (scope, k), v in self._chunks.items() if scope == "g"}
+        return Written(self._skeleton, local, shards, tuple(sorted(self._replicas, key=lambda r: (r.key, r.offsets))))
 
     def abort(self) -> None:
         wait_futures(self._futures)

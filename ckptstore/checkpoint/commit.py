@@ -119,6 +119,7 @@ def commit(storage: Storage, own: fmt.Vote, world_size: int, created_at: str, me
     ranks = tuple(votes[r].state for r in sorted(votes))
     try:
         fmt.validate_ranks(ranks, world_size)
+        tensors = merge_shards([votes[r] for r in sorted(votes)])
     except FormatError as e:
         abort(storage, attempt, str(e))
         raise CommitError(f"{where}: refusing to commit: {e}") from e
@@ -126,7 +127,7 @@ def commit(storage: Storage, own: fmt.Vote, world_size: int, created_at: str, me
     generation = (previous[-1] + 1) if previous else 1
     manifest = fmt.Manifest(
         generation=generation, attempt=attempt, step=own.step, world_size=world_size,
-        created_at=created_at, committed_at=fmt.utc_now(), ranks=ranks, metrics=metrics,
+        created_at=created_at, committed_at=fmt.utc_now(), ranks=ranks, tensors=tensors, metrics=metrics,
         library=f"ckptstore {__version__}",
     )
     try:
@@ -137,6 +138,37 @@ def commit(storage: Storage, own: fmt.Vote, world_size: int, created_at: str, me
         ) from e
     retire_generations(storage, below=generation)
     return manifest
+
+
+def merge_shards(votes: list[fmt.Vote]) -> dict[str, fmt.TensorEntry]:
+    """Global tensors from every rank's shards: one dtype and shape per key, chunks that
+    cover each tensor exactly once (I5), replicas whose hashes match the written copy."""
+    meta: dict[str, tuple[str, tuple[int, ...], int]] = {}
+    chunks: dict[str, list[fmt.Chunk]] = {}
+    for v in votes:
+        for key, entry in v.shards.items():
+            seen = meta.setdefault(key, (entry.dtype, entry.shape, v.rank))
+            if seen[:2] != (entry.dtype, entry.shape):
+                raise FormatError(
+                    f"global tensor {key!r}: rank {seen[2]} saved {seen[0]}{list(seen[1])}, "
+                    f"rank {v.rank} saved {entry.dtype}{list(entry.shape)}"
+                )
+            chunks.setdefault(key, []).extend(entry.chunks)
+    merged = {key: fmt.TensorEntry(dtype, shape, tuple(sorted(chunks[key], key=lambda c: c.offsets)))
+              for key, (dtype, shape, _) in meta.items()}
+    for key, entry in merged.items():
+        fmt.validate_coverage(entry, f"global tensor {key!r}")
+    written = {(k, c.offsets, c.sizes): c.blob.xxh3_128 for k, e in merged.items() for c in e.chunks}
+    for v in votes:
+        for r in v.replicas:
+            digest = written.get((r.key, r.offsets, r.sizes))
+            if digest is None:
+                raise FormatError(f"global tensor {r.key!r}: rank {v.rank} holds a replica of chunk "
+                                  f"{list(r.offsets)} that no rank wrote")
+            if digest != r.xxh3_128:
+                raise FormatError(f"global tensor {r.key!r}: replicated chunk at {list(r.offsets)} differs "
+                                  f"between ranks (rank {v.rank} hashed {r.xxh3_128}, written copy {digest})")
+    return merged
 
 
 def retire_generations(storage: Storage, below: int) -> None:

@@ -14,14 +14,28 @@ from __future__ import annotations
 import io
 import math
 import pickle
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from .. import format as fmt
 from ..errors import SerializationError
+
+
+LOCAL, GLOBAL = "l", "g"  # skeleton key scopes: this rank's own tensors, global tensors
+
+
+def skeleton_key(scope: str, key: str) -> str:
+    return f"{scope}:{key}"
+
+
+def parse_skeleton_key(text: str) -> tuple[str, str]:
+    scope, sep, key = text.partition(":")
+    if not sep or scope not in (LOCAL, GLOBAL):
+        raise ValueError(f"bad tensor reference {text!r}")
+    return scope, key
 
 
 @dataclass
@@ -33,16 +47,42 @@ class StorageRef:
     dtype: torch.dtype
     shape: tuple[int, ...]  # the entry's shape: the tensor's when it covers the storage exactly
     location: str
+    scope: str = LOCAL  # GLOBAL: declared replicated across ranks
 
 
-def tensor_paths(obj, prefix: str = "") -> dict[int, tuple[str, torch.Tensor]]:
-    """Map each storage (by its ``_cdata``) to the first container path reaching a tensor of it."""
+@dataclass
+class DTensorRef:
+    """One DTensor met while pickling; stored as a global tensor."""
+
+    key: str
+    dtensor: "torch.Tensor"
+
+
+def _is_dtensor(o) -> bool:
+    cls = _dtensor_class()
+    return cls is not None and isinstance(o, cls)
+
+
+def _dtensor_class():
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        return None
+    return DTensor
+
+
+def tensor_paths(obj, prefix: str = "") -> tuple[dict[int, tuple[str, torch.Tensor]], dict[int, str]]:
+    """Walk containers: storage ``_cdata`` -> first (path, tensor) reaching it, and
+    id(DTensor) -> its first path."""
     found: dict[int, tuple[str, torch.Tensor]] = {}
+    dtensors: dict[int, str] = {}
     seen: set[int] = set()
 
     def visit(o, path: str) -> None:
         if isinstance(o, torch.Tensor):
-            if o.layout == torch.strided and type(o) in (torch.Tensor, torch.nn.Parameter):
+            if _is_dtensor(o):
+                dtensors.setdefault(id(o), path or "tensor")
+            elif o.layout == torch.strided and type(o) in (torch.Tensor, torch.nn.Parameter):
                 found.setdefault(o.untyped_storage()._cdata, (path or "tensor", o))
             return
         if id(o) in seen:
@@ -57,7 +97,7 @@ def tensor_paths(obj, prefix: str = "") -> dict[int, tuple[str, torch.Tensor]]:
                 visit(v, f"{path}.{i}" if path else str(i))
 
     visit(obj, prefix)
-    return found
+    return found, dtensors
 
 
 def entry_shape(tensor: torch.Tensor | None, numel: int, dtype: torch.dtype) -> tuple[int, ...]:
@@ -76,31 +116,46 @@ def entry_shape(tensor: torch.Tensor | None, numel: int, dtype: torch.dtype) -> 
     return (numel,)
 
 
-def flatten(obj, on_storage: Callable[[StorageRef], None], pickle_protocol: int = 2) -> bytes:
-    """Pickle ``obj``; call ``on_storage`` once per distinct storage, in pickling order.
+def _contiguous_stride(shape) -> tuple[int, ...]:
+    stride, out = 1, []
+    for n in reversed(shape):
+        out.append(stride)
+        stride *= max(n, 1)
+    return tuple(reversed(out))
 
-    ``on_storage`` must copy the storage's bytes before it returns: that copy is the
-    snapshot, and the caller may change its tensors as soon as ``save`` returns.
+
+def flatten(obj, on_storage: Callable[[StorageRef], None], pickle_protocol: int = 2, *,
+            on_dtensor: Callable[[DTensorRef], None] | None = None,
+            replicated: Callable[[str], bool] | None = None) -> bytes:
+    """Pickle ``obj``; call ``on_storage`` once per distinct storage and ``on_dtensor``
+    once per DTensor, in pickling order.
+
+    The callbacks must copy the bytes before they return: that copy is the snapshot,
+    and the caller may change its tensors as soon as ``save`` returns. A DTensor is
+    pickled as a plain tensor of its global shape over a global storage reference, so
+    loading without a process group yields the full (consolidated) tensor.
+    ``replicated(path)`` marks storages whose first path it accepts as global.
     """
-    paths = tensor_paths(obj)
+    paths, dtensor_paths = tensor_paths(obj)
     keys: dict[int, str] = {}
     dtypes: dict[int, torch.dtype] = {}
-    used: set[str] = set()
+    used: dict[str, set[str]] = {LOCAL: set(), GLOBAL: set()}
+    global_refs: dict[int, tuple[str, str]] = {}  # placeholder storage cdata -> (skeleton key, location)
+    placeholders: dict[int, tuple] = {}  # id(DTensor) -> reduce value (kept alive while pickling)
+
+    def storage_pid(o):
+        if isinstance(o, torch.storage.TypedStorage):
+            return o._untyped_storage, o.dtype, getattr(torch, o._pickle_storage_type()), o._size()
+        return o, torch.uint8, torch.UntypedStorage, o.nbytes()
 
     def persistent_id(o):
         if not (isinstance(o, torch.storage.TypedStorage) or torch.is_storage(o)):
             return None
-        if isinstance(o, torch.storage.TypedStorage):
-            storage = o._untyped_storage
-            dtype = o.dtype
-            storage_type = getattr(torch, o._pickle_storage_type())
-            numel = o._size()
-        else:
-            storage = o
-            dtype = torch.uint8
-            storage_type = torch.UntypedStorage
-            numel = storage.nbytes()
+        storage, dtype, storage_type, numel = storage_pid(o)
         cdata = storage._cdata
+        if cdata in global_refs:
+            key, location = global_refs[cdata]
+            return ("storage", storage_type, key, location, numel)
         if cdata in keys:
             if dtypes[cdata] != dtype:
                 raise SerializationError(
@@ -111,16 +166,40 @@ def flatten(obj, on_storage: Callable[[StorageRef], None], pickle_protocol: int 
         if storage.device.type == "meta":
             raise SerializationError("cannot save a tensor on the meta device: it holds no data")
         path, tensor = paths.get(cdata, (f"storage.{len(keys)}", None))
-        key = _unique(path, used)
-        keys[cdata] = key
+        scope = GLOBAL if (replicated is not None and tensor is not None and replicated(path)) else LOCAL
+        key = _unique(path, used[scope])
+        keys[cdata] = skeleton_key(scope, key)
         dtypes[cdata] = dtype
         location = torch.serialization.location_tag(storage)
-        on_storage(StorageRef(key, storage, dtype, entry_shape(tensor, numel, dtype), location))
-        return ("storage", storage_type, key, location, numel)
+        on_storage(StorageRef(key, storage, dtype, entry_shape(tensor, numel, dtype), location, scope))
+        return ("storage", storage_type, keys[cdata], location, numel)
+
+    def reduce_dtensor(dt):
+        if id(dt) in placeholders:
+            return placeholders[id(dt)]
+        if on_dtensor is None:
+            raise SerializationError("DTensors can only be saved through Store.save")
+        key = _unique(dtensor_paths.get(id(dt), f"dtensor.{len(placeholders)}"), used[GLOBAL])
+        on_dtensor(DTensorRef(key, dt))
+        local = dt.to_local()
+        shape = tuple(dt.shape)
+        # A storage that holds no memory stands in for the global tensor's storage.
+        stand_in = torch.storage.TypedStorage(math.prod(shape), dtype=dt.dtype, device="meta")
+        global_refs[stand_in._untyped_storage._cdata] = (
+            skeleton_key(GLOBAL, key), torch.serialization.location_tag(local.untyped_storage()))
+        value = (torch._utils._rebuild_tensor_v2,
+                 (stand_in, 0, shape, _contiguous_stride(shape), dt.requires_grad, OrderedDict()))
+        placeholders[id(dt)] = value
+        return value
 
     class _Pickler(pickle.Pickler):
         def persistent_id(self, o):
             return persistent_id(o)
+
+        def reducer_override(self, o):
+            if isinstance(o, torch.Tensor) and _is_dtensor(o):
+                return reduce_dtensor(o)
+            return NotImplemented
 
     buf = io.BytesIO()
     try:
@@ -172,4 +251,5 @@ def region_byte_offset(shape, offsets, itemsize: int) -> int:
     return off
 
 
-__all__ = ["StorageRef", "flatten", "plan_chunks", "region_byte_offset", "tensor_paths", "fmt"]
+__all__ = ["DTensorRef", "GLOBAL", "LOCAL", "StorageRef", "flatten", "parse_skeleton_key", "plan_chunks",
+           "region_byte_offset", "skeleton_key", "tensor_paths"]

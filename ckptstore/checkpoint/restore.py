@@ -28,6 +28,7 @@ from ..errors import (
 from ..hashing import digest
 from ..storage import Storage
 from .commit import generations, read_manifest
+from .flatten import GLOBAL, parse_skeleton_key, region_byte_offset
 
 
 def latest_manifest(storage: Storage) -> fmt.Manifest:
@@ -77,8 +78,6 @@ def read_blob(storage: Storage, blob: fmt.Blob, out: memoryview, what: str) -> N
 def read_tensors(storage: Storage, tensors: dict[str, fmt.TensorEntry], where: str,
                  pool) -> dict[str, torch.UntypedStorage]:
     """Read every chunk of every tensor into new CPU storages, all chunks in parallel."""
-    from .flatten import region_byte_offset
-
     out: dict[str, torch.UntypedStorage] = {}
     jobs = []
     for key, entry in tensors.items():
@@ -106,9 +105,38 @@ class _StorageType:
         self.dtype = torch.serialization.StorageType(name).dtype
 
 
+def read_region(storage: Storage, entry: fmt.TensorEntry, where: str, offsets, sizes, pool) -> torch.Tensor:
+    """A CPU tensor holding one region of a stored tensor, assembled from the chunks that
+    overlap it. Each overlapping chunk is read whole and its hash checked (I3): a load
+    reads only the chunks it needs, never unverified bytes."""
+    dtype = fmt.dtype_from_name(entry.dtype)
+    out = torch.empty(tuple(sizes), dtype=dtype)
+    if out.numel() == 0:
+        return out
+    jobs = []
+    for c in entry.chunks:
+        lo = [max(a, b) for a, b in zip(offsets, c.offsets)]
+        hi = [min(a + n, b + m) for a, n, b, m in zip(offsets, sizes, c.offsets, c.sizes)]
+        if any(h <= low for low, h in zip(lo, hi)):
+            continue
+        jobs.append((c, lo, hi, pool.submit(_read_chunk, storage, c, dtype, where)))
+    for c, lo, hi, job in jobs:
+        data = job.result()
+        src = data[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, c.offsets))]
+        out[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offsets))] = src
+    return out
+
+
+def _read_chunk(storage: Storage, c: fmt.Chunk, dtype: torch.dtype, where: str) -> torch.Tensor:
+    raw = torch.empty(c.blob.raw_length, dtype=torch.uint8)
+    read_blob(storage, c.blob, memoryview(raw.numpy()) if c.blob.raw_length else memoryview(bytearray()), where)
+    return raw.view(dtype).reshape(c.sizes)
+
+
 def restore(storage: Storage, manifest: fmt.Manifest, rank: int, map_location=None,
-            weights_only: bool = True, pool=None, pickle_load_args=None):
-    """Rebuild the object rank ``rank`` saved."""
+            weights_only: bool = True, pool=None, pickle_load_args=None, globals_as_meta: bool = False):
+    """Rebuild the object rank ``rank`` saved. Global tensors come back whole
+    (consolidated) or, with ``globals_as_meta``, as meta tensors for a template to fill."""
     from ..pipeline import runtime
 
     pool = pool or runtime().readers
@@ -123,6 +151,8 @@ def restore(storage: Storage, manifest: fmt.Manifest, rank: int, map_location=No
     read_blob(storage, state.skeleton, memoryview(skeleton), f"{where}: object skeleton of rank {rank}")
 
     raw = read_tensors(storage, state.tensors, where, pool)
+    needed_globals = {} if globals_as_meta else dict(manifest.tensors)
+    raw_globals = read_tensors(storage, needed_globals, where, pool)
 
     restore_location = torch.serialization._get_restore_location(map_location)
     loaded: dict[str, torch.storage.TypedStorage] = {}
@@ -130,17 +160,28 @@ def restore(storage: Storage, manifest: fmt.Manifest, rank: int, map_location=No
     def persistent_load(pid):
         if not isinstance(pid, tuple) or len(pid) != 5 or pid[0] != "storage":
             raise FormatError(f"{where}: unexpected persistent id {pid!r} in the skeleton")
-        storage_type, key, location, numel = pid[1:]
-        if key in loaded:
-            return loaded[key]
-        if key not in raw:
-            raise FormatError(f"{where}: the skeleton names tensor {key!r}, which the manifest lacks")
+        storage_type, ref, location, numel = pid[1:]
+        if ref in loaded:
+            return loaded[ref]
+        try:
+            scope, key = parse_skeleton_key(ref)
+        except (ValueError, AttributeError):
+            raise FormatError(f"{where}: bad tensor reference {ref!r} in the skeleton") from None
         dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
-        untyped = raw[key]
+        if scope == GLOBAL and globals_as_meta:
+            if key not in manifest.tensors:
+                raise FormatError(f"{where}: the skeleton names global tensor {key!r}, which the manifest lacks")
+            typed = torch.storage.TypedStorage(numel, dtype=dtype, device="meta")
+            loaded[ref] = typed
+            return typed
+        table = raw_globals if scope == GLOBAL else raw
+        if key not in table:
+            raise FormatError(f"{where}: the skeleton names tensor {key!r}, which the manifest lacks")
+        untyped = table[key]
         if untyped.nbytes() != numel * dtype.itemsize:
             raise FormatError(f"{where}: tensor {key!r} holds {untyped.nbytes()} bytes, skeleton expects {numel * dtype.itemsize}")
         typed = torch.storage.TypedStorage(wrap_storage=restore_location(untyped, location), dtype=dtype, _internal=True)
-        loaded[key] = typed
+        loaded[ref] = typed
         return typed
 
     args = {"encoding": "utf-8", **(pickle_load_args or {})}

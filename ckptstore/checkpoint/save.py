@@ -21,6 +21,7 @@ class SaveOptions:
     commit_timeout: float = 600.0
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     pickle_protocol: int = 2
+    replicated: tuple[str, ...] = ()  # fnmatch patterns of state paths replicated on every rank
 
 
 class SaveFuture:
@@ -76,7 +77,8 @@ def start_save(obj, storage: Storage, *, rt: Runtime, attempt: str, step: int | 
     future = SaveFuture(storage.describe(), step, attempt)
     writer = RankWriter(storage, attempt, rank, options.compression, rt)
     try:
-        entries = snapshot(obj, writer, rt.pool, options.chunk_bytes, options.pickle_protocol)
+        staged = snapshot(obj, writer, rt.pool, options.chunk_bytes, options.pickle_protocol,
+                          rank=rank, world_size=world_size, replicated=options.replicated)
     except BaseException as e:
         writer.abort()
         _refuse(storage, attempt, step, world_size, rank, e)
@@ -87,11 +89,14 @@ def start_save(obj, storage: Storage, *, rt: Runtime, attempt: str, step: int | 
 
     def finish() -> None:
         try:
-            skeleton, chunks = writer.finish()
-            tensors = {key: fmt.TensorEntry(dtype, shape, tuple(chunks.get(key, ())))
-                       for key, (dtype, shape) in entries.items()}
+            written = writer.finish()
+            tensors = {key: fmt.TensorEntry(dtype, shape, tuple(written.local.get(key, ())))
+                       for key, (dtype, shape) in staged.local.items()}
+            shards = {key: fmt.TensorEntry(dtype, shape, tuple(written.shards.get(key, ())))
+                      for key, (dtype, shape) in staged.shards.items()}
             vote = fmt.Vote(attempt, step, world_size, rank, ok=True,
-                            state=fmt.RankState(rank, skeleton, tensors))
+                            state=fmt.RankState(rank, written.skeleton, tensors),
+                            shards=shards, replicas=written.replicas)
             write_vote(storage, vote)
             if rank == 0:
                 manifest = commit(storage, vote, world_size, created_at, dict(metrics or {}), options.commit_timeout)

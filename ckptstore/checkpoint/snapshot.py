@@ -1,45 +1,148 @@
 """The blocking part of a save: walk the object and copy every tensor's bytes into
-staging buffers, handing each filled buffer to the background writer."""
+staging buffers, handing each filled buffer to the background writer.
+
+Rank-local tensors are written by their rank. Global tensors are written once in
+total: a DTensor shard by one of the ranks holding it (chosen by a hash of the chunk
+among the replicas, i.e. the ranks that differ only along Replicate mesh dimensions),
+a tensor declared replicated by the rank a greedy, size-balanced assignment picks.
+Every rank computes the same choice from what it already knows: no communication.
+Replicas that do not write still hash their copy, so the commit can check that the
+copies agree.
+"""
 
 from __future__ import annotations
 
+import fnmatch
+import math
+from dataclasses import dataclass, field
+
 import torch
+import xxhash
 
 from .. import format as fmt
+from ..errors import SerializationError
 from ..pipeline import RankWriter
 from ..staging import StagingPool, copy_into
-from .flatten import StorageRef, flatten, plan_chunks
+from .flatten import GLOBAL, LOCAL, DTensorRef, StorageRef, entry_shape, flatten, plan_chunks, tensor_paths
 
 DEFAULT_CHUNK_BYTES = 16 << 20
 
 
+@dataclass
+class Snapshot:
+    """Shapes and dtypes of what was staged, for the vote."""
+
+    local: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
+    shards: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
+
+
 def snapshot(obj, writer: RankWriter, pool: StagingPool, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-             pickle_protocol: int = 2) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """Stage ``obj``; returns {tensor key: (dtype name, shape)} for the manifest.
-
-    When this returns, every byte the checkpoint will hold sits in staging memory (or
-    is already written), so the caller may modify its tensors.
-    """
+             pickle_protocol: int = 2, *, rank: int = 0, world_size: int = 1,
+             replicated: list[str] | tuple[str, ...] = ()) -> Snapshot:
+    """Stage ``obj``. When this returns, every byte the checkpoint will hold sits in
+    staging memory (or is already written), so the caller may modify its tensors."""
     limit = max(1, min(chunk_bytes, pool.capacity))
-    entries: dict[str, tuple[str, tuple[int, ...]]] = {}
+    out = Snapshot()
+    patterns = tuple(replicated)
+    is_replicated = (lambda path: any(fnmatch.fnmatchcase(path, p) for p in patterns)) if patterns else None
+    assignment = _assign_replicated(obj, is_replicated, limit, world_size) if patterns else {}
 
-    def on_storage(ref: StorageRef) -> None:
-        entries[ref.key] = (fmt.dtype_name(ref.dtype), ref.shape)
-        itemsize = ref.dtype.itemsize
-        for offsets, sizes, byte_off, nbytes in plan_chunks(ref.shape, itemsize, limit):
+    def stage(key: str, storage, base: int, shape, offset0, itemsize: int, scope: str, writes) -> None:
+        for offsets, sizes, byte_off, nbytes in plan_chunks(tuple(shape), itemsize, limit):
             if writer.failed is not None:
                 raise writer.failed  # stop staging a save that cannot commit
+            goff = tuple(o + d for o, d in zip(offsets, offset0))
             buf = pool.acquire(nbytes)
             try:
-                _copy_storage_bytes(buf, ref.storage, byte_off, nbytes)
+                _copy_storage_bytes(buf, storage, base + byte_off, nbytes)
             except BaseException:
                 pool.release(buf)
                 raise
-            writer.submit_chunk(ref.key, offsets, sizes, itemsize, buf)
+            writer.submit_chunk(key, goff, sizes, itemsize, buf, scope, writes(goff, nbytes))
 
-    skeleton = flatten(obj, on_storage, pickle_protocol)
+    def on_storage(ref: StorageRef) -> None:
+        entry = (fmt.dtype_name(ref.dtype), ref.shape)
+        zero = (0,) * len(ref.shape)
+        if ref.scope == LOCAL:
+            out.local[ref.key] = entry
+            stage(ref.key, ref.storage, 0, ref.shape, zero, ref.dtype.itemsize, LOCAL, lambda o, n: True)
+        else:
+            out.shards[ref.key] = entry
+
+            def writes(offsets, nbytes, key=ref.key):
+                owner = assignment.get((key, offsets))
+                if owner is None:
+                    owner = _stable_hash(key, offsets) % world_size
+                return owner == rank
+
+            stage(ref.key, ref.storage, 0, ref.shape, zero, ref.dtype.itemsize, GLOBAL, writes)
+
+    def on_dtensor(ref: DTensorRef) -> None:
+        dt = ref.dtensor
+        out.shards[ref.key] = (fmt.dtype_name(dt.dtype), tuple(dt.shape))
+        try:
+            chunks = dt.__create_chunk_list__()
+        except Exception as e:  # e.g. Partial placements
+            raise SerializationError(f"cannot save DTensor {ref.key!r}: {e}") from e
+        if not chunks:
+            return
+        if len(chunks) != 1:
+            raise SerializationError(f"cannot save DTensor {ref.key!r}: its local tensor holds {len(chunks)} chunks")
+        local = dt.to_local()
+        if not local.is_contiguous():
+            local = local.contiguous()
+        offsets0 = tuple(chunks[0].offsets)
+        mine = _writes_dtensor_replica(dt)
+        itemsize = dt.dtype.itemsize
+        stage(ref.key, local.untyped_storage(), local.storage_offset() * itemsize, tuple(local.shape), offsets0,
+              itemsize, GLOBAL, lambda o, n: mine(ref.key, o))
+
+    skeleton = flatten(obj, on_storage, pickle_protocol, on_dtensor=on_dtensor, replicated=is_replicated)
     writer.submit_skeleton(skeleton)
-    return entries
+    return out
+
+
+def _stable_hash(key: str, offsets) -> int:
+    return xxhash.xxh3_64_intdigest(f"{key}|{tuple(offsets)}".encode())
+
+
+def _writes_dtensor_replica(dt):
+    """A predicate (key, chunk offsets) -> does this rank write that chunk."""
+    mesh = dt.device_mesh
+    coord = mesh.get_coordinate()
+    rep_dims = [i for i, p in enumerate(dt.placements) if p.is_replicate()]
+    if coord is None:
+        return lambda key, offsets: False
+    if not rep_dims:
+        return lambda key, offsets: True
+    sizes = [mesh.size(i) for i in rep_dims]
+    index = 0
+    for i, n in zip(rep_dims, sizes):
+        index = index * n + coord[i]
+    replicas = math.prod(sizes)
+    return lambda key, offsets: _stable_hash(key, offsets) % replicas == index
+
+
+def _assign_replicated(obj, is_replicated, limit: int, world_size: int) -> dict:
+    """(key, chunk offsets) -> writing rank, balancing bytes over ranks, largest first."""
+    paths, _ = tensor_paths(obj)
+    items = []
+    for path, tensor in paths.values():
+        if not is_replicated(path):
+            continue
+        storage = tensor.untyped_storage()
+        numel = storage.nbytes() // tensor.dtype.itemsize
+        shape = entry_shape(tensor, numel, tensor.dtype)
+        for offsets, _sizes, _b, nbytes in plan_chunks(shape, tensor.dtype.itemsize, limit):
+            items.append((nbytes, path, offsets))
+    items.sort(key=lambda t: (-t[0], t[1], t[2]))
+    load = [0] * world_size
+    owner = {}
+    for nbytes, path, offsets in items:
+        r = min(range(world_size), key=lambda i: (load[i], i))
+        load[r] += nbytes
+        owner[(path, offsets)] = r
+    return owner
 
 
 def _copy_storage_bytes(buf, storage: torch.UntypedStorage, byte_off: int, nbytes: int) -> None:
