@@ -268,7 +268,7 @@ def _header_fields(d: dict, kind: str) -> None:
     if d.get("format") != FORMAT_NAME:
         raise FormatError(f"not a ckptstore {kind}: format is {d.get('format')!r}")
     version = d.get("format_version")
-    if version != FORMAT_VERSION:
+    if type(version) is not int or version != FORMAT_VERSION:
         raise UnsupportedVersionError(
             f"{kind} has format_version {version!r}; this ckptstore reads version {FORMAT_VERSION}"
         )

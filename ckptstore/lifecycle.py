@@ -52,24 +52,26 @@ def raise_earlier_failure() -> None:
 
 
 def wait(timeout: float | None = None) -> None:
-    """Wait for every in-flight save of this process; raise the first error."""
+    """Wait for every in-flight save of this process; raise the first error (of a save
+    waited for here, or of an earlier one nobody has looked at)."""
     deadline = None if timeout is None else time.monotonic() + timeout
+    waited: list[SaveFuture] = []
     while True:
         with _lock:
-            pending = list(_inflight)
-            failed = [f for f in _unobserved_failures if not f.observed]
-        for f in pending:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            f.exception(left)  # TimeoutError when the deadline passes
+            pending = [f for f in _inflight if f not in waited]
         if not pending:
             break
+        for f in pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            f._future.exception(left)  # TimeoutError when the deadline passes
+            waited.append(f)
     with _lock:
-        failed += [f for f in _unobserved_failures if not f.observed]
+        failed = [f for f in _unobserved_failures if not f.observed]
         _unobserved_failures.clear()
-    for f in failed + pending:
+    for f in waited + failed:
         exc = f._future.exception()
-        f.observed = True
         if exc is not None:
+            f.observed = True
             raise exc
 
 

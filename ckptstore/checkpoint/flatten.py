@@ -124,6 +124,19 @@ def _contiguous_stride(shape) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
+def _has_typed_storage(dtype: torch.dtype) -> bool:
+    """Whether torch pickles this dtype over a legacy typed storage class."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # TypedStorage's deprecation notice
+        try:
+            torch.storage.TypedStorage(0, dtype=dtype, device="meta")._pickle_storage_type()
+        except (KeyError, TypeError, RuntimeError, ValueError):
+            return False
+    return True
+
+
 def flatten(obj, on_storage: Callable[[StorageRef], None], pickle_protocol: int = 2, *,
             on_dtensor: Callable[[DTensorRef], None] | None = None,
             replicated: Callable[[str], bool] | None = None) -> bytes:
@@ -166,12 +179,17 @@ def flatten(obj, on_storage: Callable[[StorageRef], None], pickle_protocol: int 
         if storage.device.type == "meta":
             raise SerializationError("cannot save a tensor on the meta device: it holds no data")
         path, tensor = paths.get(cdata, (f"storage.{len(keys)}", None))
+        entry_dtype, entry_numel = dtype, numel
+        if storage_type is torch.UntypedStorage and tensor is not None and numel % tensor.dtype.itemsize == 0:
+            # torch pickles dtypes without a legacy storage class (uint16, float8, ...) over
+            # untyped bytes; the manifest still records the tensor's own dtype.
+            entry_dtype, entry_numel = tensor.dtype, numel // tensor.dtype.itemsize
         scope = GLOBAL if (replicated is not None and tensor is not None and replicated(path)) else LOCAL
         key = _unique(path, used[scope])
         keys[cdata] = skeleton_key(scope, key)
         dtypes[cdata] = dtype
         location = torch.serialization.location_tag(storage)
-        on_storage(StorageRef(key, storage, dtype, entry_shape(tensor, numel, dtype), location, scope))
+        on_storage(StorageRef(key, storage, entry_dtype, entry_shape(tensor, entry_numel, entry_dtype), location, scope))
         return ("storage", storage_type, keys[cdata], location, numel)
 
     def reduce_dtensor(dt):
@@ -183,12 +201,20 @@ def flatten(obj, on_storage: Callable[[StorageRef], None], pickle_protocol: int 
         on_dtensor(DTensorRef(key, dt))
         local = dt.to_local()
         shape = tuple(dt.shape)
-        # A storage that holds no memory stands in for the global tensor's storage.
-        stand_in = torch.storage.TypedStorage(math.prod(shape), dtype=dt.dtype, device="meta")
-        global_refs[stand_in._untyped_storage._cdata] = (
-            skeleton_key(GLOBAL, key), torch.serialization.location_tag(local.untyped_storage()))
-        value = (torch._utils._rebuild_tensor_v2,
-                 (stand_in, 0, shape, _contiguous_stride(shape), dt.requires_grad, OrderedDict()))
+        # A storage that holds no memory stands in for the global tensor's storage; the
+        # rebuild call is the one torch.save itself uses for the dtype.
+        location = torch.serialization.location_tag(local.untyped_storage())
+        stride = _contiguous_stride(shape)
+        if _has_typed_storage(dt.dtype):
+            stand_in = torch.storage.TypedStorage(math.prod(shape), dtype=dt.dtype, device="meta")
+            global_refs[stand_in._untyped_storage._cdata] = (skeleton_key(GLOBAL, key), location)
+            value = (torch._utils._rebuild_tensor_v2,
+                     (stand_in, 0, shape, stride, dt.requires_grad, OrderedDict()))
+        else:
+            stand_in = torch.UntypedStorage(math.prod(shape) * dt.dtype.itemsize, device="meta")
+            global_refs[stand_in._cdata] = (skeleton_key(GLOBAL, key), location)
+            value = (torch._utils._rebuild_tensor_v3,
+                     (stand_in, 0, shape, stride, dt.requires_grad, OrderedDict(), dt.dtype))
         placeholders[id(dt)] = value
         return value
 

@@ -44,6 +44,8 @@ def latest_manifest(storage: Storage) -> fmt.Manifest:
     names = storage.list("")
     where = storage.describe()
     if not names:
+        if getattr(storage, "is_dir", lambda: False)():
+            raise NotACheckpointError(f"{where}: is an empty directory, not a ckptstore checkpoint")
         raise CheckpointNotFoundError(f"{where}: no checkpoint here (no such file or directory)")
     if f"{fmt.ATTEMPTS_DIR}/" in names:
         raise NotCommittedError(f"{where}: holds save attempts but no committed manifest")

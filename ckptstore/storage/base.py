@@ -10,7 +10,8 @@ conformance suite (tests/test_storage_conformance.py) checks for every backend:
   :class:`AppendWriter`; its ``close`` makes every appended byte durable.
 - ``readinto`` fills the whole buffer from ``offset`` or raises (a short object is an
   error, never a silent short read). ``read`` returns bytes.
-- ``list`` names the immediate children of a prefix; sub-prefixes end with '/'.
+- ``list`` names the immediate children of a prefix; sub-prefixes end with '/'. A
+  missing prefix has no children (an empty list, not an error).
 - ``walk`` yields every object under a prefix, recursively, with size and mtime.
 - ``delete`` of a missing key is not an error.
 - Missing keys raise :class:`ObjectNotFoundError` (a ``FileNotFoundError``).

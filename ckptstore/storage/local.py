@@ -130,8 +130,8 @@ class LocalStorage(Storage):
         with os_errors(self.describe(prefix)):
             try:
                 entries = list(os.scandir(path))
-            except NotADirectoryError:
-                return []
+            except (NotADirectoryError, FileNotFoundError):
+                return []  # as on object stores: a missing prefix has no children
         out = []
         for e in entries:
             if _TMP_MARK in e.name:

@@ -39,7 +39,9 @@ class MemoryStorage(Storage):
         return cls(objects, "", name)
 
     def _k(self, key: str) -> str:
-        return f"{self._prefix}/{key}" if self._prefix else key
+        if not self._prefix:
+            return key
+        return f"{self._prefix}/{key}" if key else self._prefix
 
     def child(self, prefix: str) -> "MemoryStorage":
         return MemoryStorage(self._objects, self._k(prefix.strip("/")), self._name)

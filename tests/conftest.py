@@ -1,0 +1,73 @@
+"""Shared fixtures: small and generic, for every test file.
+
+- ``storage``: one fresh, empty :class:`~ckptstore.storage.Storage` per backend in
+  ``STORAGE_BACKENDS``; a test that takes it runs once per backend.
+- ``tmp_ckpt``: a path (not yet created) where a test may save a checkpoint.
+- ``memory_url``: a ``memory://`` URL unique to the test.
+- ``observe_earlier_failures``: opt-in (``pytest.mark.usefixtures``); waits for saves
+  other tests left in flight and observes failures they left unobserved, which would
+  otherwise surface on this test's first ``save`` (ckptstore reports them there).
+
+Adding a backend (e.g. S3 on a moto server) is one entry in ``STORAGE_BACKENDS``: a
+factory ``(request, tmp_path) -> Storage`` that calls ``pytest.skip(reason)`` when the
+backend cannot run here and registers its own teardown with ``request.addfinalizer``.
+"""
+
+from __future__ import annotations
+
+import uuid
+import warnings
+
+import pytest
+
+# The package warns once when it runs on its pure-torch fallback (no ckptstore._C): fine in tests.
+warnings.filterwarnings("ignore", message=r"ckptstore\.native", category=RuntimeWarning)
+
+import ckptstore  # noqa: E402
+from ckptstore.errors import CkptStoreError  # noqa: E402
+from ckptstore.storage import LocalStorage, MemoryStorage  # noqa: E402
+
+
+def _local_storage(request, tmp_path):
+    return LocalStorage(tmp_path / "store")
+
+
+def _memory_storage(request, tmp_path):
+    return MemoryStorage()
+
+
+# name -> factory(request, tmp_path) -> Storage.
+# Hook for S3: STORAGE_BACKENDS["s3"] = _s3_storage, where _s3_storage starts (or reuses)
+# a moto server, creates a fresh bucket/prefix, skips with a reason when boto3/moto are
+# missing, and deletes the prefix in a finalizer.
+STORAGE_BACKENDS = {
+    "local": _local_storage,
+    "memory": _memory_storage,
+}
+
+
+@pytest.fixture(params=sorted(STORAGE_BACKENDS))
+def storage(request, tmp_path):
+    """A fresh, empty store of each registered backend."""
+    return STORAGE_BACKENDS[request.param](request, tmp_path)
+
+
+@pytest.fixture
+def tmp_ckpt(tmp_path):
+    """A checkpoint path that does not exist yet."""
+    return tmp_path / "ckpt"
+
+
+@pytest.fixture
+def memory_url():
+    """A ``memory://`` URL no other test uses."""
+    return f"memory://test-{uuid.uuid4().hex[:12]}/ckpt"
+
+
+@pytest.fixture
+def observe_earlier_failures():
+    """Start the test with no unobserved background failure of earlier tests."""
+    try:
+        ckptstore.wait(timeout=60)
+    except (CkptStoreError, TimeoutError):
+        pass

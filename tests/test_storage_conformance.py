@@ -1,0 +1,342 @@
+"""The storage contract (ckptstore/storage/base.py docstring), run against every backend
+the ``storage`` fixture of conftest.py provides."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from ckptstore.errors import AlreadyExistsError, CkptStoreError, ObjectNotFoundError, StorageError
+from ckptstore.storage import LocalStorage, ObjectInfo
+
+N_THREADS = 8
+
+
+def run_threads(n: int, target) -> list:
+    """Run target(i) on n threads released together; returns results (or exceptions)."""
+    barrier = threading.Barrier(n)
+    results: list = [None] * n
+
+    def body(i):
+        barrier.wait()
+        try:
+            results[i] = target(i)
+        except BaseException as e:  # noqa: BLE001 - collected for the assertions
+            results[i] = e
+
+    threads = [threading.Thread(target=body, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+# ---------------------------------------------------------------------------- put / read
+@pytest.mark.parametrize("kind", ["bytes", "bytearray", "memoryview", "empty"])
+def test_put_then_read_round_trip(storage, kind):
+    payload = os.urandom(10_000)
+    data = {"bytes": payload, "bytearray": bytearray(payload), "memoryview": memoryview(payload),
+            "empty": b""}[kind]
+    storage.put("dir/obj.bin", data)
+    assert storage.read("dir/obj.bin") == bytes(data)
+    assert storage.stat("dir/obj.bin").size == len(data)
+
+
+def test_read_ranges(storage):
+    payload = bytes(range(256)) * 4
+    storage.put("k", payload)
+    assert storage.read("k", 10, 5) == payload[10:15]
+    assert storage.read("k", 1000) == payload[1000:]
+    buf = bytearray(7)
+    storage.readinto("k", 250, memoryview(buf))
+    assert bytes(buf) == payload[250:257]
+    empty = bytearray()
+    storage.readinto("k", len(payload), memoryview(empty))  # zero bytes at the end: fine
+    assert empty == bytearray()
+
+
+def test_put_replaces(storage):
+    storage.put("k", b"first version, longer")
+    storage.put("k", b"second")
+    assert storage.read("k") == b"second"
+    assert storage.stat("k").size == 6
+
+
+def test_put_if_absent_creates_new_key(storage):
+    storage.put("m/manifest", b"v1", if_absent=True)
+    assert storage.read("m/manifest") == b"v1"
+
+
+def test_put_if_absent_refuses_existing_and_keeps_old_bytes(storage):
+    storage.put("m/manifest", b"committed", if_absent=True)
+    with pytest.raises(AlreadyExistsError) as ei:
+        storage.put("m/manifest", b"intruder", if_absent=True)
+    assert isinstance(ei.value, FileExistsError)
+    assert "m/manifest" in str(ei.value)
+    assert storage.read("m/manifest") == b"committed"
+
+
+def test_put_if_absent_race_exactly_one_wins(storage):
+    payloads = [f"writer {i}".encode() * (i + 1) for i in range(N_THREADS)]
+    results = run_threads(N_THREADS, lambda i: storage.put("race/manifest", payloads[i], if_absent=True))
+    winners = [i for i, r in enumerate(results) if r is None]
+    losers = [r for r in results if r is not None]
+    assert len(winners) == 1
+    assert all(isinstance(r, AlreadyExistsError) for r in losers)
+    assert storage.read("race/manifest") == payloads[winners[0]]
+
+
+def test_put_is_atomic_for_concurrent_readers(storage):
+    a, b = b"A" * (1 << 20), b"B" * (1 << 20)
+    storage.put("k", a)
+    seen = []
+
+    def writer():
+        for i in range(20):
+            storage.put("k", b if i % 2 == 0 else a)
+
+    def reader():
+        for _ in range(40):
+            seen.append(storage.read("k"))
+
+    results = run_threads(2, lambda i: writer() if i == 0 else reader())
+    assert results == [None, None]
+    assert len(seen) == 40
+    assert all(s == a or s == b for s in seen)
+
+
+# ---------------------------------------------------------------------------- append
+def test_append_writer_round_trip(storage):
+    w = storage.open_append("attempts/x/data.bin")
+    assert w.append(b"hello ") == 0
+    assert w.append(memoryview(b"world")) == 6
+    assert w.append(b"") == 11
+    assert w.close() == 11
+    assert storage.read("attempts/x/data.bin") == b"hello world"
+
+
+def test_append_from_threads_offsets_tile_the_file(storage):
+    w = storage.open_append("data.bin")
+    per_thread = 40
+
+    def body(i):
+        out = []
+        for j in range(per_thread):
+            chunk = bytes([i]) * (1 + (i * 37 + j * 11) % 900)
+            out.append((w.append(chunk), chunk))
+        return out
+
+    results = run_threads(N_THREADS, body)
+    assert not any(isinstance(r, BaseException) for r in results)
+    pieces = sorted(p for r in results for p in r)
+    size = w.close()
+    pos = 0
+    for offset, chunk in pieces:
+        assert offset == pos
+        pos += len(chunk)
+    assert size == pos
+    content = storage.read("data.bin")
+    assert len(content) == size
+    for offset, chunk in pieces:
+        assert content[offset:offset + len(chunk)] == chunk
+
+
+def test_open_append_never_opens_an_existing_key(storage):
+    storage.put("data.bin", b"old")
+    with pytest.raises(AlreadyExistsError):
+        storage.open_append("data.bin")
+    assert storage.read("data.bin") == b"old"
+
+
+def test_append_abort_removes_the_object_and_never_raises(storage):
+    w = storage.open_append("a/data.bin")
+    w.append(b"partial")
+    w.abort()
+    w.abort()  # twice: still no error
+    assert not storage.exists("a/data.bin")
+    with pytest.raises(ObjectNotFoundError):
+        storage.read("a/data.bin")
+
+
+# ---------------------------------------------------------------------------- missing, short
+def test_readinto_short_read_raises(storage):
+    storage.put("k", b"0123456789")
+    buf = bytearray(8)
+    with pytest.raises(StorageError) as ei:
+        storage.readinto("k", 5, memoryview(buf))
+    assert "k" in str(ei.value)
+    with pytest.raises(StorageError):
+        storage.read("k", 8, 5)
+    with pytest.raises(StorageError):
+        storage.read("k", 20, 1)
+
+
+@pytest.mark.parametrize("op", ["read", "readinto", "stat"])
+def test_missing_key_raises_object_not_found(storage, op):
+    storage.put("present", b"x")
+    call = {
+        "read": lambda: storage.read("absent/key"),
+        "readinto": lambda: storage.readinto("absent/key", 0, memoryview(bytearray(1))),
+        "stat": lambda: storage.stat("absent/key"),
+    }[op]
+    with pytest.raises(ObjectNotFoundError) as ei:
+        call()
+    assert isinstance(ei.value, FileNotFoundError)
+    assert isinstance(ei.value, CkptStoreError)
+    assert "absent/key" in str(ei.value)
+    assert storage.exists("absent/key") is False
+    assert storage.exists("present") is True
+
+
+# ---------------------------------------------------------------------------- list / walk / stat
+def _populate(storage) -> dict[str, bytes]:
+    objs = {
+        "top.json": b"{}",
+        "a/one": b"1",
+        "a/two": b"22",
+        "a/deep/three": b"333",
+        "b/four": b"4444",
+        "ab": b"55555",
+    }
+    for k, v in objs.items():
+        storage.put(k, v)
+    return objs
+
+
+def test_list_immediate_children_with_dir_suffix(storage):
+    _populate(storage)
+    assert storage.list("") == ["a/", "ab", "b/", "top.json"]
+    assert storage.list("a") == ["deep/", "one", "two"]
+    assert storage.list("a/") == ["deep/", "one", "two"]
+    assert storage.list("a/deep") == ["three"]
+
+
+def test_list_of_missing_prefix_is_empty_or_not_found(storage):
+    _populate(storage)
+    try:
+        assert storage.list("nothing/here") == []
+    except ObjectNotFoundError:
+        pass
+
+
+def test_walk_is_recursive_with_sizes(storage):
+    objs = _populate(storage)
+    found = {i.key: i.size for i in storage.walk("")}
+    assert found == {k: len(v) for k, v in objs.items()}
+    assert {i.key: i.size for i in storage.walk("a")} == {"a/one": 1, "a/two": 2, "a/deep/three": 3}
+    assert {i.key for i in storage.walk("a/")} == {"a/one", "a/two", "a/deep/three"}
+    assert list(storage.walk("missing")) == []
+    assert all(isinstance(i, ObjectInfo) and isinstance(i.mtime, float) and i.mtime > 0
+               for i in storage.walk(""))
+
+
+def test_stat(storage):
+    storage.put("x/y.bin", b"abcdef")
+    info = storage.stat("x/y.bin")
+    assert (info.key, info.size) == ("x/y.bin", 6)
+    assert isinstance(info.mtime, float) and info.mtime > 0
+    with pytest.raises(ObjectNotFoundError):
+        storage.stat("x")  # a prefix is not an object
+
+
+# ---------------------------------------------------------------------------- delete
+def test_delete_and_delete_missing(storage):
+    storage.put("d/k", b"x")
+    storage.delete("d/k")
+    assert not storage.exists("d/k")
+    with pytest.raises(ObjectNotFoundError):
+        storage.read("d/k")
+    storage.delete("d/k")  # missing: not an error
+    storage.delete("never/was")
+    assert list(storage.walk("")) == []
+
+
+def test_delete_prefix_removes_only_that_prefix(storage):
+    _populate(storage)
+    storage.delete_prefix("a/")
+    assert {i.key for i in storage.walk("")} == {"top.json", "b/four", "ab"}
+    assert storage.read("ab") == b"55555"
+    storage.delete_prefix("missing/")  # nothing there: fine
+    assert {i.key for i in storage.walk("")} == {"top.json", "b/four", "ab"}
+
+
+# ---------------------------------------------------------------------------- child views
+def test_child_view_sees_the_same_objects(storage):
+    sub = storage.child("runs/exp1")
+    sub.put("step/data", b"payload")
+    assert storage.read("runs/exp1/step/data") == b"payload"
+    storage.put("runs/exp1/other", b"o")
+    assert sub.read("other") == b"o"
+    assert sub.list("") == ["other", "step/"]
+    assert sub.list() == ["other", "step/"]
+    assert {i.key: i.size for i in sub.walk("")} == {"step/data": 7, "other": 1}
+    assert {i.key for i in sub.walk("step")} == {"step/data"}
+    assert sub.stat("step/data").size == 7
+    assert sub.exists("other") and not sub.exists("runs/exp1/other")
+    assert "runs/exp1" in sub.describe()
+    assert "runs/exp1/other" in sub.describe("other")
+    with pytest.raises(ObjectNotFoundError) as ei:
+        sub.read("missing")
+    assert "runs/exp1/missing" in str(ei.value)
+
+
+def test_child_of_child_and_trailing_slashes(storage):
+    leaf = storage.child("a/").child("/b")
+    leaf.put("k", b"v")
+    assert storage.read("a/b/k") == b"v"
+    assert storage.child("a").list("") == ["b/"]
+    assert leaf.list("") == ["k"]
+
+
+def test_child_put_if_absent_and_append_and_delete_prefix(storage):
+    sub = storage.child("ck")
+    sub.put("manifest", b"1", if_absent=True)
+    with pytest.raises(AlreadyExistsError):
+        sub.put("manifest", b"2", if_absent=True)
+    w = sub.open_append("attempts/a/data")
+    w.append(b"xyz")
+    w.close()
+    storage.put("keep", b"k")
+    sub.delete_prefix("attempts/")
+    assert {i.key for i in storage.walk("")} == {"ck/manifest", "keep"}
+    sub.delete("manifest")
+    assert {i.key for i in storage.walk("")} == {"keep"}
+
+
+# ---------------------------------------------------------------------------- local disk only
+def _tmp_leftovers(root) -> list[str]:
+    return [os.path.join(d, n) for d, _, files in os.walk(root) for n in files if ".tmp-" in n]
+
+
+def test_local_put_leaves_no_temp_files(tmp_path):
+    s = LocalStorage(tmp_path / "store")
+    s.put("a/b", b"x" * 1000)
+    s.put("a/b", b"y")
+    s.put("a/c", b"z", if_absent=True)
+    with pytest.raises(AlreadyExistsError):
+        s.put("a/c", b"again", if_absent=True)
+    assert _tmp_leftovers(tmp_path) == []
+    assert sorted(os.listdir(tmp_path / "store" / "a")) == ["b", "c"]
+
+
+def test_local_create_only_put_race_never_replaces(tmp_path):
+    s = LocalStorage(tmp_path / "store")
+    s.put("manifest-0000000001.json", b"committed", if_absent=True)
+    results = run_threads(N_THREADS, lambda i: s.put("manifest-0000000001.json", b"x%d" % i, if_absent=True))
+    assert all(isinstance(r, AlreadyExistsError) for r in results)
+    assert s.read("manifest-0000000001.json") == b"committed"
+    results = run_threads(N_THREADS, lambda i: s.put("manifest-0000000002.json", b"w%d" % i, if_absent=True))
+    winners = [i for i, r in enumerate(results) if r is None]
+    assert len(winners) == 1
+    assert s.read("manifest-0000000002.json") == b"w%d" % winners[0]
+    assert _tmp_leftovers(tmp_path) == []
+
+
+def test_local_list_hides_temp_files(tmp_path):
+    s = LocalStorage(tmp_path / "store")
+    s.put("k", b"v")
+    (tmp_path / "store" / "k.tmp-deadbeef").write_bytes(b"half")
+    assert s.list("") == ["k"]
