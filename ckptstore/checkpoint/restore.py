@@ -150,11 +150,13 @@ def restore(storage: Storage, manifest: fmt.Manifest, rank: int, map_location=No
     if manifest.byteorder != "little":
         raise FormatError(f"{where}: big-endian checkpoints are not supported")
     skeleton = bytearray(state.skeleton.raw_length)
-    read_blob(storage, state.skeleton, memoryview(skeleton), f"{where}: object skeleton of rank {rank}")
-
+    skeleton_job = pool.submit(read_blob, storage, state.skeleton, memoryview(skeleton),
+                               f"{where}: object skeleton of rank {rank}")
+    # Tensor errors first: a damaged file then reports the tensor it hit, not the skeleton.
     raw = read_tensors(storage, state.tensors, where, pool)
     needed_globals = {} if globals_as_meta else dict(manifest.tensors)
     raw_globals = read_tensors(storage, needed_globals, where, pool)
+    skeleton_job.result()
 
     restore_location = torch.serialization._get_restore_location(map_location)
     loaded: dict[str, torch.storage.TypedStorage] = {}
