@@ -96,19 +96,43 @@ def _apply(chain: list[dict], data: memoryview, level: int) -> memoryview | byte
     return _compressor(level).compress(data)
 
 
-def encode(data: memoryview, elementsize: int, policy: CompressionPolicy) -> tuple[list[dict], Any]:
-    """Encode raw chunk bytes; returns (codec records, stored bytes-like)."""
+# Decisions of earlier saves, by (tensor key, chunk offsets, size, element size): the same
+# tensor of the next checkpoint almost always compresses as well as it did, so the trial
+# runs again only every RETRY_AFTER saves.
+_decisions: dict[tuple, list] = {}
+RETRY_AFTER = 16
+
+
+def encode(data: memoryview, elementsize: int, policy: CompressionPolicy,
+           hint: tuple | None = None) -> tuple[list[dict], Any]:
+    """Encode raw chunk bytes; returns (codec records, stored bytes-like).
+
+    ``hint`` names the chunk (tensor key, offsets) so "auto" can reuse the decision it
+    made for the same chunk in an earlier save instead of trial-compressing again.
+    """
     n = len(data)
     if policy.mode == "none" or n == 0:
         return [], data
-    best_chain, best_ratio = None, 1.0
-    sample = _sample(data)
-    for filters in _candidates(elementsize):
-        ratio = len(_apply(filters, memoryview(sample), 1)) / len(sample)
-        if ratio < best_ratio:
-            best_chain, best_ratio = filters, ratio
     limit = policy.max_ratio if policy.mode == "auto" else 1.0
-    if best_chain is None or best_ratio > limit:
+    memo_key = (hint, n, elementsize, policy) if hint is not None else None
+    memo = _decisions.get(memo_key) if memo_key is not None else None
+    if memo is not None and memo[1] < RETRY_AFTER:
+        memo[1] += 1
+        best_chain = memo[0]
+    else:
+        best_chain, best_ratio = None, 1.0
+        sample = _sample(data)
+        for filters in _candidates(elementsize):
+            ratio = len(_apply(filters, memoryview(sample), 1)) / len(sample)
+            if ratio < best_ratio:
+                best_chain, best_ratio = filters, ratio
+        if best_ratio > limit:
+            best_chain = None
+        if memo_key is not None:
+            if len(_decisions) > 1_000_000:
+                _decisions.clear()
+            _decisions[memo_key] = [best_chain, 0]
+    if best_chain is None:
         return [], data
     out = _apply(best_chain, data, policy.level)
     if len(out) > n * limit or len(out) >= n:

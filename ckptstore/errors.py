@@ -24,6 +24,10 @@ class ObjectNotFoundError(StorageError, FileNotFoundError):
     """A key (file or object) does not exist in the store."""
 
 
+class TruncatedObjectError(StorageError):
+    """An object ends before the byte range asked for (a short read)."""
+
+
 class AlreadyExistsError(StorageError, FileExistsError):
     """A create-only write found the key already there."""
 

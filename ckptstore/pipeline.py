@@ -134,6 +134,7 @@ class RankWriter:
         self._out: AppendWriter | None = None
         self._open_lock = threading.Lock()
         self._futures: list[Future] = []
+        self._pending: list[tuple] = []
         self._chunks: dict[tuple[str, str], list[fmt.Chunk]] = {}
         self._replicas: list[fmt.ReplicaHash] = []
         self._skeleton: fmt.Blob | None = None
@@ -149,11 +150,24 @@ class RankWriter:
         ``scope`` "l" is a rank-local tensor, "g" a global one. ``write=False`` only
         hashes: a replica that another rank writes, checked against it at commit.
         """
-        self._futures.append(self.rt.workers.submit(self._chunk_task, key, offsets, sizes, itemsize, buf,
-                                                    scope, write))
+        self._pending.append((self._chunk_task, (key, offsets, sizes, itemsize, buf, scope, write), buf))
+
+    def flush(self) -> None:
+        """Start the background work handed over so far.
+
+        Chunks are held back while the caller stages: on a machine with few cores the
+        workers would otherwise compete with the staging copy, the only part of a save
+        that training waits for. ``snapshot`` flushes before the pool could block it,
+        and once everything is staged.
+        """
+        pending, self._pending = self._pending, []
+        for fn, args, _buf in pending:
+            self._futures.append(self.rt.workers.submit(fn, *args))
 
     def submit_skeleton(self, data: bytes) -> None:
-        self._futures.append(self.rt.workers.submit(self._skeleton_task, memoryview(data)))
+        """The last blob of a snapshot: starts every held-back chunk too."""
+        self._pending.append((self._skeleton_task, (memoryview(data),), None))
+        self.flush()
 
     @property
     def failed(self) -> BaseException | None:
@@ -166,10 +180,10 @@ class RankWriter:
                 self._out = self.storage.open_append(self.file)
             return self._out
 
-    def _store(self, raw: memoryview, itemsize: int, release=None) -> fmt.Blob:
+    def _store(self, raw: memoryview, itemsize: int, release=None, hint=None) -> fmt.Blob:
         """Hash, encode and append one blob; calls ``release`` once ``raw`` is not needed."""
         raw_hash = digest(raw)
-        chain, stored = encode(raw, itemsize, self.policy)
+        chain, stored = encode(raw, itemsize, self.policy, hint)
         if release is not None and stored is not raw:
             release()  # the encoded copy is all we still need
             release = None
@@ -199,7 +213,7 @@ class RankWriter:
                 with self._lock:
                     self._replicas.append(replica)
                 return
-            blob = self._store(buf.view, itemsize, release)
+            blob = self._store(buf.view, itemsize, release, hint=(scope, key, tuple(offsets)))
             with self._lock:
                 self._chunks.setdefault((scope, key), []).append(fmt.Chunk(tuple(offsets), tuple(sizes), blob))
         except BaseException as e:
@@ -244,6 +258,10 @@ class RankWriter:
         return Written(self._skeleton, local, shards, tuple(sorted(self._replicas, key=lambda r: (r.key, r.offsets))))
 
     def abort(self) -> None:
+        for _fn, _args, buf in self._pending:  # held back, never started: return the buffers
+            if buf is not None:
+                self.rt.pool.release(buf)
+        self._pending = []
         wait_futures(self._futures)
         if self._out is not None:
             self._out.abort()

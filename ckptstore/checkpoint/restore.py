@@ -22,10 +22,10 @@ from ..errors import (
     NotACheckpointError,
     NotCommittedError,
     ObjectNotFoundError,
-    StorageError,
+    TruncatedObjectError,
     UnsafeLoadError,
 )
-from ..hashing import digest
+from ..hashing import Hasher, digest
 from ..storage import Storage
 from .commit import generations, read_manifest
 from .flatten import GLOBAL, parse_skeleton_key, region_byte_offset
@@ -55,24 +55,24 @@ def latest_manifest(storage: Storage) -> fmt.Manifest:
 def read_blob(storage: Storage, blob: fmt.Blob, out: memoryview, what: str) -> None:
     """Read one blob into ``out`` (its raw length), decode it and check its hash."""
     where = f"{what} (file {blob.file}, offset {blob.offset}, {blob.length} bytes)"
+    hasher = None
     try:
         if not blob.codec:
             if blob.length != blob.raw_length:
                 raise FormatError(f"{where}: raw blob length {blob.length} != raw_length {blob.raw_length}")
-            storage.readinto(blob.file, blob.offset, out)
+            hasher = Hasher()
+            storage.readinto(blob.file, blob.offset, out, on_piece=hasher.update)
         else:
             stored = bytearray(blob.length)
             storage.readinto(blob.file, blob.offset, memoryview(stored))
             decode_into(blob.codec, stored, out, where)
     except ObjectNotFoundError as e:
         raise IntegrityError(f"{where}: file is missing: {e}") from e
-    except StorageError as e:
-        if "short read" in str(e):
-            raise IntegrityError(f"{where}: file is truncated: {e}") from e
-        raise
+    except TruncatedObjectError as e:
+        raise IntegrityError(f"{where}: file is truncated: {e}") from e
     except FormatError as e:
         raise IntegrityError(f"{where}: cannot decode: {e}") from e
-    actual = digest(out)
+    actual = hasher.hexdigest() if hasher is not None else digest(out)
     if actual != blob.xxh3_128:
         raise IntegrityError(f"{where}: xxh3-128 mismatch (stored {blob.xxh3_128}, read {actual})")
 

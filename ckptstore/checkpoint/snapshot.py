@@ -52,6 +52,8 @@ def snapshot(obj, writer: RankWriter, pool: StagingPool, chunk_bytes: int = DEFA
             if writer.failed is not None:
                 raise writer.failed  # stop staging a save that cannot commit
             goff = tuple(o + d for o, d in zip(offsets, offset0))
+            if pool.in_use + nbytes > pool.capacity // 2:
+                writer.flush()  # acquire may wait for buffers: let the workers free them
             buf = pool.acquire(nbytes)
             try:
                 _copy_storage_bytes(buf, storage, base + byte_off, nbytes)

@@ -8,8 +8,10 @@ conformance suite (tests/test_storage_conformance.py) checks for every backend:
   exists it raises :class:`AlreadyExistsError` and leaves the key untouched (I1).
 - ``open_append`` creates a new key (never an existing one) and returns an
   :class:`AppendWriter`; its ``close`` makes every appended byte durable.
-- ``readinto`` fills the whole buffer from ``offset`` or raises (a short object is an
-  error, never a silent short read). ``read`` returns bytes.
+- ``readinto`` fills the whole buffer from ``offset`` or raises
+  :class:`TruncatedObjectError` (a short object is an error, never a silent short
+  read). ``on_piece``, when given, is called with each filled piece in order, while it
+  is still in the CPU cache (load hashes as it reads). ``read`` returns bytes.
 - ``list`` names the immediate children of a prefix; sub-prefixes end with '/'. A
   missing prefix has no children (an empty list, not an error).
 - ``walk`` yields every object under a prefix, recursively, with size and mtime.
@@ -65,7 +67,7 @@ class Storage(abc.ABC):
     def open_append(self, key: str) -> AppendWriter: ...
 
     @abc.abstractmethod
-    def readinto(self, key: str, offset: int, out: memoryview) -> None: ...
+    def readinto(self, key: str, offset: int, out: memoryview, on_piece=None) -> None: ...
 
     def read(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
         if length is None:

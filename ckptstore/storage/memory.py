@@ -6,7 +6,7 @@ import threading
 import time
 from typing import Iterator
 
-from ..errors import AlreadyExistsError, ObjectNotFoundError, StorageError
+from ..errors import AlreadyExistsError, ObjectNotFoundError, TruncatedObjectError
 from .base import AppendWriter, ObjectInfo, Storage
 
 class _Objects(dict):
@@ -61,14 +61,16 @@ class MemoryStorage(Storage):
             self._objects[k] = [b"", time.time()]
         return _MemoryAppendWriter(self, key, k)
 
-    def readinto(self, key: str, offset: int, out: memoryview) -> None:
+    def readinto(self, key: str, offset: int, out: memoryview, on_piece=None) -> None:
         data = self._get(key)
         if offset + len(out) > len(data):
-            raise StorageError(
+            raise TruncatedObjectError(
                 f"{self.describe(key)}: short read, wanted {len(out)} bytes at offset {offset}, "
                 f"object holds {len(data)}"
             )
         out[:] = data[offset:offset + len(out)]
+        if on_piece is not None:
+            on_piece(out)
 
     def _get(self, key: str) -> bytes:
         with self._lock:
