@@ -19,7 +19,7 @@ import torch
 
 from . import format as fmt
 from . import lifecycle
-from .checkpoint.commit import generations, read_manifest
+from .checkpoint.commit import generations, read_manifest, write_failure_vote
 from .checkpoint.container import MAGIC, read_container, write_container
 from .checkpoint.group import agree_on_attempt, rank_and_world
 from .checkpoint.reshard import fill_template
@@ -29,7 +29,14 @@ from .codecs import CompressionPolicy
 from .checkpoint import gc
 from .checkpoint.catalog import PIN_NAME
 from .checkpoint.retention import Retention, parse_duration
-from .errors import CheckpointNotFoundError, CkptStoreError, FormatError, NotACheckpointError, ObjectNotFoundError
+from .errors import (
+    CheckpointNotFoundError,
+    CkptStoreError,
+    CommitError,
+    FormatError,
+    NotACheckpointError,
+    ObjectNotFoundError,
+)
 from .pipeline import runtime
 from .storage import MemoryStorage, Storage, is_url, open_storage
 
@@ -196,8 +203,13 @@ class Store:
         """
         lifecycle.raise_earlier_failure()
         where = self.location(step)
-        attempt = agree_on_attempt(step, where.describe(), self.process_group)
+        attempt, step0 = agree_on_attempt(step, self.process_group)
         rank, world = rank_and_world(self.process_group)
+        if step0 != step:
+            error = CommitError(f"{where.describe()}: rank {rank} saves step {step} while rank 0 saves step {step0}")
+            # Tell rank 0 where it waits for votes, so it fails now, not at its timeout.
+            write_failure_vote(self.location(step0), attempt, step0, world, rank, error)
+            raise error
         after_commit = self._apply_retention if (self.keep is not None and rank == 0) else None
         options = dataclasses.replace(self.options, replicated=tuple(replicated))
         future = start_save(state, where, rt=runtime(), attempt=attempt, step=step, rank=rank,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import math
 import pickle
+import sys
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -64,11 +65,10 @@ def _is_dtensor(o) -> bool:
 
 
 def _dtensor_class():
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch built without distributed
-        return None
-    return DTensor
+    # Importing torch.distributed.tensor costs a second or more; if nothing imported it,
+    # no DTensor can exist, so the blocking part of a save never pays for that import.
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
 
 
 def tensor_paths(obj, prefix: str = "") -> tuple[dict[int, tuple[str, torch.Tensor]], dict[int, str]]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from .. import format as fmt
-from ..errors import CommitError
 
 
 def rank_and_world(group=None) -> tuple[int, int]:
@@ -19,16 +18,14 @@ def rank_and_world(group=None) -> tuple[int, int]:
     return 0, 1
 
 
-def agree_on_attempt(step: int | None, where: str, group=None) -> str:
-    """A fresh attempt id that every rank of ``group`` shares (collective)."""
+def agree_on_attempt(step: int | None, group=None) -> tuple[str, int | None]:
+    """A fresh attempt id that every rank of ``group`` shares, and rank 0's step
+    (collective). The caller checks that its own step is rank 0's."""
     rank, world = rank_and_world(group)
     attempt = fmt.new_attempt_id()
     if world == 1:
-        return attempt
+        return attempt, step
     payload = [attempt, step] if rank == 0 else [None, None]
     src = 0 if group is None else dist.get_global_rank(group, 0)
     dist.broadcast_object_list(payload, src=src, group=group)
-    attempt, step0 = payload
-    if step0 != step:
-        raise CommitError(f"{where}: rank {rank} saves step {step} while rank 0 saves step {step0}")
-    return attempt
+    return payload[0], payload[1]

@@ -1,0 +1,104 @@
+"""One rank of a real gloo process group, for tests/test_distributed.py.
+
+argv: scenario, root, commit timeout (s). Rank, world size and the rendezvous come
+from the environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT: env://).
+Prints one line per event; the parent asserts on them.
+
+Scenarios
+  roundtrip   every rank saves step 7 with its own state; "committed <step> <world> <gen>",
+              then loads its own state back without rank= ("selfload ok|bad").
+  victim      every rank saves step 1 and commits; then step 2, where rank $VICTIM
+              SIGKILLs itself in the middle of save() (after some tensors were staged,
+              before it can vote). Survivors print "failed <ExceptionType>".
+  mismatch    rank 0 saves step 5, the others step 6.
+  unpicklable rank 1's state holds an object that cannot be pickled.
+  write_fails rank 1's background write of its data file fails (RLIMIT_FSIZE).
+"""
+
+import os
+import resource
+import signal
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch.distributed as dist  # noqa: E402
+
+import ckptstore  # noqa: E402
+from states import equal_bitwise, rank_state  # noqa: E402
+
+scenario, root, timeout = sys.argv[1], sys.argv[2], float(sys.argv[3])
+dist.init_process_group("gloo", init_method="env://")
+rank, world = dist.get_rank(), dist.get_world_size()
+store = ckptstore.Store(root, commit_timeout=timeout, chunk_bytes=64 << 10)
+
+
+def say(*words):
+    print(*words, flush=True)
+
+
+def report_failure(fut):
+    exc = fut.exception()
+    say("failed", "none" if exc is None else type(exc).__name__,
+        int(isinstance(exc, ckptstore.CommitError)), int(isinstance(exc, ckptstore.CommitTimeoutError)))
+
+
+class KillMeWhenPickled:
+    """Pickled inside save(): the rank dies after earlier tensors were staged, before voting."""
+
+    def __reduce__(self):
+        os.kill(os.getpid(), signal.SIGKILL)
+        raise AssertionError("unreachable")
+
+
+if scenario == "roundtrip":
+    m = store.save(7, rank_state(rank, 7)).result()
+    say("committed", m.step, m.world_size, m.generation)
+    dist.barrier()  # every rank's result() returned: safe to load
+    say("selfload", "ok" if equal_bitwise(store.load(7), rank_state(rank, 7)) else "bad")
+elif scenario == "victim":
+    victim = int(os.environ["VICTIM"])
+    m = store.save(1, rank_state(rank, 1)).result()
+    say("committed", m.step, m.world_size, m.generation)
+    state = rank_state(rank, 2, numel=1_000_000)
+    if rank == victim:
+        state["zz_killer"] = KillMeWhenPickled()  # after the big tensors (dict order)
+    fut = store.save(2, state)
+    say("staged", 2)
+    report_failure(fut)
+    os._exit(0)  # a peer is dead: skip tearing the process group down
+elif scenario == "mismatch":
+    step = 5 if rank == 0 else 6
+    try:
+        fut = store.save(step, rank_state(rank, step))
+    except Exception as e:  # noqa: BLE001 - reported to the parent
+        say("save_raised", type(e).__name__, int(isinstance(e, ckptstore.CommitError)))
+    else:
+        say("staged", step)
+        report_failure(fut)
+elif scenario == "unpicklable":
+    state = rank_state(rank, 3)
+    if rank == 1:
+        state["bad"] = lambda: None  # pickling a lambda fails
+    try:
+        fut = store.save(3, state)
+    except Exception as e:  # noqa: BLE001 - reported to the parent
+        say("save_raised", type(e).__name__, int(isinstance(e, ckptstore.CommitError)))
+    else:
+        say("staged", 3)
+        report_failure(fut)
+elif scenario == "write_fails":
+    state = rank_state(rank, 4, numel=300_000)
+    if rank == 1:
+        # A real I/O failure in the background: files of this process may not grow past
+        # 64 KiB (EFBIG instead of SIGXFSZ), so writing the data file fails after save()
+        # returned, while the small vote files still fit.
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))
+    fut = ckptstore.Store(root, commit_timeout=timeout, compression="none", chunk_bytes=64 << 10).save(4, state)
+    say("staged", 4)
+    report_failure(fut)
+else:
+    raise SystemExit(f"unknown scenario {scenario}")
+say("done")
+dist.destroy_process_group()
