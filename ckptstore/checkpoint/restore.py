@@ -79,17 +79,27 @@ def read_blob(storage: Storage, blob: fmt.Blob, out: memoryview, what: str) -> N
 
 def read_tensors(storage: Storage, tensors: dict[str, fmt.TensorEntry], where: str,
                  pool) -> dict[str, torch.UntypedStorage]:
-    """Read every chunk of every tensor into new CPU storages, all chunks in parallel."""
+    """Read every chunk of every tensor into new CPU storages, all chunks in parallel.
+
+    A chunk whose region is contiguous in the tensor (rows of a row-major tensor) is
+    read straight into place; any other region (a column shard, say) is read whole and
+    copied into a strided view of the tensor.
+    """
     out: dict[str, torch.UntypedStorage] = {}
     jobs = []
     for key, entry in tensors.items():
         size = fmt.itemsize(entry.dtype)
         data = torch.empty(entry.nbytes, dtype=torch.uint8)
         view = memoryview(data.numpy()) if entry.nbytes else memoryview(bytearray())
+        what = f"{where}: tensor {key!r}"
         for c in entry.chunks:
-            start = region_byte_offset(entry.shape, c.offsets, size)
-            dst = view[start:start + c.blob.raw_length]
-            jobs.append(pool.submit(read_blob, storage, c.blob, dst, f"{where}: tensor {key!r}"))
+            if _contiguous_region(entry.shape, c.offsets, c.sizes):
+                start = region_byte_offset(entry.shape, c.offsets, size)
+                dst = view[start:start + c.blob.raw_length]
+                jobs.append(pool.submit(read_blob, storage, c.blob, dst, what))
+            else:
+                full = data.view(fmt.dtype_from_name(entry.dtype)).reshape(entry.shape)
+                jobs.append(pool.submit(_read_into_region, storage, c, full, what))
         out[key] = data.untyped_storage()
     try:
         for j in jobs:
@@ -100,11 +110,19 @@ def read_tensors(storage: Storage, tensors: dict[str, fmt.TensorEntry], where: s
     return out
 
 
-class _StorageType:
-    """What ``find_class`` returns for legacy storage classes (as torch.load does)."""
+def _contiguous_region(shape, offsets, sizes) -> bool:
+    """Whether a region is one contiguous run of a row-major tensor: all dimensions
+    after the first partial one are whole, and all before it have size one."""
+    partial = [d for d in range(len(shape)) if sizes[d] != shape[d]]
+    if not partial:
+        return True
+    first = partial[0]
+    return all(sizes[d] == 1 for d in range(first)) and all(sizes[d] == shape[d] for d in range(first + 1, len(shape)))
 
-    def __init__(self, name: str):
-        self.dtype = torch.serialization.StorageType(name).dtype
+
+def _read_into_region(storage: Storage, c: fmt.Chunk, full: torch.Tensor, what: str) -> None:
+    chunk = _read_chunk(storage, c, full.dtype, what)
+    full[tuple(slice(o, o + n) for o, n in zip(c.offsets, c.sizes))] = chunk
 
 
 def read_region(storage: Storage, entry: fmt.TensorEntry, where: str, offsets, sizes, pool) -> torch.Tensor:

@@ -109,19 +109,30 @@ def _stable_hash(key: str, offsets) -> int:
 
 
 def _writes_dtensor_replica(dt):
-    """A predicate (key, chunk offsets) -> does this rank write that chunk."""
+    """A predicate (key, chunk offsets) -> does this rank write that chunk.
+
+    The replicas of a shard are the ranks that differ only along the mesh dimensions
+    the DTensor is replicated over: its Replicate placements and, for a DTensor on a
+    submesh (say ``mesh["tp"]`` of a ("dp", "tp") mesh), the root mesh's other
+    dimensions, whose sibling submeshes hold the same data.
+    """
     mesh = dt.device_mesh
     coord = mesh.get_coordinate()
-    rep_dims = [i for i, p in enumerate(dt.placements) if p.is_replicate()]
     if coord is None:
         return lambda key, offsets: False
-    if not rep_dims:
+    replicated = [(mesh.size(i), coord[i]) for i, p in enumerate(dt.placements) if p.is_replicate()]
+    root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
+    if root is not mesh and root.mesh_dim_names and mesh.mesh_dim_names:
+        root_coord = root.get_coordinate()
+        for j, name in enumerate(root.mesh_dim_names):
+            if name not in mesh.mesh_dim_names:
+                replicated.append((root.size(j), root_coord[j]))
+    if not replicated:
         return lambda key, offsets: True
-    sizes = [mesh.size(i) for i in rep_dims]
     index = 0
-    for i, n in zip(rep_dims, sizes):
-        index = index * n + coord[i]
-    replicas = math.prod(sizes)
+    for n, c in replicated:
+        index = index * n + c
+    replicas = math.prod(n for n, _ in replicated)
     return lambda key, offsets: _stable_hash(key, offsets) % replicas == index
 
 
