@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import os
 import sys
 import time
 
@@ -104,7 +105,7 @@ def ls(url: str, as_json: bool, show_all: bool) -> None:
         _fail(str(e), EXIT_PROBLEM)
     records = []
     for loc in locations:
-        if loc.committed:
+        if loc.committed or loc.manifest_error:
             rec = _ls_record(loc, now)
             if show_all:
                 rec["attempts"] = _attempt_records(loc, now)
@@ -123,7 +124,8 @@ def ls(url: str, as_json: bool, show_all: bool) -> None:
                      (r["committed_at"] or "uncommitted")[:19].replace("T", " "),
                      "" if r["world_size"] is None else str(r["world_size"]),
                      _human_bytes(r["bytes"]), _human_bytes(r["raw_bytes"]),
-                     ("pinned " if r["pinned"] else "") + metrics])
+                     ("pinned " if r["pinned"] else "") + metrics
+                     + (f"UNREADABLE MANIFEST: {r['error']}" if r.get("error") else "")])
         for a in r.get("attempts", []):
             if not a["committed"]:
                 rows.append([f"  {a['attempt']}", "", f"uncommitted, age {a['age_s']:.0f}s",
@@ -257,7 +259,10 @@ def consolidate(src: str, dst: str, as_torch: bool, rank: int, weights_only: boo
     import torch
 
     from . import api
+    from .storage import is_url
 
+    if (not is_url(dst) and os.path.exists(dst)) or (is_url(dst) and open_storage(dst).list("")):
+        _fail(f"{dst}: already exists; consolidate never replaces a checkpoint", EXIT_USAGE)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", api.WorldSizeChangedWarning)
@@ -266,8 +271,6 @@ def consolidate(src: str, dst: str, as_torch: bool, rank: int, weights_only: boo
             with open(dst, "xb") as f:
                 torch.save(obj, f)
                 f.flush()
-                import os
-
                 os.fsync(f.fileno())
         else:
             api.save(obj, dst).result()

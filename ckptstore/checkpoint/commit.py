@@ -28,19 +28,36 @@ from ..errors import (
 from ..storage import Storage
 
 
+HEARTBEAT_EVERY = 10.0  # seconds between heartbeats of a rank waiting in the commit
+
+
 class Deadline:
     """Polling with backoff until a deadline: waits on storage, never on the training
     process group (votes travel through storage, so background threads need no
-    collectives)."""
+    collectives).
 
-    def __init__(self, timeout: float):
+    While it waits, the rank rewrites a heartbeat file in its attempt now and then:
+    gc judges an attempt's age by its newest file, so an attempt whose ranks are still
+    waiting never looks abandoned (I7).
+    """
+
+    def __init__(self, timeout: float, storage: Storage | None = None, attempt: str = "", rank: int = 0):
         self.end = time.monotonic() + timeout
         self.delay = 0.002
+        self._beat = (storage, f"{fmt.attempt_dir(attempt)}/heartbeat-r{rank:05d}") if storage else None
+        self._last_beat = time.monotonic()
 
     def sleep_or_expire(self) -> bool:
-        left = self.end - time.monotonic()
+        now = time.monotonic()
+        left = self.end - now
         if left <= 0:
             return False
+        if self._beat is not None and now - self._last_beat >= HEARTBEAT_EVERY:
+            self._last_beat = now
+            try:
+                self._beat[0].put(self._beat[1], fmt.utc_now().encode())
+            except Exception:
+                pass  # a missed heartbeat only makes gc's view older, never wrong data
         time.sleep(min(self.delay, left))
         self.delay = min(self.delay * 2, 0.25)
         return True
@@ -93,7 +110,7 @@ def commit(storage: Storage, own: fmt.Vote, world_size: int, created_at: str, me
     attempt = own.attempt
     where = storage.describe()
     votes = {0: own}
-    deadline = Deadline(timeout)
+    deadline = Deadline(timeout, storage, attempt, 0)
     while True:
         if world_size > 1:
             votes.update(read_votes(storage, attempt))
@@ -123,6 +140,11 @@ def commit(storage: Storage, own: fmt.Vote, world_size: int, created_at: str, me
     except FormatError as e:
         abort(storage, attempt, str(e))
         raise CommitError(f"{where}: refusing to commit: {e}") from e
+    try:
+        check_files(storage, ranks, tensors)
+    except CommitError as e:
+        abort(storage, attempt, str(e))
+        raise
     previous = generations(storage)
     generation = (previous[-1] + 1) if previous else 1
     manifest = fmt.Manifest(
@@ -138,6 +160,26 @@ def commit(storage: Storage, own: fmt.Vote, world_size: int, created_at: str, me
         ) from e
     retire_generations(storage, below=generation)
     return manifest
+
+
+def check_files(storage: Storage, ranks, tensors) -> None:
+    """Every data file the manifest will name is there and long enough: a file lost
+    while the committer waited (deleted by hand, or by a gc run with a grace shorter
+    than the wait) must not be published (I1)."""
+    need: dict[str, int] = {}
+    blobs = [b for r in ranks for _, b in r.blobs()]
+    blobs += [c.blob for e in tensors.values() for c in e.chunks]
+    for b in blobs:
+        need[b.file] = max(need.get(b.file, 0), b.offset + b.length)
+    for name, size in sorted(need.items()):
+        try:
+            have = storage.stat(name).size
+        except ObjectNotFoundError:
+            raise CommitError(f"{storage.describe(name)}: data file vanished before the commit; "
+                              "nothing was committed") from None
+        if have < size:
+            raise CommitError(f"{storage.describe(name)}: data file holds {have} bytes, the votes "
+                              f"name {size}; nothing was committed")
 
 
 def merge_shards(votes: list[fmt.Vote]) -> dict[str, fmt.TensorEntry]:
@@ -194,10 +236,10 @@ def abort(storage: Storage, attempt: str, reason) -> None:
         pass
 
 
-def await_outcome(storage: Storage, attempt: str, timeout: float) -> fmt.Manifest:
+def await_outcome(storage: Storage, attempt: str, timeout: float, rank: int = 1) -> fmt.Manifest:
     """Ranks other than 0: wait until rank 0 committed this attempt or gave up."""
     where = storage.describe()
-    deadline = Deadline(timeout)
+    deadline = Deadline(timeout, storage, attempt, rank)
     seen: set[int] = set()
     while True:
         for gen in reversed(generations(storage)):

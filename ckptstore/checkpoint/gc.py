@@ -37,6 +37,8 @@ class GcPlan:
     url: str
     kept: dict[str, list[str]] = field(default_factory=dict)
     deletions: list[Deletion] = field(default_factory=list)
+    stale_upload_age: float | None = None  # abort multipart uploads idle longer than this
+    aborted_uploads: list[str] = field(default_factory=list)
 
     @property
     def bytes(self) -> int:
@@ -49,6 +51,7 @@ class GcPlan:
             "deleted": [{"kind": d.kind, "location": d.location, "reason": d.reason, "bytes": d.bytes,
                          "objects": len(d.keys)} for d in self.deletions],
             "bytes": self.bytes,
+            "stale_uploads": self.aborted_uploads,
         }
 
 
@@ -66,7 +69,7 @@ def plan(storage: Storage, policy: Retention = Retention(), grace: float = DEFAU
          now: float | None = None) -> GcPlan:
     now = time.time() if now is None else now
     locations = scan_store(storage)
-    result = GcPlan(storage.describe())
+    result = GcPlan(storage.describe(), stale_upload_age=grace)
     committed = [loc for loc in locations if loc.committed]
     cands = [Candidate(_label(loc), loc.step, loc.committed_at(), dict(loc.manifest.metrics), loc.pinned)
              for loc in committed]
@@ -74,6 +77,11 @@ def plan(storage: Storage, policy: Retention = Retention(), grace: float = DEFAU
 
     for loc in locations:
         label = _label(loc)
+        if loc.manifest_error is not None:
+            # A manifest we cannot read (corrupt, or a newer format) still claims its files:
+            # keep the whole location and let a person look (verify reports it).
+            result.kept[label] = [f"unreadable manifest: {loc.manifest_error}"]
+            continue
         referenced = {loc.manifest.attempt} if loc.manifest else set()
         if loc.committed and label not in result.kept:
             # The whole checkpoint goes: its manifests, then the attempts they name.
@@ -113,19 +121,26 @@ def plan(storage: Storage, policy: Retention = Retention(), grace: float = DEFAU
 
 
 def execute(storage: Storage, gc_plan: GcPlan, on_deleted=None) -> None:
-    """Carry out a plan, deletion by deletion, each in its key order (manifests first)."""
+    """Carry out a plan, deletion by deletion, each in its key order (manifests first).
+
+    Keys are deleted through the store's root, so directories a deletion empties go too.
+    """
     for d in gc_plan.deletions:
-        loc = storage.child(d.location) if d.location != "." else storage
+        prefix = "" if d.location == "." else f"{d.location}/"
         for key in d.keys:
-            loc.delete(key)
+            storage.delete(prefix + key)
         if on_deleted is not None:
             on_deleted(d)
+    if gc_plan.stale_upload_age is not None:
+        gc_plan.aborted_uploads = storage.abort_stale_uploads(gc_plan.stale_upload_age)
 
 
 def collect(storage: Storage, policy: Retention = Retention(), grace: float = DEFAULT_GRACE,
             dry_run: bool = False) -> GcPlan:
     p = plan(storage, policy, grace)
-    if not dry_run:
+    if dry_run:
+        p.aborted_uploads = storage.abort_stale_uploads(grace, dry_run=True)
+    else:
         execute(storage, p)
     return p
 

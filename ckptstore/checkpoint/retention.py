@@ -51,7 +51,7 @@ class Retention:
     def __post_init__(self):
         for name in ("last", "every"):
             v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or v < 1):
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise ValueError(f"keep {name} must be a positive int, got {v!r}")
         if isinstance(self.within, str):
             object.__setattr__(self, "within", parse_duration(self.within))

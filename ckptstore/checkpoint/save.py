@@ -101,7 +101,7 @@ def start_save(obj, storage: Storage, *, rt: Runtime, attempt: str, step: int | 
             if rank == 0:
                 manifest = commit(storage, vote, world_size, created_at, dict(metrics or {}), options.commit_timeout)
             else:
-                manifest = await_outcome(storage, attempt, options.commit_timeout)
+                manifest = await_outcome(storage, attempt, options.commit_timeout, rank)
         except BaseException as e:
             _refuse(storage, attempt, step, world_size, rank, e)
             future._future.set_exception(e)

@@ -3,6 +3,7 @@ size and, in full mode, every blob read, decoded and its xxh3-128 matched."""
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 from .. import format as fmt
@@ -21,9 +22,14 @@ class Problem:
     message: str
 
     def __str__(self) -> str:
-        what = f"tensor {self.key!r}" if self.key else "skeleton" if self.file else "checkpoint"
+        if self.key is not None:
+            what = f"global tensor {self.key!r}" if self.rank is None else f"rank {self.rank} tensor {self.key!r}"
+        elif self.rank is not None:
+            what = f"rank {self.rank} skeleton"
+        else:
+            what = "checkpoint"
         at = f" in {self.file} at byte {self.offset}" if self.file else ""
-        return f"{self.checkpoint}: rank {self.rank} {what}{at}: {self.message}"
+        return f"{self.checkpoint}: {what}{at}: {self.message}"
 
 
 def verify_manifest(storage: Storage, manifest: fmt.Manifest, quick: bool = False, pool=None,
@@ -39,7 +45,9 @@ def verify_manifest(storage: Storage, manifest: fmt.Manifest, quick: bool = Fals
             sizes[name] = storage.stat(name).size
         except ObjectNotFoundError:
             sizes[name] = None
-            problems.append(Problem(where, None, None, name, None, "file is missing"))
+    for rank, key, blob in manifest.blobs():
+        if sizes.get(blob.file, 0) is None:
+            problems.append(Problem(where, rank, key, blob.file, blob.offset, "file is missing"))
     jobs = []
     pool = pool or runtime().readers
     for rank, key, blob in manifest.blobs():
@@ -61,9 +69,20 @@ def verify_manifest(storage: Storage, manifest: fmt.Manifest, quick: bool = Fals
     return problems
 
 
+_scratch = threading.local()
+
+
+def _buffer(n: int) -> memoryview:
+    """A reusable per-thread buffer: verify reads every blob but keeps none of them."""
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or len(buf) < n:
+        buf = _scratch.buf = bytearray(max(n, 1 << 20))
+    return memoryview(buf)[:n]
+
+
 def _check_blob(storage: Storage, blob: fmt.Blob, key) -> str | None:
     try:
-        read_blob(storage, blob, memoryview(bytearray(blob.raw_length)), f"tensor {key!r}" if key else "skeleton")
+        read_blob(storage, blob, _buffer(blob.raw_length), f"tensor {key!r}" if key else "skeleton")
     except CkptStoreError as e:
         return str(e)
     return None

@@ -17,8 +17,23 @@ def is_url(f) -> bool:
     return isinstance(f, str) and "://" in f
 
 
-def open_storage(url: str | os.PathLike) -> Storage:
-    """The store rooted at a local path or URL."""
+def open_storage(url: str | os.PathLike, **options) -> Storage:
+    """The store rooted at a local path or URL.
+
+    ``s3://bucket/prefix`` opens :class:`~ckptstore.storage.s3.S3Storage` (boto3; endpoint,
+    region and credentials from boto3's standard configuration); ``options`` are passed
+    to it (``part_size``, ``max_concurrency``, ``max_attempts``, ``endpoint_url``, ...).
+    Local paths and ``memory://`` URLs take no options.
+    """
+    if isinstance(url, str) and url.startswith("s3://"):
+        from .s3 import S3Storage
+
+        bucket, _, prefix = url[len("s3://"):].partition("/")
+        if not bucket:
+            raise ValueError(f"no bucket in {url!r} (expected s3://bucket/prefix)")
+        return S3Storage(bucket, prefix, **options)
+    if options:
+        raise TypeError(f"storage options {sorted(options)} apply to s3:// URLs only, not {os.fspath(url)!r}")
     if isinstance(url, str) and url.startswith("memory://"):
         name, _, prefix = url[len("memory://"):].partition("/")
         store = MemoryStorage.named(name)
