@@ -63,7 +63,7 @@ def wait(timeout: float | None = None) -> None:
             break
         for f in pending:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            f._future.exception(left)  # TimeoutError when the deadline passes
+            f.exception(left)  # TimeoutError when the deadline passes
             waited.append(f)
     with _lock:
         failed = [f for f in _unobserved_failures if not f.observed]

@@ -230,6 +230,13 @@ def restore(storage: Storage, manifest: fmt.Manifest, rank: int, map_location=No
     return result
 
 
+class _StorageType:
+    """What ``find_class`` returns for legacy storage classes (as torch.load does)."""
+
+    def __init__(self, name: str):
+        self.dtype = torch.serialization.StorageType(name).dtype
+
+
 class _FullUnpickler(pickle.Unpickler):
     """weights_only=False: plain pickle (runs code by design), with torch's storage names."""
 
