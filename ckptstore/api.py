@@ -33,7 +33,6 @@ from .errors import (
     CheckpointNotFoundError,
     CkptStoreError,
     CommitError,
-    FormatError,
     NotACheckpointError,
     ObjectNotFoundError,
 )

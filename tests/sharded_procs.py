@@ -13,7 +13,6 @@ turns a hang into a failure.
 from __future__ import annotations
 
 import datetime
-import math
 import os
 import re
 import threading
