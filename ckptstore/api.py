@@ -55,7 +55,8 @@ def _is_stream(f) -> bool:
 
 
 def save(obj: Any, f, pickle_protocol: int = 2, *, compression: str | CompressionPolicy = "auto",
-         commit_timeout: float = 600.0, chunk_bytes: int | None = None) -> SaveFuture:
+         commit_timeout: float = 600.0, chunk_bytes: int | None = None,
+         storage_options: dict | None = None) -> SaveFuture:
     """Save ``obj`` like ``torch.save``; returns once its tensors are staged.
 
     ``f`` is a local path (the checkpoint is a directory there), a ``memory://`` or
@@ -63,6 +64,7 @@ def save(obj: Any, f, pickle_protocol: int = 2, *, compression: str | Compressio
     path that holds a checkpoint makes a new generation: the old one stays loadable until
     the new one is committed. A file object is written before ``save`` returns.
     This call is not collective: in a distributed job it saves this process's object.
+    ``storage_options`` go to the backend (for S3: endpoint_url, part_size, ...).
     """
     lifecycle.raise_earlier_failure()
     options = _options(compression, commit_timeout, chunk_bytes, pickle_protocol)
@@ -79,13 +81,14 @@ def save(obj: Any, f, pickle_protocol: int = 2, *, compression: str | Compressio
             f"{os.fspath(f)}: is a file (perhaps written by torch.save); ckptstore saves a "
             "checkpoint directory here. Remove the file or choose another path."
         )
-    storage = open_storage(f)
+    storage = open_storage(f, **(storage_options or {}))
     future = start_save(obj, storage, rt=rt, attempt=fmt.new_attempt_id(), step=None, rank=0,
                         world_size=1, metrics=None, options=options)
     return lifecycle.track(future)
 
 
-def load(f, map_location=None, weights_only: bool = True, *, rank: int | None = None, **pickle_load_args) -> Any:
+def load(f, map_location=None, weights_only: bool = True, *, rank: int | None = None,
+         storage_options: dict | None = None, **pickle_load_args) -> Any:
     """Load what ``save`` (or ``torch.save``) wrote, checking every byte read.
 
     ``map_location`` takes torch.load's forms (str, device, dict, callable). With
@@ -109,7 +112,8 @@ def load(f, map_location=None, weights_only: bool = True, *, rank: int | None = 
             return torch.load(path, map_location=map_location, weights_only=weights_only, **pickle_load_args)
         if not os.path.exists(path):
             raise CheckpointNotFoundError(f"{path}: no such file or directory")
-    return _load_storage(open_storage(f), map_location, weights_only, rank, pickle_load_args)[0]
+    storage = open_storage(f, **(storage_options or {}))
+    return _load_storage(storage, map_location, weights_only, rank, pickle_load_args)[0]
 
 
 @dataclass(frozen=True)
@@ -177,9 +181,10 @@ class Store:
 
     def __init__(self, url, *, process_group=None, compression: str | CompressionPolicy = "auto",
                  commit_timeout: float = 600.0, chunk_bytes: int | None = None,
-                 keep: Retention | None = None, grace: float | str = gc.DEFAULT_GRACE):
+                 keep: Retention | None = None, grace: float | str = gc.DEFAULT_GRACE,
+                 storage_options: dict | None = None):
         self.url = os.fspath(url) if not isinstance(url, str) else url
-        self.storage = open_storage(self.url)
+        self.storage = open_storage(self.url, **(storage_options or {}))
         self.process_group = process_group
         self.options = _options(compression, commit_timeout, chunk_bytes, 2)
         self.keep = keep

@@ -16,6 +16,7 @@ write and, above all, on every read.
 from __future__ import annotations
 
 import threading
+import warnings
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -70,7 +71,12 @@ def _decompressor() -> zstandard.ZstdDecompressor:
 def _shuffle_bytes(data: memoryview, elementsize: int) -> memoryview:
     import torch
 
-    src = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
+    if not len(data):
+        src = torch.empty(0, dtype=torch.uint8)
+    else:
+        with warnings.catch_warnings():  # the buffer may be read-only; the shuffle only reads it
+            warnings.simplefilter("ignore", UserWarning)
+            src = torch.frombuffer(data, dtype=torch.uint8)
     return memoryview(native.shuffle(src, elementsize).numpy())
 
 

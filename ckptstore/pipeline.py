@@ -77,7 +77,8 @@ class Runtime:
     def __init__(self, workers: int | None = None, staging_bytes: int | None = None):
         n = workers or _default_workers()
         self.workers = DaemonExecutor(n, "ckptstore-io")
-        self.readers = DaemonExecutor(n, "ckptstore-read")
+        # Reads wait on I/O (disk, network) more than on CPU: more readers than cores pays.
+        self.readers = DaemonExecutor(max(n, 8), "ckptstore-read")
         # One commit thread: a process's saves commit in the order they were made, so a
         # later save of the same path always gets the later generation.
         self.committer = DaemonExecutor(1, "ckptstore-commit")

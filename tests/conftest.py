@@ -36,13 +36,18 @@ def _memory_storage(request, tmp_path):
     return MemoryStorage()
 
 
+def _s3_storage(request, tmp_path):
+    # A fresh bucket prefix on the session's moto server (HTTP on 127.0.0.1).
+    from s3util import s3_storage_factory
+
+    return s3_storage_factory(request, tmp_path)
+
+
 # name -> factory(request, tmp_path) -> Storage.
-# Hook for S3: STORAGE_BACKENDS["s3"] = _s3_storage, where _s3_storage starts (or reuses)
-# a moto server, creates a fresh bucket/prefix, skips with a reason when boto3/moto are
-# missing, and deletes the prefix in a finalizer.
 STORAGE_BACKENDS = {
     "local": _local_storage,
     "memory": _memory_storage,
+    "s3": _s3_storage,
 }
 
 

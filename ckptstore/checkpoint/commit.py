@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 
 from .. import __version__
 from .. import format as fmt
@@ -158,7 +159,11 @@ def commit(storage: Storage, own: fmt.Vote, world_size: int, created_at: str, me
         raise CommitConflictError(
             f"{where}: another writer committed generation {generation} first; this save was not committed"
         ) from e
-    retire_generations(storage, below=generation)
+    try:
+        retire_generations(storage, below=generation)
+    except Exception as e:  # committed already: a leftover generation is gc's to clean
+        warnings.warn(f"{where}: committed generation {generation}, but retiring older ones failed: {e}",
+                      RuntimeWarning, stacklevel=2)
     return manifest
 
 

@@ -240,12 +240,14 @@ class S3Storage(Storage):
     and the timeouts are ignored). Otherwise a client is made from boto3's standard
     configuration, overridden by the arguments given here.
 
-    ``part_size`` (>= 5 MiB): multipart part size for appended objects (grown past part
-    1000 to stay under S3's 10,000 parts). ``read_part_size``: a ``readinto`` larger than
-    this is split into ranged GETs of this size run concurrently. ``max_concurrency``:
-    parts or ranges in flight per object. ``max_attempts``: total attempts per request (default: ``AWS_MAX_ATTEMPTS``
-    or the profile's ``max_attempts``, else 10). ``retry_mode``: ``"standard"`` or
+    ``part_size`` (>= 5 MiB, default 16 MiB): multipart part size for appended objects
+    (grown past part 1,000 to stay under S3's 10,000 parts). ``read_part_size`` (default
+    8 MiB): a ``readinto`` larger than this is split into ranged GETs of this size, run
+    concurrently. ``max_concurrency`` (default 10): parts or ranges in flight per object.
+    ``max_attempts``: total attempts per request (default: ``AWS_MAX_ATTEMPTS`` or the
+    profile's ``max_attempts``, else 10). ``retry_mode``: ``"standard"`` or
     ``"adaptive"`` (default: ``AWS_RETRY_MODE`` or the profile's, else standard).
+    ``connect_timeout`` / ``read_timeout``: seconds per attempt (10, 60).
     """
 
     def __init__(self, bucket: str, prefix: str = "", *, client=None, endpoint_url: str | None = None,
@@ -291,7 +293,7 @@ class S3Storage(Storage):
         elif max_attempts is None:
             max_attempts = client.meta.config.retries.get("total_max_attempts") or DEFAULT_MAX_ATTEMPTS
         self._shared = _Shared(bucket, client, part_size, int(max_concurrency), int(max_attempts),
-                               int(read_part_size or part_size), max(1, int(_parts_per_tier)))
+                               int(read_part_size or DEFAULT_READ_PART_SIZE), max(1, int(_parts_per_tier)))
 
     # -- helpers
     @property
@@ -373,22 +375,25 @@ class S3Storage(Storage):
         extra = {"IfNoneMatch": "*"} if if_absent else {}
         try:
             self.client.put_object(Bucket=self.bucket, Key=self._k(key), Body=body, **extra)
-        except bexc.ClientError as e:
-            err = self._translate(e, key)
-            # A retried create-only PUT can meet its own first attempt: that one landed
-            # but its response was lost (reset, timeout, 5xx after the write). Only then,
-            # and only when the stored bytes are ours, is the 412 a success.
-            if isinstance(err, AlreadyExistsError) and _client_error(e)[3] > 1:
-                held = self._holds(key, body)
-                if held:
-                    return
-                if held is None:
-                    raise TransientStorageError(
-                        f"{self.describe(key)}: a retried create-only write found the key taken and reading "
-                        "it back failed, so whether this write landed is unknown") from e
-            raise err from e
+            return
         except Exception as e:
-            raise self._translate(e, key) from e
+            cause, err = e, self._translate(e, key)
+        # A create-only PUT whose response was lost (reset, stall past the read timeout, a
+        # 5xx after the write) may have been stored: botocore's retry then meets its own
+        # first attempt (412), or every retry fails too. Either way, read the key back:
+        # holding exactly our bytes means the write landed (a manifest names its attempt
+        # and commit time, so no other writer produces the same bytes).
+        if if_absent and (isinstance(err, TransientStorageError) or (
+                isinstance(err, AlreadyExistsError) and isinstance(cause, bexc.ClientError)
+                and _client_error(cause)[3] > 1)):
+            held = self._holds(key, body)
+            if held:
+                return
+            if held is None:
+                raise TransientStorageError(
+                    f"{self.describe(key)}: create-only write failed ({err}) and reading the key back "
+                    "failed too: whether this write landed is unknown") from cause
+        raise err from cause
 
     def _holds(self, key: str, body: bytes) -> bool | None:
         """Whether ``key`` holds exactly ``body`` (None: could not read it to tell)."""
@@ -629,8 +634,9 @@ class _Feed:
 class _S3AppendWriter(AppendWriter):
     """Streams appended bytes to S3 while they arrive.
 
-    ``append`` takes an offset and queues a copy of the bytes under one lock, so offsets
-    follow arrival order and the queue is the object's byte order. s3transfer's
+    ``append`` takes an offset and queues the bytes (a copy, unless they are an immutable
+    ``bytes``) under one lock, so offsets follow arrival order and the queue is the
+    object's byte order. s3transfer's
     submission thread reads parts off the queue (``_take``); its request threads upload
     up to ``max_concurrency`` parts at once. Memory stays bounded: ``append`` waits while
     two parts' worth is queued, and s3transfer holds at most ``max_concurrency`` parts.
@@ -667,15 +673,17 @@ class _S3AppendWriter(AppendWriter):
         n = mv.nbytes
         with self._cv:
             while True:
-                if self._closed or self._stop is not None:
+                if self._closed:
                     raise StorageError(f"{self._s.describe(self.key)}: append after close or abort")
+                if self._stop is not None:
+                    raise StorageError(str(self._stop))
                 if self._future.done():
                     break  # the upload failed: report it below, outside the lock
                 if self._queued < self._limit():
                     offset = self._size
                     self._size += n
-                    if n:
-                        self._queue.append(memoryview(bytes(mv)))
+                    if n:  # bytes are immutable: keep them; anything else may be reused, copy it
+                        self._queue.append(mv if isinstance(data, bytes) else memoryview(bytes(mv)))
                         self._queued += n
                         self._cv.notify_all()
                     return offset
