@@ -294,3 +294,51 @@ def test_pool_works_in_forked_child():
         print(os.waitstatus_to_exitcode(status))
     """, {})
     assert out.strip() == "0"
+
+
+# ---- host pool blocks and the CUDA probe ----------------------------------------
+
+
+@needs_native
+def test_block_buffer_protocol_shares_memory_with_tensor():
+    pool = native.HostPool(1 << 20)
+    b = pool.try_alloc(100)
+    t = torch.frombuffer(b, dtype=torch.uint8)
+    view = memoryview(b)
+    assert (t.data_ptr(), t.numel(), len(view), view.readonly) == (b.ptr, 100, 100, False)
+    view[3] = 201
+    t[4] = 7
+    assert (int(t[3]), view[4]) == (201, 7)
+    with pytest.raises(TypeError):
+        type(b)()  # blocks come only from a pool
+    pool.free(b)
+
+
+def test_cuda_info_reports_without_raising():
+    info = native.cuda_info()
+    assert set(info) == {"compiled", "available", "devices", "runtime_version", "driver_version", "error"}
+    assert native.cuda_available() is bool(info["available"])
+    if info["available"]:
+        assert info["compiled"] and info["devices"] >= 1 and info["error"] == ""
+    else:
+        assert info["devices"] == 0 and info["error"] != ""
+    if not torch.cuda.is_available():
+        assert info["available"] is False
+
+
+@needs_native
+def test_extension_imports_without_a_visible_gpu():
+    """With no device visible (or no driver at all) the module imports, reports why, and
+    its host pool still works in ordinary memory."""
+    out = _run("""
+        import json
+        from ckptstore import _C
+        info = _C.cuda_info()
+        pool = _C.HostPool(1 << 20, pinned=True)
+        b = pool.try_alloc(10)
+        print(json.dumps({"info": info, "pinned": pool.stats()["pinned"], "block_pinned": b.pinned}))
+    """, {"CUDA_VISIBLE_DEVICES": ""})
+    result = json.loads(out)
+    assert result["info"]["available"] is False and result["info"]["devices"] == 0
+    assert result["info"]["error"] != ""
+    assert (result["pinned"], result["block_pinned"]) == (False, False)
