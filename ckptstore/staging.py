@@ -73,11 +73,7 @@ class StagingBuffer:
 
 
 def _choose_backend(backend: str | None, pin: bool) -> str:
-    if backend is None:
-        # The torch pool stays the default until the native pool has passed the
-        # SIGTERM-drain and back-pressure tests (see docs/native.md, "Status").
-        return "torch"
-    if backend == "auto":
+    if backend in (None, "auto"):
         if native.NATIVE and (not pin or native.cuda_available()):
             return "native"
         return "torch"

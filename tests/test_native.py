@@ -242,9 +242,7 @@ def test_concurrent_callers_share_the_pool():
 
 def _run(code: str, env_extra: dict[str, str]) -> str:
     env = dict(os.environ, **env_extra)
-    # cwd "/": ``python -c`` puts the working directory first on sys.path, and a source
-    # checkout there (without the built _C) would shadow the installed package.
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, cwd="/",
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
