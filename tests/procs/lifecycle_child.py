@@ -11,6 +11,7 @@
 """
 
 import os
+import select
 import sys
 import threading
 
@@ -28,7 +29,11 @@ what = sys.argv[1]
 if what == "sigterm":
     fut = ckptstore.save(big_state(), sys.argv[2], chunk_bytes=256 << 10)
     say("staged", int(fut.done()))
-    sys.stdin.read()  # the parent never writes: only SIGTERM ends this
+    # The parent never writes: only SIGTERM ends this. Poll rather than block in read():
+    # a signal that lands just before a blocking read() would leave its Python handler
+    # pending until the read returns, which is never.
+    while not select.select([sys.stdin], [], [], 0.2)[0]:
+        pass
     say("stdin closed")  # not reached when the handler re-raises SIGTERM
 elif what == "exit":
     fut = ckptstore.save(big_state(), sys.argv[2], chunk_bytes=256 << 10)
