@@ -46,6 +46,7 @@ warnings.filterwarnings("ignore", message=".*using the slower pure-Python/torch 
 
 import ckptstore  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
+from _common import Contention, cpu_model, drop_caches, mount_of, same, tensors_of, write_json  # noqa: E402
 from torch.distributed.checkpoint import FileSystemWriter  # noqa: E402
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions  # noqa: E402
 
@@ -106,19 +107,6 @@ def build_state(size_bytes: int, seed: int = 0) -> dict:
     return {"model": model, "optim": {"state": optim_state, "param_groups": param_groups}}
 
 
-def tensors_of(obj) -> list[torch.Tensor]:
-    out = []
-    if isinstance(obj, torch.Tensor):
-        out.append(obj)
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            out += tensors_of(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            out += tensors_of(v)
-    return out
-
-
 def state_bytes(obj) -> int:
     return sum(t.numel() * t.element_size() for t in tensors_of(obj))
 
@@ -134,43 +122,7 @@ def empty_like_state(obj):
     return obj
 
 
-def same(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    return a == b
-
-
 # ---------------------------------------------------------------------------- machine, fs, caches
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def mount_of(path: str) -> dict:
-    path = os.path.realpath(path)
-    best = {"mountpoint": "/", "fstype": "unknown", "device": "unknown", "options": ""}
-    try:
-        with open("/proc/mounts") as f:
-            for line in f:
-                dev, mnt, fstype, opts = line.split()[:4]
-                mnt = mnt.replace("\\040", " ")
-                if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best["mountpoint"]):
-                    best = {"mountpoint": mnt, "fstype": fstype, "device": dev, "options": opts}
-    except OSError:
-        pass
-    return best
-
 
 def machine_info(bench_dir: str) -> dict:
     import psutil
@@ -197,57 +149,11 @@ def ckptstore_native() -> bool:
     return bool(native.NATIVE)
 
 
-_DROP_OK: bool | None = None
-
-
-def drop_caches() -> bool:
-    """sync + drop the page cache; False (once decided) when the process may not."""
-    global _DROP_OK
-    os.sync()
-    if _DROP_OK is False:
-        return False
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        _DROP_OK = True
-    except OSError:
-        _DROP_OK = False
-    return _DROP_OK
-
-
 def rm(path: str) -> None:
     if os.path.isdir(path):
         shutil.rmtree(path, ignore_errors=True)
     elif os.path.exists(path):
         os.unlink(path)
-
-
-class Contention:
-    """CPU used by other processes over the run: machine-wide busy time (/proc/stat)
-    minus this process's and its children's CPU time, in cores."""
-
-    def __init__(self):
-        self.t0 = self._stat()
-        self.c0 = os.times()
-
-    @staticmethod
-    def _stat():
-        try:
-            with open("/proc/stat") as f:
-                v = list(map(int, f.readline().split()[1:]))
-            return sum(v) - v[3] - v[4], sum(v)  # busy (not idle, not iowait), total jiffies
-        except OSError:
-            return None
-
-    def others_cores(self) -> float | None:
-        t1, c1 = self._stat(), os.times()
-        if self.t0 is None or t1 is None or t1[1] == self.t0[1]:
-            return None
-        hz = os.sysconf("SC_CLK_TCK")
-        ours = sum(getattr(c1, a) - getattr(self.c0, a)
-                   for a in ("user", "system", "children_user", "children_system")) * hz
-        busy = t1[0] - self.t0[0]
-        return max(0.0, (busy - ours) / (t1[1] - self.t0[1]) * (os.cpu_count() or 1))
 
 
 # ---------------------------------------------------------------------------- memory
@@ -688,10 +594,7 @@ def main() -> None:
           "median of the peer; first-save figures and memory come from one fresh subprocess per tool)")
     print(table(rows))
     print(f"bench wall time {res['bench_wall_s']:.0f} s")
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=1)
-    print(f"wrote {args.out}")
+    write_json(args.out, res, indent=1)
 
 
 if __name__ == "__main__":

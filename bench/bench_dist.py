@@ -52,6 +52,8 @@ import torch
 
 warnings.filterwarnings("ignore", message=".*using the slower pure-Python/torch fallback.*")
 
+from _common import cpu_model, mount_of, write_json  # noqa: E402
+
 MiB = 1 << 20
 SAVE_WORLD, LOAD_WORLD = 4, 2
 SECTION = "## Distributed (4-rank CPU)"
@@ -307,30 +309,13 @@ def machine_info(bench_dir: str) -> dict:
     import ckptstore
     from ckptstore import native
 
-    cpu = platform.processor() or "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    fs = {"fstype": "unknown", "device": "unknown"}
-    real = os.path.realpath(bench_dir)
-    best = ""
-    try:
-        with open("/proc/mounts") as f:
-            for line in f:
-                dev, mnt, fstype = line.split()[:3]
-                if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
-                    best, fs = mnt, {"fstype": fstype, "device": dev, "mountpoint": mnt}
-    except OSError:
-        pass
     return {
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "cpu_model": cpu, "logical_cores": os.cpu_count(), "affinity_cores": len(os.sched_getaffinity(0)),
+        "cpu_model": cpu_model(), "logical_cores": os.cpu_count(), "affinity_cores": len(os.sched_getaffinity(0)),
         "ram_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
         "python": platform.python_version(), "torch": torch.__version__, "ckptstore": ckptstore.__version__,
         "ckptstore_native": bool(native.NATIVE), "kernel": platform.release(), "load_average": os.getloadavg(),
-        "disk": {"dir": bench_dir, **fs},
+        "disk": {"dir": bench_dir, **mount_of(bench_dir, options=False)},
     }
 
 
@@ -532,10 +517,7 @@ def main() -> None:
           f"cores busy meanwhile")
     if res["other_load_cores"] > 0.25:
         print("WARNING: the machine was busy with other work: run again when it is quiet")
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=1)
-    print(f"wrote {args.out}")
+    write_json(args.out, res, indent=1)
     if not args.no_doc:
         update_doc(args.doc, doc_section(res, rows))
         print(f"updated the section {SECTION!r} of {args.doc}")

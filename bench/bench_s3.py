@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import collections
 import datetime as _dt
-import json
 import os
 import platform
 import shutil
@@ -41,6 +40,7 @@ import warnings
 warnings.filterwarnings("ignore", message=".*using the slower pure-Python/torch fallback.*")
 
 import torch  # noqa: E402
+from _common import cpu_model, same, tensors_of, write_json  # noqa: E402
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -105,26 +105,6 @@ def build_state(size_bytes: int, seed: int = 0) -> dict:
     return {"model": model, "optim": {"state": optim, "param_groups": [{"lr": 3e-4, "params": list(model)}]}}
 
 
-def tensors_of(obj) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, dict):
-        return [t for v in obj.values() for t in tensors_of(v)]
-    if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in tensors_of(v)]
-    return []
-
-
-def same(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    return a == b
-
-
 # ---------------------------------------------------------------------------- request counting
 class Counter:
     """Counts HTTP attempts per S3 operation through botocore's ``before-send`` event."""
@@ -148,17 +128,6 @@ class Counter:
 
 
 # ---------------------------------------------------------------------------- machine
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def machine_info() -> dict:
     import boto3
     import botocore
@@ -390,10 +359,7 @@ def run(args, endpoint: str, workdir: str, server) -> int:
         "requests": requests,
         "max_other_busy_cores": busy,
     }
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {args.out}")
+    write_json(args.out, result)
     return 0
 
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import json
 import os
 import platform
 import shutil
@@ -49,6 +48,8 @@ import torch
 import xxhash
 
 warnings.filterwarnings("ignore", message=".*using the slower pure-Python/torch fallback.*")
+
+from _common import Contention, cpu_model, drop_caches, mount_of, write_json  # noqa: E402
 
 import ckptstore  # noqa: E402
 from ckptstore.checkpoint.restore import latest_manifest  # noqa: E402
@@ -88,31 +89,6 @@ def build_state(size_bytes: int, seed: int = 0) -> dict:
 
 
 # ---------------------------------------------------------------------------- machine
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def filesystem_of(path: str) -> dict:
-    path = os.path.realpath(path)
-    best = {"mountpoint": "/", "fstype": "unknown", "device": "unknown"}
-    try:
-        with open("/proc/mounts") as f:
-            for line in f:
-                dev, mnt, fstype = line.split()[:3]
-                if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best["mountpoint"]):
-                    best = {"mountpoint": mnt, "fstype": fstype, "device": dev}
-    except OSError:
-        pass
-    return best
-
-
 def machine_info(bench_dir: str, threads: int) -> dict:
     from ckptstore import native
 
@@ -133,49 +109,8 @@ def machine_info(bench_dir: str, threads: int) -> dict:
         "ckptstore_native": bool(native.NATIVE),
         "reader_threads": threads,
         "kernel": platform.release(),
-        "disk": {"dir": bench_dir, **filesystem_of(bench_dir)},
+        "disk": {"dir": bench_dir, **mount_of(bench_dir, options=False)},
     }
-
-
-class Contention:
-    """CPU used by other processes during the run, in cores (machine busy time from
-    /proc/stat minus this process's own CPU time)."""
-
-    def __init__(self):
-        self.t0, self.c0 = self._stat(), os.times()
-
-    @staticmethod
-    def _stat():
-        try:
-            with open("/proc/stat") as f:
-                v = list(map(int, f.readline().split()[1:]))
-            return sum(v) - v[3] - v[4], sum(v)
-        except OSError:
-            return None
-
-    def others_cores(self) -> float | None:
-        t1, c1 = self._stat(), os.times()
-        if self.t0 is None or t1 is None or t1[1] == self.t0[1]:
-            return None
-        ours = sum(getattr(c1, a) - getattr(self.c0, a) for a in ("user", "system")) * os.sysconf("SC_CLK_TCK")
-        return max(0.0, (t1[0] - self.t0[0] - ours) / (t1[1] - self.t0[1]) * (os.cpu_count() or 1))
-
-
-_DROP_OK: bool | None = None
-
-
-def drop_caches() -> bool:
-    global _DROP_OK
-    os.sync()
-    if _DROP_OK is False:
-        return False
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        _DROP_OK = True
-    except OSError:
-        _DROP_OK = False
-    return _DROP_OK
 
 
 # ---------------------------------------------------------------------------- the contenders
@@ -227,7 +162,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cold", action="store_true", help="drop the page cache before each timed run (root)")
     args = ap.parse_args(argv)
 
-    threads = len(runtime().readers._threads)
+    threads = runtime().readers.max_workers
     work = tempfile.mkdtemp(prefix="ckptstore-bench-verify-", dir=args.dir)
     info = machine_info(work, threads)
     contention = Contention()
@@ -287,10 +222,6 @@ def main(argv=None) -> int:
     others = contention.others_cores()
     results["other_processes_cores"] = others
 
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=2)
-
     print(f"ckptstore verify throughput, {args.size_gib} GiB fp32 state, {threads} reader threads, "
           f"{'cold' if results['cold'] else 'warm'} page cache, best of {args.repeats}")
     print(f"{info['cpu_model']}, {info['affinity_cores']} cores, native={info['ckptstore_native']}, "
@@ -307,7 +238,7 @@ def main(argv=None) -> int:
                       f"fresh {r['cpu_s_per_gb_raw']['baseline_fresh']:.3f}" for m, r in results["checkpoints"].items()))
     if others is not None and others > 0.25:
         print(f"warning: other processes used {others:.2f} cores on average during the run; figures are noisy")
-    print(f"wrote {args.out}")
+    write_json(args.out, results)
     return 0
 
 

@@ -12,26 +12,11 @@ warm) and reports:
    pwrite into the page cache, fsync of the data file, vote, commit), measured with
    ``time.thread_time`` inside wrappers around the library's functions, so that other
    processes on a shared machine inflate the figures less than wall time would;
-2. the blocking time of ``save()`` in four variants, each next to a bare ``copy_`` of
-   the same tensors measured just before it:
-
-   * ``as shipped``;
-   * ``deferred background``: chunks are handed to the writer only after the snapshot
-     is complete, so the staging copy runs without the encode/hash/pwrite threads
-     competing for the cores (isolates the cost of that competition);
-   * ``torch copy_ staging``: the staging copy uses ``Tensor.copy_`` (multi-threaded,
-     releases the GIL) instead of the fallback's single-threaded ``ctypes.memmove``;
-   * both;
-   * ``early writeback``: after each append to the data file, ``posix_fadvise(DONTNEED)``
-     starts the kernel's writeback of that range at once, so the disk works while the
-     pipeline still copies and encodes and the final fsync waits only for the tail
-     (affects the commit time, not the blocking time).
-
-   ``torch.save`` + flush + fsync of the same state runs in each round as the reference
-   for the commit time.
-
-   The variants are monkeypatches applied in this process only; the library is not
-   changed. They exist to give evidence for (or against) changes to the library.
+2. the blocking and commit time of ``save()``, each next to a bare ``copy_`` of the same
+   tensors measured just before it, with ``torch.save`` + flush + fsync of the same state
+   in each round as the reference for the commit time. (Earlier variants, deferring
+   the background work and early writeback, gave the evidence for both and are now
+   how the library works.)
 3. a cProfile of one ``save()`` call (the blocking part only);
 4. loads, warm page cache, ``ckptstore.load`` and ``torch.load`` alternating: wall time and
    the CPU seconds of ckptstore's read phases (preadv into the new tensors, xxh3 check).
@@ -43,7 +28,6 @@ import argparse
 import collections
 import cProfile
 import io
-import json
 import os
 import pstats
 import shutil
@@ -52,7 +36,6 @@ import sys
 import tempfile
 import threading
 import time
-import types
 import warnings
 
 warnings.filterwarnings("ignore")
@@ -61,7 +44,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 import ckptstore  # noqa: E402
-from bench_core import GiB, build_state, ckptstore_native, machine_info, tensors_of  # noqa: E402
+from _common import tensors_of, write_json  # noqa: E402
+from bench_core import GiB, build_state, ckptstore_native, machine_info  # noqa: E402
 from ckptstore import pipeline  # noqa: E402
 from ckptstore.checkpoint import restore as restoremod  # noqa: E402
 from ckptstore.checkpoint import save as savemod  # noqa: E402
@@ -94,49 +78,6 @@ def _busy() -> tuple[int, int]:
     return sum(v) - v[3] - v[4], sum(v)
 
 
-# -- variants (process-local monkeypatches)
-_orig_snapshot = savemod.snapshot
-_orig_submit = pipeline.RankWriter.submit_chunk
-_orig_copy = snapmod._copy_storage_bytes
-_wrap(local._LocalAppendWriter, "append", "pwrite into page cache")
-_orig_append = local._LocalAppendWriter.append
-
-
-def _append_early_writeback(self, data):
-    off = _orig_append(self, data)
-    # POSIX_FADV_DONTNEED starts asynchronous writeback of the dirty range (and drops it
-    # from the page cache once clean): the disk starts while the pipeline keeps going.
-    os.posix_fadvise(self._fd, off, memoryview(data).nbytes, os.POSIX_FADV_DONTNEED)
-    return off
-
-
-def _torch_copy(buf, storage, byte_off, nbytes):
-    src = torch.empty(0, dtype=torch.uint8)
-    src.set_(storage, byte_off, (nbytes,), (1,))
-    buf.tensor.copy_(src)
-
-
-def _set_variant(deferred: bool, torch_copy: bool, writeback: bool = False) -> None:
-    snapmod._copy_storage_bytes = _torch_copy if torch_copy else _orig_copy
-    local._LocalAppendWriter.append = _append_early_writeback if writeback else _orig_append
-
-    if not deferred:
-        savemod.snapshot = _orig_snapshot
-        return
-
-    def snapshot(obj, writer, pool, *a, **k):
-        held = []
-        writer.submit_chunk = types.MethodType(lambda self, *args: held.append(args), writer)
-        try:
-            return _orig_snapshot(obj, writer, pool, *a, **k)
-        finally:
-            del writer.submit_chunk
-            for args in held:
-                _orig_submit(writer, *args)
-
-    savemod.snapshot = snapshot
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--size-gib", type=float, default=0.75)
@@ -160,6 +101,7 @@ def main() -> None:
     for owner, name, label in [
         (pipeline, "digest", "hash (xxh3)"),
         (pipeline, "encode", "encode (trial compression)"),
+        (local._LocalAppendWriter, "append", "pwrite into page cache"),
         (local._LocalAppendWriter, "close", "fsync data file + dir"),
         (savemod, "write_vote", "vote (put, fsyncs)"),
         (savemod, "commit", "commit (manifest, fsyncs)"),
@@ -171,9 +113,7 @@ def main() -> None:
         _wrap(owner, name, label)
 
     out = {"machine": info, "native": ckptstore_native(), "variants": {}, "phases_cpu_s": {}}
-    variants = [("as shipped", False, False, False), ("deferred background", True, False, False),
-                ("torch copy_ staging", False, True, False), ("deferred + torch copy_", True, True, False),
-                ("early writeback", False, False, True)]
+    variants = ["as shipped"]
     try:
         bare()
         ckptstore.configure()
@@ -190,8 +130,7 @@ def main() -> None:
                 os.fsync(f.fileno())
             out.setdefault("torch.save+fsync_s", []).append(time.perf_counter() - t0)
             os.unlink(tp)
-            for name, deferred, tc, wb in variants:
-                _set_variant(deferred, tc, wb)
+            for name in variants:
                 path = os.path.join(bench_dir, f"{r}-{name.replace(' ', '_')}")
                 os.sync()
                 b = bare()
@@ -217,7 +156,6 @@ def main() -> None:
                 if name == "as shipped":
                     phases.append(dict(_acc))
                 shutil.rmtree(path, ignore_errors=True)
-        _set_variant(False, False)
         out["phases_cpu_s"] = {k: statistics.median(p.get(k, 0.0) for p in phases) for k in phases[0]}
 
         # cProfile of the blocking part, steady state
@@ -280,10 +218,7 @@ def main() -> None:
         print(f"  {k:50s} {v:7.3f} CPU s (thread_time)")
     print("\ncProfile of one save() call (blocking part), by own time:")
     print("\n".join(out["cprofile_blocking"].splitlines()[:24]))
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
-    print(f"wrote {args.out}")
+    write_json(args.out, out, indent=1)
 
 
 if __name__ == "__main__":

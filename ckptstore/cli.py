@@ -315,6 +315,9 @@ def doctor_report() -> dict:
             "available": cuda,
             "runtime": torch.version.cuda,
             "devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else [],
+            # the extension's own CUDA path (batched staging, pinned slabs): compiled in,
+            # and whether its runtime sees a device (else torch streams do the staging)
+            "native": native.cuda_info(),
         },
         "staging_pool": runtime().pool.stats(),
         "backends": backends,

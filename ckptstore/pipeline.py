@@ -11,13 +11,13 @@ staging pool, and so one memory budget covers every save in flight.
 from __future__ import annotations
 
 import os
-import queue
 import threading
 from concurrent.futures import Future
-from dataclasses import dataclass
 from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass
 
 from . import format as fmt
+from ._threads import DaemonThreadPool
 from .codecs import CompressionPolicy, encode
 from .errors import CkptStoreError, StorageError
 from .hashing import digest
@@ -30,63 +30,22 @@ def _default_workers() -> int:
     return int(env) if env else max(2, min(8, os.cpu_count() or 2))
 
 
-class DaemonExecutor:
-    """A thread pool whose threads do not block interpreter exit.
-
-    concurrent.futures' pool joins its threads before atexit handlers run, which would
-    make the exit wait unbounded; ckptstore bounds it itself (``lifecycle``), so its
-    threads are daemons and the bounded drain decides how long exit waits.
-    """
-
-    def __init__(self, threads: int, name: str):
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._threads = [threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True)
-                         for i in range(threads)]
-        for t in self._threads:
-            t.start()
-
-    def submit(self, fn, *args, **kwargs) -> Future:
-        future: Future = Future()
-        self._queue.put((future, fn, args, kwargs))
-        return future
-
-    def shutdown(self) -> None:
-        for _ in self._threads:
-            self._queue.put(None)
-
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            future, fn, args, kwargs = item
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                result = fn(*args, **kwargs)
-            except BaseException as e:
-                future.set_exception(e)
-            else:
-                future.set_result(result)
-            del item, future, fn, args, kwargs
-
-
 class Runtime:
     """Process-wide executors and staging pool, created on first use."""
 
     def __init__(self, workers: int | None = None, staging_bytes: int | None = None):
         n = workers or _default_workers()
-        self.workers = DaemonExecutor(n, "ckptstore-io")
+        self.workers = DaemonThreadPool(n, "ckptstore-io")
         # Reads wait on I/O (disk, network) more than on CPU: more readers than cores pays.
-        self.readers = DaemonExecutor(max(n, 8), "ckptstore-read")
+        self.readers = DaemonThreadPool(max(n, 8), "ckptstore-read")
         # One commit thread: a process's saves commit in the order they were made, so a
         # later save of the same path always gets the later generation.
-        self.committer = DaemonExecutor(1, "ckptstore-commit")
+        self.committer = DaemonThreadPool(1, "ckptstore-commit")
         self.pool = StagingPool(staging_bytes)
 
     def shutdown(self) -> None:
         for ex in (self.workers, self.readers, self.committer):
-            ex.shutdown()
+            ex.shutdown(wait=False)  # threads finish what they hold, then end
 
 
 _runtime: Runtime | None = None

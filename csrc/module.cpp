@@ -2,6 +2,9 @@
 // the module does not depend on torch's C++ ABI. Arguments are checked with
 // the GIL held; the work itself runs with the GIL released.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/unique_ptr.h>
 #include <nanobind/stl/vector.h>
 
 #include <cstdint>
@@ -9,6 +12,8 @@
 #include <string>
 #include <vector>
 
+#include "cuda_ops.h"
+#include "host_pool.h"
 #include "ops.h"
 
 namespace nb = nanobind;
@@ -31,10 +36,54 @@ void check_ranges(uintptr_t dst, uintptr_t src, size_t n, const char* what) {
     if (dst < src + n && src < dst + n) fail("source and destination overlap");
 }
 
+// Buffer protocol of Block: a writable, 1-D unsigned-byte view of its memory.
+// The view holds a reference to the Block, and the Block to its slab, so the
+// memory outlives every memoryview / torch.frombuffer tensor made from it.
+unsigned char g_empty[1];
+
+int block_getbuffer(PyObject* self, Py_buffer* view, int flags) {
+    auto* b = nb::inst_ptr<ckpt::Block>(self);
+    void* p = b->nbytes ? reinterpret_cast<void*>(b->ptr) : static_cast<void*>(g_empty);
+    return PyBuffer_FillInfo(view, self, p, static_cast<Py_ssize_t>(b->nbytes), 0, flags);
+}
+
+PyType_Slot g_block_slots[] = {{Py_bf_getbuffer, reinterpret_cast<void*>(block_getbuffer)},
+                               {0, nullptr}};
+
+nb::dict pool_stats_dict(const ckpt::PoolStats& s) {
+    nb::dict d;
+    d["capacity"] = s.capacity;
+    d["held"] = s.held;
+    d["in_use"] = s.in_use;
+    d["used"] = s.used;
+    d["cached"] = s.cached;
+    d["peak"] = s.peak;
+    d["peak_in_use"] = s.peak_in_use;
+    d["overflow_bytes"] = s.overflow_bytes;
+    d["largest_free"] = s.largest_free;
+    d["slab_bytes"] = s.slab_bytes;
+    d["alignment"] = s.alignment;
+    d["slabs"] = s.slabs;
+    d["pinned_slabs"] = s.pinned_slabs;
+    d["live_blocks"] = s.live_blocks;
+    d["allocs"] = s.allocs;
+    d["slab_allocs"] = s.slab_allocs;
+    d["slab_frees"] = s.slab_frees;
+    d["overflow_allocs"] = s.overflow_allocs;
+    d["pin_failures"] = s.pin_failures;
+    d["fragmentation_fails"] = s.fragmentation_fails;
+    d["pinned"] = s.pinned;
+    d["pin_error"] = s.pin_error;
+    return d;
+}
+
 }  // namespace
 
 NB_MODULE(_C, m) {
     m.doc() = "ckptstore native kernels (private; use ckptstore.native)";
+    // Pools and batches held by module globals (the process runtime) are still
+    // alive at interpreter exit; that is expected, not a reference leak.
+    nb::set_leak_warnings(false);
 
     m.def("hardware_threads", &ckpt::hardware_threads,
           "Number of hardware threads (at least 1).");
@@ -84,4 +133,116 @@ NB_MODULE(_C, m) {
                  "Byte-plane shuffle (blosc): dst[j*n + i] = src[i*itemsize + j] for "
                  "n = nbytes // itemsize; the nbytes % itemsize trailing bytes are copied.");
     shuffle_like("unshuffle", &ckpt::unshuffle, "Exact inverse of shuffle.");
+
+    // ---- host staging pool ------------------------------------------------------
+
+    nb::class_<ckpt::Block>(m, "Block", nb::type_slots(g_block_slots),
+                            "Memory lent by a HostPool (buffer protocol: writable bytes). "
+                            "Not constructible from Python.")
+        .def_ro("ptr", &ckpt::Block::ptr)
+        .def_ro("nbytes", &ckpt::Block::nbytes)
+        .def_ro("span", &ckpt::Block::span, "bytes carved from the slab (nbytes rounded to the alignment)")
+        .def_ro("offset", &ckpt::Block::offset)
+        .def_ro("live", &ckpt::Block::live, "lent and not yet freed")
+        .def_prop_ro("pinned", &ckpt::Block::pinned)
+        .def_prop_ro("overflow", [](const ckpt::Block& b) { return static_cast<bool>(b.overflow); })
+        .def("__len__", [](const ckpt::Block& b) { return b.nbytes; })
+        .def("__repr__", [](const ckpt::Block& b) {
+            return "<ckptstore._C.Block ptr=" + std::to_string(b.ptr) + " nbytes=" +
+                   std::to_string(b.nbytes) + (b.live ? "" : " freed") + ">";
+        });
+
+    nb::class_<ckpt::HostPool>(m, "HostPool",
+                               "Slabs of host memory (page-locked with CUDA), sub-allocated at exact "
+                               "sizes, kept across saves. Thread-safe.")
+        .def(nb::init<size_t, bool, int, size_t, size_t>(), nb::arg("capacity"),
+             nb::arg("pinned") = false, nb::arg("device") = 0, nb::arg("slab_bytes") = size_t(64) << 20,
+             nb::arg("alignment") = 64)
+        .def(
+            "try_alloc",
+            [](ckpt::HostPool& p, size_t nbytes, bool overflow) -> std::optional<ckpt::Block> {
+                ckpt::Block b;
+                bool ok;
+                {
+                    nb::gil_scoped_release nogil;  // may page-lock a new slab
+                    ok = p.try_alloc(nbytes, b, overflow);
+                }
+                if (!ok) return std::nullopt;
+                return b;
+            },
+            nb::arg("nbytes"), nb::arg("overflow") = false,
+            "A Block of exactly nbytes, or None at once when in_use + nbytes > capacity or "
+            "fragmentation leaves no hole and no room for a slab (wait for a free, then try "
+            "again). overflow=True: in that second case lend ordinary memory beyond the "
+            "capacity instead.")
+        .def("free", &ckpt::HostPool::free, nb::arg("block"),
+             "Return a block (ValueError if freed twice or not from this pool).")
+        .def(
+            "trim",
+            [](ckpt::HostPool& p) {
+                nb::gil_scoped_release nogil;
+                return p.trim();
+            },
+            "Free every slab that lends nothing; returns the bytes freed.")
+        .def("stats", [](const ckpt::HostPool& p) { return pool_stats_dict(p.stats()); })
+        .def_prop_ro("capacity", &ckpt::HostPool::capacity)
+        .def_prop_ro("in_use", &ckpt::HostPool::in_use, "bytes lent (cheaper than stats())")
+        .def_prop_ro("pinned", &ckpt::HostPool::pinning, "slabs are page-locked");
+
+    // ---- CUDA ---------------------------------------------------------------------
+
+    m.def(
+        "cuda_info",
+        [] {
+            const ckpt::CudaInfo& i = ckpt::cuda_info();
+            nb::dict d;
+            d["compiled"] = i.compiled;
+            d["available"] = i.available;
+            d["devices"] = i.devices;
+            d["runtime_version"] = i.runtime_version;
+            d["driver_version"] = i.driver_version;
+            d["error"] = i.error;
+            return d;
+        },
+        "What the extension's CUDA runtime sees (probed once; never raises).");
+
+    nb::class_<ckpt::CudaBatch>(m, "CudaBatch", "A batch of device-to-host copies in flight.")
+        .def(
+            "wait",
+            [](ckpt::CudaBatch& b) {
+                nb::gil_scoped_release nogil;
+                b.wait();
+            },
+            "Block until every copy has landed (GIL released); raises RuntimeError on a CUDA error.")
+        .def(
+            "query",
+            [](ckpt::CudaBatch& b) {
+                nb::gil_scoped_release nogil;
+                return b.query();
+            },
+            "True once every copy has landed.")
+        .def_ro("device", &ckpt::CudaBatch::device)
+        .def_ro("count", &ckpt::CudaBatch::count)
+        .def_ro("nbytes", &ckpt::CudaBatch::nbytes)
+        .def_ro("gathered", &ckpt::CudaBatch::gathered)
+        .def_ro("gathered_bytes", &ckpt::CudaBatch::gathered_bytes)
+        .def_prop_ro("finished", [](const ckpt::CudaBatch& b) { return b.finished.load(); });
+
+    m.def(
+        "cuda_stage",
+        [](int device, uintptr_t stream, const std::vector<uintptr_t>& srcs,
+           const std::vector<uintptr_t>& dsts, const std::vector<size_t>& sizes, size_t small_bytes,
+           bool gather) {
+            if (srcs.size() != dsts.size() || srcs.size() != sizes.size())
+                throw std::invalid_argument("cuda_stage: srcs, dsts and sizes differ in length");
+            std::vector<ckpt::CopySpec> copies(srcs.size());
+            for (size_t k = 0; k < srcs.size(); ++k) copies[k] = {srcs[k], dsts[k], sizes[k]};
+            nb::gil_scoped_release nogil;
+            return ckpt::cuda_stage(device, stream, copies.data(), copies.size(), small_bytes, gather);
+        },
+        nb::arg("device"), nb::arg("stream"), nb::arg("srcs"), nb::arg("dsts"), nb::arg("sizes"),
+        nb::arg("small_bytes") = size_t(64) << 10, nb::arg("gather") = true,
+        "Enqueue copies srcs[k] (device memory of `device`) -> dsts[k] (host) of sizes[k] bytes on "
+        "the device's staging stream, ordered after the work enqueued so far on `stream` (a "
+        "cudaStream_t as int); returns a CudaBatch at once.");
 }

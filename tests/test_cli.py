@@ -16,18 +16,16 @@ import time
 
 import pytest
 import torch
-from click.testing import CliRunner
+from cliutil import cli, cli_env, run_cli_processes
 
 import ckptstore
 from ckptstore import format as fmt
 from ckptstore.checkpoint.save import SaveOptions, start_save
-from ckptstore.cli import main
 from ckptstore.errors import CommitTimeoutError
 from ckptstore.pipeline import runtime
 
 pytestmark = pytest.mark.usefixtures("observe_earlier_failures")
 
-PKG_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(ckptstore.__file__)))
 COMMANDS = {
     "ls": ["--json", "--all"],
     "verify": ["--quick", "--json"],
@@ -38,28 +36,6 @@ COMMANDS = {
 
 
 # ---------------------------------------------------------------------------- helpers
-def cli(*args: str):
-    return CliRunner().invoke(main, list(args), catch_exceptions=False)
-
-
-def cli_env() -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([PKG_ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    env["PYTHONWARNINGS"] = "ignore::RuntimeWarning"  # the pure-torch fallback notice
-    return env
-
-
-def run_cli_processes(*argvs: list[str]) -> list[subprocess.CompletedProcess]:
-    """Run several ``python -m ckptstore.cli`` processes at once."""
-    procs = [subprocess.Popen([sys.executable, "-m", "ckptstore.cli", *argv], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=cli_env()) for argv in argvs]
-    out = []
-    for argv, p in zip(argvs, procs):
-        stdout, stderr = p.communicate(timeout=180)
-        out.append(subprocess.CompletedProcess(argv, p.returncode, stdout, stderr))
-    return out
-
-
 def one_line_error(r) -> str:
     """An expected error: exit 2, nothing on stdout, one line on stderr, no traceback."""
     assert r.returncode == 2, (r.args, r.returncode, r.stdout, r.stderr)
@@ -265,6 +241,10 @@ def test_doctor_json_reports_environment():
     assert isinstance(rep["native"], bool) and rep["cuda"]["available"] == torch.cuda.is_available()
     assert {"local", "memory"} <= set(rep["backends"])
     assert set(rep["staging_pool"]) >= {"capacity", "in_use"}
+    assert rep["staging_pool"]["backend"] == ckptstore.pipeline.runtime().pool.backend
+    native_cuda = rep["cuda"]["native"]
+    assert set(native_cuda) >= {"compiled", "available", "devices", "error"}
+    assert native_cuda["available"] == ckptstore.native.cuda_available()
     text = cli("doctor").stdout
     assert text.splitlines()[0].split() == ["ckptstore", ckptstore.__version__]
 

@@ -25,14 +25,20 @@ import time
 
 import pytest
 import torch
-from click.testing import CliRunner
+from cliutil import cli
 
 import ckptstore
 from ckptstore import format as fmt
 from ckptstore.checkpoint import gc as gc_mod
 from ckptstore.checkpoint.catalog import scan_store
 from ckptstore.checkpoint.commit import read_manifest
-from ckptstore.checkpoint.retention import Candidate, KeepBest, Retention, parse_duration, select_kept
+from ckptstore.checkpoint.retention import (
+    Candidate,
+    KeepBest,
+    Retention,
+    parse_duration,
+    select_kept,
+)
 from ckptstore.checkpoint.save import SaveOptions, start_save
 from ckptstore.checkpoint.verify import verify_manifest
 from ckptstore.cli import main
@@ -53,10 +59,6 @@ if __name__ != "__main__":
 
 
 # ---------------------------------------------------------------------------- helpers
-def cli(*args: str):
-    return CliRunner().invoke(main, list(args), catch_exceptions=False)
-
-
 def state(step: int) -> dict:
     return {"w": torch.full((256,), float(step)), "b": torch.arange(32) + step, "step": step}
 

@@ -242,7 +242,9 @@ def test_concurrent_callers_share_the_pool():
 
 def _run(code: str, env_extra: dict[str, str]) -> str:
     env = dict(os.environ, **env_extra)
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env,
+    # cwd "/": ``python -c`` puts the working directory first on sys.path, and a source
+    # checkout there (without the built _C) would shadow the installed package.
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, cwd="/",
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
@@ -294,3 +296,180 @@ def test_pool_works_in_forked_child():
         print(os.waitstatus_to_exitcode(status))
     """, {})
     assert out.strip() == "0"
+
+
+# ---- host pool blocks and the CUDA probe ----------------------------------------
+
+
+@needs_native
+def test_block_buffer_protocol_shares_memory_with_tensor():
+    pool = native.HostPool(1 << 20)
+    b = pool.try_alloc(100)
+    t = torch.frombuffer(b, dtype=torch.uint8)
+    view = memoryview(b)
+    assert (t.data_ptr(), t.numel(), len(view), view.readonly) == (b.ptr, 100, 100, False)
+    view[3] = 201
+    t[4] = 7
+    assert (int(t[3]), view[4]) == (201, 7)
+    with pytest.raises(TypeError):
+        type(b)()  # blocks come only from a pool
+    pool.free(b)
+
+
+def test_cuda_info_reports_without_raising():
+    info = native.cuda_info()
+    assert set(info) == {"compiled", "available", "devices", "runtime_version", "driver_version", "error"}
+    assert native.cuda_available() is bool(info["available"])
+    if info["available"]:
+        assert info["compiled"] and info["devices"] >= 1 and info["error"] == ""
+    else:
+        assert info["devices"] == 0 and info["error"] != ""
+    if not torch.cuda.is_available():
+        assert info["available"] is False
+
+
+@needs_native
+def test_extension_imports_without_a_visible_gpu():
+    """With no device visible (or no driver at all) the module imports, reports why, and
+    its host pool still works in ordinary memory."""
+    out = _run("""
+        import json
+        from ckptstore import _C
+        info = _C.cuda_info()
+        pool = _C.HostPool(1 << 20, pinned=True)
+        b = pool.try_alloc(10)
+        print(json.dumps({"info": info, "pinned": pool.stats()["pinned"], "block_pinned": b.pinned}))
+    """, {"CUDA_VISIBLE_DEVICES": ""})
+    result = json.loads(out)
+    assert result["info"]["available"] is False and result["info"]["devices"] == 0
+    assert result["info"]["error"] != ""
+    assert (result["pinned"], result["block_pinned"]) == (False, False)
+
+
+# ---- stage_to_host / StageHandle error paths (fake CUDA objects, no GPU) ------------
+
+
+class _FakeBatch:
+    """Stands in for _C.CudaBatch: records its wait, optionally fails it."""
+
+    def __init__(self, log: list, name: str, fail: Exception | None = None, handle=None):
+        self.log, self.name, self.fail, self.handle = log, name, fail, handle
+        self.gathered = 0
+
+    def wait(self):
+        # The handle must still keep the tensors alive while any batch is waited.
+        self.log.append((self.name, self.handle is None or self.handle._keep is not None))
+        if self.fail is not None:
+            raise self.fail
+
+
+class _FakeEvent(_FakeBatch):
+    def synchronize(self):
+        self.wait()
+
+
+def test_stage_handle_wait_waits_everything_before_raising_the_first_error():
+    log: list = []
+    h = native.StageHandle("native")
+    h._keep = [object()]
+    first, second = RuntimeError("device 0 failed"), RuntimeError("device 2 failed")
+    h._batches = [_FakeBatch(log, "b0", first, h), _FakeBatch(log, "b1", None, h),
+                  _FakeBatch(log, "b2", second, h)]
+    h._events = [_FakeEvent(log, "e0", None, h)]
+    with pytest.raises(RuntimeError) as info:
+        h.wait()
+    assert info.value is first
+    # every batch and event waited, each while the buffers were still kept alive
+    assert log == [("b0", True), ("b1", True), ("b2", True), ("e0", True)]
+    assert h._keep is None
+
+
+def test_stage_handle_wait_without_errors_drops_what_it_keeps():
+    log: list = []
+    h = native.StageHandle("torch")
+    h._keep = [object()]
+    h._events = [_FakeEvent(log, "e0", None, h), _FakeEvent(log, "e1", None, h)]
+    h.wait()
+    assert log == [("e0", True), ("e1", True)] and h._keep is None
+
+
+class _FakeStorage:
+    def __init__(self, device: int, n: int):
+        self.device = torch.device("cuda", device)
+        self._n = n
+
+    def data_ptr(self) -> int:
+        return 0x10000 * (self.device.index + 1)
+
+    def nbytes(self) -> int:
+        return self._n
+
+
+class _FakeStream:
+    def __init__(self, device: int):
+        self.device = torch.device("cuda", device)
+        self.cuda_stream = 1000 + device
+
+
+@pytest.fixture
+def fake_native_cuda(monkeypatch):
+    """native with a fake _C whose CUDA path is 'available': cuda_stage returns
+    _FakeBatch objects (recorded in .batches) or raises for devices in .fail_on."""
+    log: list = []
+    fake = type("FakeC", (), {})()
+    fake.batches, fake.fail_on, fake.log = [], {}, log
+    fake.cuda_info = lambda: {"compiled": True, "available": True, "devices": 4, "runtime_version": 0,
+                              "driver_version": 0, "error": ""}
+
+    def cuda_stage(dev, stream, srcs, dsts, sizes, small_bytes, gather):
+        if dev in fake.fail_on:
+            raise fake.fail_on[dev]
+        b = _FakeBatch(log, f"dev{dev}")
+        fake.batches.append(b)
+        return b
+
+    fake.cuda_stage = cuda_stage
+    monkeypatch.setattr(native, "_C", fake)
+    monkeypatch.setattr(native, "NATIVE", True)
+    monkeypatch.setattr(native, "_src_parts", lambda src, what: (src, 0, src.nbytes()))
+    return fake
+
+
+def _fake_copies(devices):
+    return [(_FakeStorage(d, 64), 0, torch.zeros(64, dtype=torch.uint8), 64) for d in devices]
+
+
+def test_stage_to_host_waits_queued_batches_when_a_later_device_fails(fake_native_cuda):
+    fake_native_cuda.fail_on = {2: RuntimeError("cuda_stage failed on device 2")}
+    streams = {d: _FakeStream(d) for d in (0, 1, 2)}
+    with pytest.raises(RuntimeError, match="device 2"):
+        native.stage_to_host(_fake_copies([0, 1, 2]), stream=streams, backend="native")
+    # the batches already queued for devices 0 and 1 were waited before the error surfaced
+    assert [b.name for b in fake_native_cuda.batches] == ["dev0", "dev1"]
+    assert [name for name, _ in fake_native_cuda.log] == ["dev0", "dev1"]
+
+
+def test_stage_to_host_rejects_a_stream_dict_entry_on_another_device(fake_native_cuda):
+    streams = {0: _FakeStream(0), 1: _FakeStream(3)}  # device 1's entry is on cuda:3
+    with pytest.raises(ValueError, match=r"stream\[1\] is on cuda:3, copies on cuda:1"):
+        native.stage_to_host(_fake_copies([0, 1]), stream=streams, backend="native")
+    assert [name for name, _ in fake_native_cuda.log] == ["dev0"]  # device 0's batch waited
+
+
+def test_stage_to_host_success_queues_one_batch_per_device(fake_native_cuda):
+    h = native.stage_to_host(_fake_copies([0, 1, 0]), stream={0: _FakeStream(0), 1: _FakeStream(1)},
+                             backend="native")
+    assert [b.name for b in fake_native_cuda.batches] == ["dev0", "dev1"]
+    assert (h.count, h.nbytes, fake_native_cuda.log) == (3, 192, [])
+    h.wait()
+    assert [name for name, _ in fake_native_cuda.log] == ["dev0", "dev1"] and h._keep is None
+
+
+def test_producer_stream_checks_the_device_of_every_stream():
+    s0, s1 = _FakeStream(0), _FakeStream(1)
+    assert native._producer_stream(s0, 0) is s0
+    assert native._producer_stream({0: s0, 1: s1}, 1) is s1
+    with pytest.raises(ValueError, match="stream is on cuda:1, copies on cuda:0"):
+        native._producer_stream(s1, 0)
+    with pytest.raises(ValueError, match=r"stream\[0\] is on cuda:1, copies on cuda:0"):
+        native._producer_stream({0: s1}, 0)

@@ -13,24 +13,20 @@ import hashlib
 import json
 import os
 import random
-import subprocess
-import sys
 
 import pytest
 import torch
-from click.testing import CliRunner
+from cliutil import cli, run_cli_processes
 
 import ckptstore
 from ckptstore import format as fmt
 from ckptstore.checkpoint.catalog import scan_store
-from ckptstore.cli import main
 from ckptstore.storage import LocalStorage
 
 pytestmark = pytest.mark.usefixtures("observe_earlier_failures")
 
 SEED = int(os.environ.get("CKPTSTORE_VERIFY_SEED", "6061"))
 TRIALS_PER_KIND = 20
-PKG_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(ckptstore.__file__)))
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -85,28 +81,6 @@ def tree(root) -> dict[str, tuple[int, str]]:
 
 def blobs_in(manifest: fmt.Manifest, name: str) -> list[tuple[str | None, fmt.Blob]]:
     return [(key, b) for _, key, b in manifest.blobs() if b.file == name]
-
-
-def cli(*args: str):
-    return CliRunner().invoke(main, list(args), catch_exceptions=False)
-
-
-def cli_env() -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([PKG_ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    env["PYTHONWARNINGS"] = "ignore::RuntimeWarning"  # the pure-torch fallback notice
-    return env
-
-
-def run_cli_processes(*argvs: list[str]) -> list[subprocess.CompletedProcess]:
-    """Run several ``python -m ckptstore.cli`` processes at once (imports dominate)."""
-    procs = [subprocess.Popen([sys.executable, "-m", "ckptstore.cli", *argv], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=cli_env()) for argv in argvs]
-    out = []
-    for argv, p in zip(argvs, procs):
-        stdout, stderr = p.communicate(timeout=180)
-        out.append(subprocess.CompletedProcess(argv, p.returncode, stdout, stderr))
-    return out
 
 
 @pytest.fixture(scope="module")

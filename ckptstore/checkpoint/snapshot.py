@@ -16,14 +16,22 @@ import fnmatch
 import math
 from dataclasses import dataclass, field
 
-import torch
 import xxhash
 
 from .. import format as fmt
 from ..errors import SerializationError
 from ..pipeline import RankWriter
-from ..staging import StagingPool, copy_into
-from .flatten import GLOBAL, LOCAL, DTensorRef, StorageRef, entry_shape, flatten, plan_chunks, tensor_paths
+from ..staging import StagingCopier, StagingPool
+from .flatten import (
+    GLOBAL,
+    LOCAL,
+    DTensorRef,
+    StorageRef,
+    entry_shape,
+    flatten,
+    plan_chunks,
+    tensor_paths,
+)
 
 DEFAULT_CHUNK_BYTES = 16 << 20
 
@@ -53,14 +61,11 @@ def snapshot(obj, writer: RankWriter, pool: StagingPool, chunk_bytes: int = DEFA
                 raise writer.failed  # stop staging a save that cannot commit
             goff = tuple(o + d for o, d in zip(offsets, offset0))
             if pool.in_use + nbytes > pool.capacity // 2:
-                writer.flush()  # acquire may wait for buffers: let the workers free them
-            buf = pool.acquire(nbytes)
-            try:
-                _copy_storage_bytes(buf, storage, base + byte_off, nbytes)
-            except BaseException:
-                pool.release(buf)
-                raise
-            writer.submit_chunk(key, goff, sizes, itemsize, buf, scope, writes(goff, nbytes))
+                writer.flush()  # the pool is filling: let the workers start freeing buffers
+            write = writes(goff, nbytes)
+            copier.copy(storage, base + byte_off, nbytes,
+                        lambda buf, goff=goff, sizes=sizes, write=write:
+                        writer.submit_chunk(key, goff, sizes, itemsize, buf, scope, write))
 
     def on_storage(ref: StorageRef) -> None:
         entry = (fmt.dtype_name(ref.dtype), ref.shape)
@@ -99,7 +104,12 @@ def snapshot(obj, writer: RankWriter, pool: StagingPool, chunk_bytes: int = DEFA
         stage(ref.key, local.untyped_storage(), local.storage_offset() * itemsize, tuple(local.shape), offsets0,
               itemsize, GLOBAL, lambda o, n: mine(ref.key, o))
 
-    skeleton = flatten(obj, on_storage, pickle_protocol, on_dtensor=on_dtensor, replicated=is_replicated)
+    # The copier batches the copies (CPU: one parallel memcpy per batch; CUDA: one
+    # device-to-host transfer per batch on a staging stream). ``before_wait`` starts
+    # the workers before it waits for the pool, since only they free buffers.
+    copier = StagingCopier(pool, before_wait=writer.flush)
+    with copier:  # on a clean exit every byte has landed and every buffer is with the writer
+        skeleton = flatten(obj, on_storage, pickle_protocol, on_dtensor=on_dtensor, replicated=is_replicated)
     writer.submit_skeleton(skeleton)
     return out
 
@@ -157,12 +167,3 @@ def _assign_replicated(obj, is_replicated, limit: int, world_size: int) -> dict:
         owner[(path, offsets)] = r
     return owner
 
-
-def _copy_storage_bytes(buf, storage: torch.UntypedStorage, byte_off: int, nbytes: int) -> None:
-    if storage.device.type == "cpu":
-        copy_into(buf, storage.data_ptr() + byte_off, nbytes)
-        return
-    # Device memory: a byte view of the storage region, copied by the device runtime.
-    src = torch.empty(0, dtype=torch.uint8, device=storage.device)
-    src.set_(storage, byte_off, (nbytes,), (1,))
-    buf.tensor.copy_(src, non_blocking=False)

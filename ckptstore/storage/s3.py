@@ -31,7 +31,7 @@ import os
 import random
 import threading
 import time
-from concurrent.futures import CancelledError, Future
+from concurrent.futures import CancelledError
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -46,6 +46,7 @@ try:
 except ImportError as _e:  # pragma: no cover - depends on the environment
     raise ImportError(f"s3:// URLs need boto3 (pip install 'ckptstore[s3]'): {_e}") from _e
 
+from .._threads import DaemonThreadPool
 from ..errors import (
     AlreadyExistsError,
     CkptStoreError,
@@ -90,69 +91,6 @@ _STREAM_ERRORS = (bexc.HTTPClientError, bexc.IncompleteReadError, bexc.Connectio
 
 
 # ---------------------------------------------------------------------------- helpers
-class _DaemonPool:
-    """A ``concurrent.futures``-style executor whose threads are daemons.
-
-    ``ThreadPoolExecutor`` threads are joined before atexit handlers run, which would
-    make interpreter exit wait, unbounded, for an upload in flight, or refuse its next
-    part; ckptstore bounds that wait itself (``ckptstore.lifecycle``). s3transfer takes
-    this class as ``executor_cls``.
-    """
-
-    def __init__(self, max_workers: int, name: str = "ckptstore-s3"):
-        self._max = max(1, int(max_workers))
-        self._name = name
-        self._queue: collections.deque = collections.deque()
-        self._cv = threading.Condition()
-        self._threads: list[threading.Thread] = []
-        self._idle = 0
-        self._shutdown = False
-
-    def submit(self, fn, *args, **kwargs) -> Future:
-        future: Future = Future()
-        with self._cv:
-            if self._shutdown:
-                raise RuntimeError("executor is shut down")
-            self._queue.append((future, fn, args, kwargs))
-            if self._idle == 0 and len(self._threads) < self._max:
-                t = threading.Thread(target=self._run, name=f"{self._name}-{len(self._threads)}", daemon=True)
-                self._threads.append(t)
-                t.start()
-            else:
-                self._cv.notify()
-        return future
-
-    def _run(self) -> None:
-        while True:
-            with self._cv:
-                self._idle += 1
-                while not self._queue and not self._shutdown:
-                    self._cv.wait()
-                self._idle -= 1
-                if not self._queue:
-                    return
-                future, fn, args, kwargs = self._queue.popleft()
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                result = fn(*args, **kwargs)
-            except BaseException as e:
-                future.set_exception(e)
-            else:
-                future.set_result(result)
-            del future, fn, args, kwargs
-
-    def shutdown(self, wait: bool = True) -> None:
-        with self._cv:
-            self._shutdown = True
-            self._cv.notify_all()
-            threads = list(self._threads)
-        if wait:
-            for t in threads:
-                if t is not threading.current_thread():
-                    t.join()
-
-
 _sessions: dict[str | None, tuple[boto3.session.Session, botocore.session.Session]] = {}
 _sessions_lock = threading.Lock()
 
@@ -222,13 +160,13 @@ class _Shared:
         self.max_attempts = max_attempts
         self.read_part_size = read_part_size
         self.parts_per_tier = parts_per_tier
-        self._pool: _DaemonPool | None = None
+        self._pool: DaemonThreadPool | None = None
         self._lock = threading.Lock()
 
-    def pool(self) -> _DaemonPool:
+    def pool(self) -> DaemonThreadPool:
         with self._lock:
             if self._pool is None:
-                self._pool = _DaemonPool(self.max_concurrency, "ckptstore-s3-read")
+                self._pool = DaemonThreadPool(self.max_concurrency, "ckptstore-s3-read")
             return self._pool
 
 
@@ -663,7 +601,7 @@ class _S3AppendWriter(AppendWriter):
             use_threads=True,
         )
         config.max_in_memory_upload_chunks = sh.max_concurrency  # parts held by s3transfer
-        self._manager = TransferManager(sh.client, config, executor_cls=_DaemonPool)
+        self._manager = TransferManager(sh.client, config, executor_cls=DaemonThreadPool)
         with self._cv:
             self._future = self._manager.upload(_Feed(self), sh.bucket, storage._k(key))
 

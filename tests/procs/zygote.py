@@ -43,6 +43,7 @@ def _child(script: str, argv: list, env: dict, w: int) -> None:
         sys.stdout = os.fdopen(1, "w", buffering=1)
         os.environ.update(env)
         sys.argv = [script] + list(argv)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as `python script` does
         runpy.run_path(script, run_name="__main__")
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)

@@ -1,0 +1,77 @@
+"""Thread pools for ckptstore's background work (used by the pipeline and storage)."""
+
+from __future__ import annotations
+
+import collections
+import threading
+from concurrent.futures import Future
+
+__all__ = ["DaemonThreadPool"]
+
+
+class DaemonThreadPool:
+    """A ``concurrent.futures``-style executor whose threads are daemons.
+
+    ``ThreadPoolExecutor`` threads are joined before atexit handlers run, which would
+    make interpreter exit wait, unbounded, for a write or upload in flight, or refuse
+    its next part; ckptstore bounds that wait itself (``ckptstore.lifecycle``). Threads
+    start on demand, up to ``max_workers``. The pipeline uses it for its workers, and
+    s3transfer takes it as ``executor_cls``.
+    """
+
+    def __init__(self, max_workers: int, name: str = "ckptstore"):
+        self._max = max(1, int(max_workers))
+        self._name = name
+        self._queue: collections.deque = collections.deque()
+        self._cv = threading.Condition()
+        self._threads: list[threading.Thread] = []
+        self._idle = 0
+        self._shutdown = False
+
+    def submit(self, fn, *args, **kwargs) -> Future:
+        future: Future = Future()
+        with self._cv:
+            if self._shutdown:
+                raise RuntimeError("executor is shut down")
+            self._queue.append((future, fn, args, kwargs))
+            if self._idle == 0 and len(self._threads) < self._max:
+                t = threading.Thread(target=self._run, name=f"{self._name}-{len(self._threads)}", daemon=True)
+                self._threads.append(t)
+                t.start()
+            else:
+                self._cv.notify()
+        return future
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                self._idle += 1
+                while not self._queue and not self._shutdown:
+                    self._cv.wait()
+                self._idle -= 1
+                if not self._queue:
+                    return
+                future, fn, args, kwargs = self._queue.popleft()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as e:
+                future.set_exception(e)
+            else:
+                future.set_result(result)
+            del future, fn, args, kwargs
+
+    def shutdown(self, wait: bool = True) -> None:
+        with self._cv:
+            self._shutdown = True
+            self._cv.notify_all()
+            threads = list(self._threads)
+        if wait:
+            for t in threads:
+                if t is not threading.current_thread():
+                    t.join()
+
+    @property
+    def max_workers(self) -> int:
+        return self._max

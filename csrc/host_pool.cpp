@@ -1,0 +1,363 @@
+// Host staging pool (see host_pool.h).
+//
+// Free space is a per-slab map offset -> length (coalesced on every free) plus
+// one index of all free regions ordered by (length, slab id, offset): best fit
+// is one lower_bound, ties go to the oldest slab and the lowest address, which
+// keeps newer slabs empty so that trim() and capacity pressure can free them.
+#include "host_pool.h"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <new>
+#include <stdexcept>
+
+#include "cuda_ops.h"
+
+namespace ckpt {
+namespace {
+
+constexpr std::size_t kHuge = std::size_t(2) << 20;  // slab alignment (transparent huge pages)
+
+std::size_t round_up(std::size_t n, std::size_t a) { return (n + a - 1) / a * a; }
+
+std::size_t page_size() {
+    static const std::size_t n = [] {
+        long v = sysconf(_SC_PAGESIZE);
+        return v > 0 ? static_cast<std::size_t>(v) : std::size_t(4096);
+    }();
+    return n;
+}
+
+std::atomic<std::uint64_t> g_pool_ids{1};
+
+// Anonymous private mapping of `len` bytes (a page multiple), 2 MiB aligned when
+// at least 2 MiB so the kernel can back it with huge pages (fewer faults, TLB misses).
+void* map_ordinary(std::size_t len) {
+    if (len >= kHuge) {
+        std::size_t total = len + kHuge;
+        void* p = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (p == MAP_FAILED) throw std::bad_alloc();
+        auto a = reinterpret_cast<std::uintptr_t>(p);
+        std::uintptr_t b = round_up(a, kHuge);
+        if (b > a) munmap(p, b - a);
+        std::size_t tail = (a + total) - (b + len);
+        if (tail) munmap(reinterpret_cast<void*>(b + len), tail);
+#ifdef MADV_HUGEPAGE
+        madvise(reinterpret_cast<void*>(b), len, MADV_HUGEPAGE);
+#endif
+        return reinterpret_cast<void*>(b);
+    }
+    void* p = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) throw std::bad_alloc();
+    return p;
+}
+
+std::mutex g_reg_m;
+std::map<std::uintptr_t, std::size_t> g_reg;  // base -> size of pinned, mapped slabs
+
+}  // namespace
+
+// ---- registry ------------------------------------------------------------------
+
+void register_pinned(std::uintptr_t base, std::size_t size) {
+    std::lock_guard<std::mutex> lk(g_reg_m);
+    g_reg[base] = size;
+}
+
+void unregister_pinned(std::uintptr_t base) {
+    std::lock_guard<std::mutex> lk(g_reg_m);
+    g_reg.erase(base);
+}
+
+bool is_registered_pinned(std::uintptr_t ptr, std::size_t nbytes) {
+    std::lock_guard<std::mutex> lk(g_reg_m);
+    auto it = g_reg.upper_bound(ptr);
+    if (it == g_reg.begin()) return false;
+    --it;
+    return ptr >= it->first && nbytes <= it->second && ptr - it->first <= it->second - nbytes;
+}
+
+// ---- memory --------------------------------------------------------------------
+
+Slab::Slab(std::size_t size_, bool want_pinned, int device_) : size(size_), device(device_) {
+    if (want_pinned) {
+        // Pinned under the thread's current context if it has one, else under
+        // `device`'s; `device` becomes the one that pinned it (freed there).
+        if (void* p = cuda_host_alloc(size, device, &pin_error, &device)) {
+            base = reinterpret_cast<std::uintptr_t>(p);
+            pinned = true;
+            register_pinned(base, size);
+            return;
+        }
+    }
+    map_len = round_up(size, page_size());
+    base = reinterpret_cast<std::uintptr_t>(map_ordinary(map_len));
+}
+
+Slab::~Slab() {
+    if (pinned) {
+        unregister_pinned(base);
+        cuda_host_free(reinterpret_cast<void*>(base), device);
+    } else if (base) {
+        munmap(reinterpret_cast<void*>(base), map_len);
+    }
+}
+
+OverflowMem::OverflowMem(std::size_t n) {
+    if (posix_memalign(&p, 4096, n ? n : 1) != 0) throw std::bad_alloc();
+}
+
+OverflowMem::~OverflowMem() { std::free(p); }
+
+// ---- pool ----------------------------------------------------------------------
+
+HostPool::HostPool(std::size_t capacity, bool want_pinned, int device, std::size_t slab_bytes,
+                   std::size_t alignment)
+    : capacity_(capacity),
+      slab_bytes_(std::max<std::size_t>(slab_bytes, 1)),
+      align_(alignment),
+      limit_(alignment && !(alignment & (alignment - 1)) ? round_up(capacity, alignment) : capacity),
+      pinning_(want_pinned && cuda_info().available),
+      device_(device),
+      id_(g_pool_ids.fetch_add(1)) {
+    if (capacity == 0) throw std::invalid_argument("HostPool: capacity must be positive");
+    if (alignment < 16 || (alignment & (alignment - 1)))
+        throw std::invalid_argument("HostPool: alignment must be a power of two >= 16");
+    if (want_pinned && !pinning_)
+        pin_error_ = cuda_info().compiled ? cuda_info().error : "built without CUDA";
+}
+
+HostPool::~HostPool() = default;  // slabs go when their last Block does
+
+void HostPool::note_peak() {
+    peak_ = std::max(peak_, held_ + overflow_bytes_);
+    peak_in_use_ = std::max(peak_in_use_, in_use_);
+}
+
+void HostPool::carve(Slab& s, std::size_t off, std::size_t len, std::size_t span) {
+    by_size_.erase(FreeKey{len, s.id, off});
+    s.free.erase(off);
+    if (len > span) {
+        s.free[off + span] = len - span;
+        by_size_.insert(FreeKey{len - span, s.id, off + span});
+    }
+    s.used += span;
+    used_ += span;
+}
+
+void HostPool::add_free(Slab& s, std::size_t off, std::size_t len) {
+    auto next = s.free.lower_bound(off);
+    if (next != s.free.end() && next->first == off + len) {
+        by_size_.erase(FreeKey{next->second, s.id, next->first});
+        len += next->second;
+        next = s.free.erase(next);
+    }
+    if (next != s.free.begin()) {
+        auto prev = std::prev(next);
+        if (prev->first + prev->second == off) {
+            by_size_.erase(FreeKey{prev->second, s.id, prev->first});
+            off = prev->first;
+            len += prev->second;
+            s.free.erase(prev);
+        }
+    }
+    s.free[off] = len;
+    by_size_.insert(FreeKey{len, s.id, off});
+}
+
+bool HostPool::fit(std::size_t span, std::shared_ptr<Slab>& slab, std::size_t& off) {
+    auto it = by_size_.lower_bound(FreeKey{span, 0, 0});
+    if (it == by_size_.end()) return false;
+    auto [len, sid, o] = *it;
+    slab = slabs_.at(sid);
+    off = o;
+    carve(*slab, o, len, span);
+    return true;
+}
+
+void HostPool::drop_slab(std::uint64_t id, std::vector<std::shared_ptr<Slab>>& out) {
+    auto it = slabs_.find(id);
+    Slab& s = *it->second;
+    for (auto& [o, len] : s.free) by_size_.erase(FreeKey{len, s.id, o});
+    held_ -= s.size;
+    ++slab_frees_;
+    out.push_back(std::move(it->second));
+    slabs_.erase(it);
+}
+
+bool HostPool::try_alloc(std::size_t nbytes, Block& out, bool overflow) {
+    if (nbytes > capacity_)
+        throw std::invalid_argument("HostPool: a " + std::to_string(nbytes) +
+                                    "-byte block exceeds the capacity " + std::to_string(capacity_));
+    std::vector<std::shared_ptr<Slab>> dropped;  // destroyed after the lock is released
+    std::unique_lock<std::mutex> lk(m_);
+    if (in_use_ + nbytes > capacity_) return false;
+    Block b;
+    b.nbytes = nbytes;
+    b.pool_id = id_;
+    b.live = true;
+    if (nbytes == 0) {  // nothing to lend; keeps the accounting uniform
+        ++live_;
+        ++allocs_;
+        out = std::move(b);
+        return true;
+    }
+    const std::size_t span = round_up(nbytes, align_);
+    in_use_ += nbytes;  // reserved from here on
+    auto undo = [&] { in_use_ -= nbytes; };
+
+    std::shared_ptr<Slab> slab;
+    std::size_t off = 0;
+    if (!fit(span, slab, off)) {
+        std::size_t room = limit_ > held_ ? limit_ - held_ : 0;
+        if (room < span) {
+            // Free empty slabs, largest first, until a slab for this request fits.
+            std::vector<std::pair<std::size_t, std::uint64_t>> empty;
+            for (auto& [id, s] : slabs_)
+                if (s->used == 0) empty.emplace_back(s->size, id);
+            std::sort(empty.rbegin(), empty.rend());
+            for (auto& [size, id] : empty) {
+                if (room >= span) break;
+                drop_slab(id, dropped);
+                room = limit_ > held_ ? limit_ - held_ : 0;
+            }
+        }
+        if (room >= span) {
+            std::size_t want = std::max(round_up(span, kHuge), slab_bytes_);
+            want = std::min(want, room / align_ * align_);  // >= span: both are multiples of align_
+            held_ += want;  // reserved while the slab is made without the lock
+            lk.unlock();
+            std::shared_ptr<Slab> s;
+            try {
+                s = std::make_shared<Slab>(want, pinning_, device_);
+            } catch (...) {
+                lk.lock();
+                held_ -= want;
+                undo();
+                throw;
+            }
+            lk.lock();
+            s->id = next_slab_id_++;
+            slabs_[s->id] = s;
+            ++slab_allocs_;
+            if (pinning_ && !s->pinned) {
+                ++pin_failures_;
+                pin_error_ = s->pin_error;
+            }
+            s->free[0] = want;
+            by_size_.insert(FreeKey{want, s->id, 0});
+            carve(*s, 0, want, span);
+            slab = s;
+            off = 0;
+        } else if (!overflow) {
+            // Enough capacity by count, but no slab has a hole this large and the
+            // live blocks pin every slab: wait for a release.
+            undo();
+            ++frag_fails_;
+            return false;
+        } else {
+            // The same, with overflow allowed: ordinary memory, freed with the block.
+            lk.unlock();
+            std::shared_ptr<OverflowMem> mem;
+            try {
+                mem = std::make_shared<OverflowMem>(span);
+            } catch (...) {
+                lk.lock();
+                undo();
+                throw;
+            }
+            lk.lock();
+            overflow_bytes_ += span;
+            ++overflow_allocs_;
+            ++live_;
+            ++allocs_;
+            b.ptr = reinterpret_cast<std::uintptr_t>(mem->p);
+            b.span = span;
+            b.overflow = std::move(mem);
+            note_peak();
+            out = std::move(b);
+            return true;
+        }
+    }
+    ++live_;
+    ++allocs_;
+    b.ptr = slab->base + off;
+    b.span = span;
+    b.offset = off;
+    b.slab = std::move(slab);
+    note_peak();
+    out = std::move(b);
+    return true;
+}
+
+void HostPool::free(Block& b) {
+    std::lock_guard<std::mutex> lk(m_);
+    if (!b.live || b.pool_id != id_)
+        throw std::invalid_argument(b.pool_id == id_ ? "HostPool.free: block already freed"
+                                                     : "HostPool.free: block of another pool");
+    b.live = false;
+    in_use_ -= b.nbytes;
+    --live_;
+    if (b.slab) {
+        add_free(*b.slab, b.offset, b.span);
+        b.slab->used -= b.span;
+        used_ -= b.span;
+    } else if (b.overflow) {
+        overflow_bytes_ -= b.span;
+    }
+    // The Block keeps its memory alive (a tensor may still view it); the pool
+    // no longer counts it.
+}
+
+std::size_t HostPool::trim() {
+    std::vector<std::shared_ptr<Slab>> dropped;  // destroyed after the lock is released
+    std::lock_guard<std::mutex> lk(m_);
+    std::vector<std::uint64_t> ids;
+    for (auto& [id, s] : slabs_)
+        if (s->used == 0) ids.push_back(id);
+    std::size_t freed = 0;
+    for (auto id : ids) {
+        freed += slabs_[id]->size;
+        drop_slab(id, dropped);
+    }
+    return freed;
+}
+
+std::size_t HostPool::in_use() const {
+    std::lock_guard<std::mutex> lk(m_);
+    return in_use_;
+}
+
+PoolStats HostPool::stats() const {
+    std::lock_guard<std::mutex> lk(m_);
+    PoolStats st{};
+    st.capacity = capacity_;
+    st.held = held_;
+    st.in_use = in_use_;
+    st.used = used_;
+    st.cached = held_ - used_;
+    st.peak = peak_;
+    st.peak_in_use = peak_in_use_;
+    st.overflow_bytes = overflow_bytes_;
+    st.largest_free = by_size_.empty() ? 0 : std::get<0>(*by_size_.rbegin());
+    st.slab_bytes = slab_bytes_;
+    st.alignment = align_;
+    st.slabs = slabs_.size();
+    for (auto& [id, s] : slabs_) st.pinned_slabs += s->pinned ? 1 : 0;
+    st.live_blocks = live_;
+    st.allocs = allocs_;
+    st.slab_allocs = slab_allocs_;
+    st.slab_frees = slab_frees_;
+    st.overflow_allocs = overflow_allocs_;
+    st.pin_failures = pin_failures_;
+    st.fragmentation_fails = frag_fails_;
+    st.pinned = pinning_;
+    st.pin_error = pin_error_;
+    return st;
+}
+
+}  // namespace ckpt
