@@ -159,8 +159,9 @@ def test_template_load_reads_only_the_chunks_overlapping_each_ranks_shard(fsdp_l
     world = fsdp_loaded["world"]
     for rank, res in enumerate(fsdp_loaded["results"]):
         needed, read, stored = res["big_needed"], res["big_read"], res["big_stored"]
-        # Allow a little noise (a few hundred bytes of /proc reads); a chunk is 16 KiB.
-        assert needed <= read < needed + 2048, (
+        # Allow a little noise both ways (the /proc reads themselves count, and their
+        # text grows by a digit now and then); a chunk is 16 KiB.
+        assert needed - 256 <= read < needed + 2048, (
             f"rank {rank} of {fsdp_loaded['mesh']}: read {read} bytes of 'big', needs {needed}, "
             f"all chunks hold {stored}; region {res['big_region']}")
         if world == 1:
