@@ -34,7 +34,9 @@ class DaemonThreadPool:
             if self._shutdown:
                 raise RuntimeError("executor is shut down")
             self._queue.append((future, fn, args, kwargs))
-            if self._idle == 0 and len(self._threads) < self._max:
+            # A thread that was notified but has not woken yet still counts as idle:
+            # start another when the queue holds more items than there are waiters.
+            if len(self._queue) > self._idle and len(self._threads) < self._max:
                 t = threading.Thread(target=self._run, name=f"{self._name}-{len(self._threads)}", daemon=True)
                 self._threads.append(t)
                 t.start()
