@@ -43,7 +43,8 @@ import time
 import warnings
 
 warnings.filterwarnings("ignore", message=".*using the slower pure-Python/torch fallback.*")
-# The native pool is opt-in (docs/native.md, "Status"): measure it unless told otherwise.
+# The default pool is "auto" already; set it explicitly so that an inherited override
+# (CKPTSTORE_STAGING_POOL=torch) is the only way to measure the other one.
 os.environ.setdefault("CKPTSTORE_STAGING_POOL", "auto")
 
 import torch  # noqa: E402

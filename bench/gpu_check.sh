@@ -46,7 +46,7 @@ else
   SRC_PATH="$REPO"
 fi
 
-# The save path's pool: the native (pinned) one unless told otherwise (docs/native.md, "Status").
+# The save path's pool: auto (the native pinned pool when usable) unless told otherwise.
 export CKPTSTORE_STAGING_POOL="${CKPTSTORE_STAGING_POOL:-auto}"
 
 WORK="$(mktemp -d)"

@@ -29,6 +29,7 @@ from ckptstore.errors import (
     StoragePermissionError,
     UnsupportedVersionError,
 )
+from ckptstore.pipeline import runtime
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -91,6 +92,8 @@ def test_unsupported_object_raises_serialization_error_and_commits_nothing(tmp_c
     assert isinstance(ei.value, TypeError)
     assert str(tmp_ckpt) in str(ei.value)
     assert no_manifest_anywhere(tmp_ckpt)
+    # "w" was queued for copying when pickling failed: its buffer went back to the pool
+    assert runtime().pool.in_use == 0
     with pytest.raises((CheckpointNotFoundError, NotCommittedError)):
         ckptstore.load(tmp_ckpt)
 
