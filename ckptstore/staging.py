@@ -286,7 +286,7 @@ class StagingCopier:
     arranges for ``storage``'s bytes ``[byte_offset, byte_offset + nbytes)`` to land
     in it, then calls ``then(buf)`` (on the caller's thread), which takes ownership
     of the buffer. Copies are batched: CPU bytes by one parallel ``copy_many`` per
-    ``cpu_batch_bytes`` (one wake-up of the copy threads instead of one per chunk),
+    ``cpu_batch_bytes`` (default ``batch_bytes``; one wake-up of the copy threads instead of one per chunk),
     CUDA bytes by one :func:`ckptstore.native.stage_to_host` call per device and
     ``batch_bytes``, each device batch running while the next one is queued; other
     devices by ``Tensor.copy_``, at once. The copier keeps every source storage
@@ -307,7 +307,9 @@ class StagingCopier:
         self.pool = pool
         self.before_wait = before_wait
         self.batch_bytes = int(batch_bytes) if batch_bytes else max(1, min(pool.capacity // 4, 256 << 20))
-        self.cpu_batch_bytes = int(cpu_batch_bytes) if cpu_batch_bytes else min(self.batch_bytes, 64 << 20)
+        # CPU batches as large as device ones: the writer holds chunks back until the
+        # staging ends anyway, and fewer, larger copy_many calls run closer to one memcpy.
+        self.cpu_batch_bytes = int(cpu_batch_bytes) if cpu_batch_bytes else self.batch_bytes
         self.stream = stream
         self.backend = backend
         self.small_bytes = small_bytes
