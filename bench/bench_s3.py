@@ -12,8 +12,9 @@ path.
 * save: ``ckptstore.save(state, "s3://bucket/key").result()`` (staged, encoded, hashed,
   streamed as a multipart upload, voted, committed) vs ``upload_file`` of a local file
   holding the state's tensor bytes (page-cached);
-* load: ``ckptstore.load(url)`` (ranged GETs, every chunk's xxh3 checked, tensors
-  rebuilt) vs ``download_file`` into a local file.
+* load: ``ckptstore.load(url)`` (ranged GETs, small neighbouring blobs coalesced into
+  one, every chunk's xxh3 checked, tensors rebuilt) vs ``download_file`` into a local
+  file.
 
 Usage::
 
@@ -236,6 +237,7 @@ def run(args, endpoint: str, workdir: str, server) -> int:
     from ckptstore.storage import open_storage
     from ckptstore.storage.s3 import (DEFAULT_CONCURRENCY, DEFAULT_MAX_ATTEMPTS, DEFAULT_PART_SIZE,
                                       DEFAULT_READ_PART_SIZE, boto3_session)
+    from ckptstore.storage.s3 import DEFAULT_COALESCE_BLOB, DEFAULT_COALESCE_GAP
 
     # ckptstore.save / load on s3:// URLs use S3Storage's defaults; boto3 gets the same sizes:
     # upload parts of part_size, download ranges of read_part_size, same concurrency.
@@ -349,7 +351,8 @@ def run(args, endpoint: str, workdir: str, server) -> int:
                    "(ThreadedMotoServer, own process, 127.0.0.1)") if server is not None else endpoint,
         "params": {"size_gib": args.size_gib, "state_bytes": nbytes, "tensors": len(tensors), "repeats": args.repeats,
                    "part_size": part, "read_part_size": read_part, "concurrency": concurrency, "compression": args.compression,
-                   "chunk_bytes": 16 * MiB},
+                   "chunk_bytes": 16 * MiB, "read_coalesce": {"blob": DEFAULT_COALESCE_BLOB, "gap": DEFAULT_COALESCE_GAP,
+                                                               "limit": read_part}},
         "samples_s": dict(samples),
         "median_s": med,
         "mib_per_s": mibps,

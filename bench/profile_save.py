@@ -108,7 +108,7 @@ def main() -> None:
         (snapmod, "flatten", "[blocking] flatten+stage (main thread)"),
         (restoremod, "digest", "[load] hash check (xxh3)"),
         (local.LocalStorage, "readinto", "[load] preadv into tensors"),
-        (restoremod, "read_tensors", "[load] read_tensors (caller thread, incl. waiting)"),
+        (restoremod, "read_blobs", "[load] read_blobs (caller thread, incl. waiting)"),
     ]:
         _wrap(owner, name, label)
 

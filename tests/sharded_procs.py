@@ -32,14 +32,14 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 warnings.filterwarnings("ignore", message=r"ckptstore\.native", category=RuntimeWarning)
 import ckptstore  # noqa: E402
-from ckptstore.errors import CommitError, CommitTimeoutError  # noqa: E402
+from ckptstore.errors import CommitError, CommitTimeoutError, SerializationError  # noqa: E402
 
 HANG_GUARD_S = 180.0
 BIG_SHAPE = (64, 1024)  # float32, 256 KiB: many chunks at CHUNK_BYTES
 CHUNK_BYTES = 16 << 10  # 4 rows of BIG per chunk
 
 PRELOAD = ["torch", "torch.distributed.fsdp", "torch.distributed.tensor", "torch.distributed.checkpoint.state_dict",
-           "torch.nn.parallel", "ckptstore"]
+           "torch.distributed.tensor.parallel", "torch.nn.parallel", "ckptstore"]
 _ctx = None
 
 
@@ -472,3 +472,155 @@ def train(rank, world, events, root, total, every, stop_after, resume):
     final = full_copy({"model": msd, "optim": osd["state"]})
     return {"final": final if rank == 0 else None, "initial": initial if rank == 0 else None,
             "resumed_from": resumed_from, "steps": store.steps(), "last_step": step}
+
+
+# --------------------------------------------------------------------- FSDP2 over tensor parallelism
+# fully_shard over "dp" of a module that parallelize_module sharded over "tp" gives the
+# parameters TP sharded on dim 0 the placements (_StridedShard(0, split_factor=2), Shard(0)):
+# FSDP shards the TP shard, so "dp" splits each TP shard, not the whole tensor.
+def _tp_model(seed: int) -> nn.Module:
+    """0: Linear(16, 32) colwise, weight 32 rows (even); 2: Linear(32, 9) rowwise, weight
+    Shard(1) by TP and 9 rows split 5/4 by FSDP; 4: Linear(9, 7) colwise, 7 rows split 4/3
+    by TP and 2/2, 2/1 by FSDP (uneven _StridedShard)."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 9), nn.ReLU(), nn.Linear(9, 7))
+
+
+def build_fsdp_tp(mesh, seed: int = 0):
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    model = _tp_model(seed)
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel(),
+                                           "4": ColwiseParallel(output_layouts=Replicate())})
+    for i in (0, 2, 4):
+        fully_shard(model[i], mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    return model, torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.01)
+
+
+def build_fsdp_plain(mesh, seed: int = 0):
+    model = _tp_model(seed)
+    for i in (0, 2, 4):
+        fully_shard(model[i], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.01)
+
+
+STRIDED_SHAPES = {"flat_cols": (48,), "rows_after_rows": (11, 6), "cols": (5, 12)}
+
+
+def strided_full(name: str) -> torch.Tensor:
+    g = torch.Generator().manual_seed(sum(map(ord, name)))
+    return torch.randn(*STRIDED_SHAPES[name], generator=g)
+
+
+def strided_extras(mesh, fill=None) -> dict:
+    """DTensors on the 2x2 mesh whose local elements are NOT one box of the global tensor:
+    the flattened view of a column shard (torch gives it (Replicate, _StridedShard(0, 6))),
+    a strided shard after a plain one on the same dim, a strided column shard. Built with
+    torch's own sharding (``src_data_rank=None``: each rank slices its part locally)."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    def full(name):
+        return strided_full(name) if fill is None else torch.full(STRIDED_SHAPES[name], fill)
+
+    cols = distribute_tensor(full("flat_cols").reshape(6, 8), mesh, [Replicate(), Shard(1)], src_data_rank=None)
+    return {
+        "flat_cols": cols.view(-1),
+        "rows_after_rows": distribute_tensor(full("rows_after_rows"), mesh,
+                                             [Shard(0), _StridedShard(0, split_factor=2)], src_data_rank=None),
+        "cols": distribute_tensor(full("cols"), mesh, [Replicate(), _StridedShard(1, split_factor=3)],
+                                  src_data_rank=None),
+    }
+
+
+def _placements(state, prefix: str = "") -> dict[str, str]:
+    if isinstance(state, DTensor):
+        return {prefix: repr(tuple(state.placements))}
+    out = {}
+    if isinstance(state, dict):
+        for k, v in state.items():
+            out.update(_placements(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+
+def tp_save(rank, world, events, root, ref_path):
+    """FSDP2 + TP on a ("dp", "tp") 2x2 mesh: one AdamW step, then save model, optimizer
+    state and the strided extras. Rank 0 writes the gathered ``full_tensor()`` reference
+    and, as a check of that reference, the weights FSDP itself all-gathers for a forward
+    (TP placements only, captured by a forward pre-hook that runs after FSDP's)."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model, opt = build_fsdp_tp(mesh)
+    x, y = batch(0, mesh.get_coordinate()[0], n_in=16, n_out=7)  # one batch per dp group
+    F.mse_loss(model(x), y).backward()
+    opt.step()
+    msd, osd = get_state_dict(model, opt)
+    extras = strided_extras(mesh)
+    state = {"model": msd, "optim": osd, "extras": extras, "rank": rank}
+    store = ckptstore.Store(root, commit_timeout=60, chunk_bytes=256)  # several chunks per box
+    store.save(1, state).result()
+    ref = full_copy({"model": msd, "optim": osd, "extras": extras})
+
+    unsharded = {}
+
+    def capture(module, args, prefix):
+        for name, p in module.named_parameters(recurse=False):
+            unsharded[f"{prefix}.{name}"] = (repr(tuple(p.placements)), p.full_tensor().clone())
+
+    hooks = [model[i].register_forward_pre_hook(lambda m, a, i=i: capture(m, a, str(i))) for i in (0, 2, 4)]
+    with torch.no_grad():
+        model(x)
+    for h in hooks:
+        h.remove()
+
+    # A Partial placement has no region of its own: the save must refuse it by name.
+    from torch.distributed.tensor import Partial
+
+    partial = DTensor.from_local(torch.ones(3), mesh, [Replicate(), Partial()])
+    try:
+        store.save(2, {"ok": extras["cols"], "bad": {"sum": partial}}).result()
+        refused = None
+    except SerializationError as e:
+        refused = str(e)
+    if rank == 0:
+        torch.save(ref, ref_path)
+    return {"placements": _placements(state), "unsharded": unsharded if rank == 0 else None,
+            "refused": refused, "steps": store.steps()}
+
+
+def tp_load_plain(rank, world, events, src, dst):
+    """Load the FSDP2 + TP checkpoint into plain FSDP2 on a 1-D mesh of ``world`` ranks, then
+    save what was loaded in that layout (Shard(0) only) for tp_load to read back."""
+    mesh = init_device_mesh("cpu", (world,))
+    model, opt = build_fsdp_plain(mesh, seed=123)
+    msd, osd = get_state_dict(model, opt)
+    extras = {k: distribute_tensor(torch.zeros(s), mesh, [Shard(0)]) for k, s in STRIDED_SHAPES.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ckptstore.WorldSizeChangedWarning)
+        out = ckptstore.Store(src, commit_timeout=60).load(template={"model": msd, "optim": osd, "extras": extras})
+    set_state_dict(model, opt, model_state_dict=out["model"], optim_state_dict=out["optim"])
+    msd2, osd2 = get_state_dict(model, opt)
+    gathered = full_copy({"model": msd2, "optim": osd2, "extras": out["extras"]})
+    ckptstore.Store(dst, commit_timeout=60, chunk_bytes=256).save(1, {"model": msd2, "optim": osd2,
+                                                                      "extras": out["extras"]}).result()
+    return {"gathered": gathered if rank == 0 else None}
+
+
+def tp_load(rank, world, events, roots):
+    """Load each checkpoint of ``roots`` into a fresh FSDP2 + TP model (another seed) and
+    the strided extras on the 2x2 mesh, then gather what the model and optimizer hold."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    res = {}
+    for name, root in roots.items():
+        model, opt = build_fsdp_tp(mesh, seed=123)
+        msd, osd = get_state_dict(model, opt)
+        before = full_copy(msd)
+        extras = strided_extras(mesh, fill=0.0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ckptstore.WorldSizeChangedWarning)
+            out = ckptstore.Store(root, commit_timeout=60).load(template={"model": msd, "optim": osd, "extras": extras})
+        set_state_dict(model, opt, model_state_dict=out["model"], optim_state_dict=out["optim"])
+        msd2, osd2 = get_state_dict(model, opt)
+        gathered = full_copy({"model": msd2, "optim": osd2, "extras": out["extras"]})
+        res[name] = {"gathered": gathered, "before": before, "placements": _placements({"model": msd2})}
+    return res if rank == 0 else {}

@@ -49,7 +49,7 @@ from ckptstore.errors import (  # noqa: E402
 )
 from ckptstore.pipeline import Runtime, runtime  # noqa: E402
 from ckptstore.storage import open_storage  # noqa: E402
-from ckptstore.storage.s3 import S3Storage  # noqa: E402
+from ckptstore.storage.s3 import DEFAULT_COALESCE_BLOB, DEFAULT_COALESCE_GAP, S3Storage  # noqa: E402
 
 MiB = 1 << 20
 ROOT = Path(__file__).resolve().parents[1]
@@ -571,6 +571,99 @@ def test_load_reads_only_the_byte_ranges_it_needs(s3env, bucket, proxy, monkeypa
     assert {r.key for r in data_gets} == {f"two/{fmt.data_file_name(attempt, 1, 0)}"}  # not rank 0's file
     assert all(r.byte_range is not None for r in data_gets)
     assert sum(r.received for r in data_gets) == sum(b.length for rank, _k, b in manifest.blobs() if rank == 1)
+
+
+def _tiny_tensors_state(n: int = 400) -> dict:
+    """A state of many tiny tensors (biases, Adam step counters) and two 3 MiB ones."""
+    g = torch.Generator().manual_seed(21)
+    model, optim = {}, {}
+    for i in range(n):
+        model[f"l{i}.bias"] = torch.randn(1 + i % 200, generator=g)
+        optim[f"l{i}.step"] = torch.tensor(float(i))
+    model["embed"] = torch.randn(3 * MiB // 4, generator=g)
+    model["head"] = torch.randn(3 * MiB // 4, generator=g)
+    return {"model": model, "optim": optim}
+
+
+def _via_proxy(monkeypatch, proxy) -> None:
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", proxy.url)
+    proxy.clear()
+
+
+def test_load_of_many_tiny_tensors_coalesces_gets(s3env, bucket, proxy, monkeypatch):
+    url = f"s3://{bucket}/tiny"
+    state = _tiny_tensors_state()
+    manifest = ckptstore.save(state, url, compression="none").result()
+    blobs = [b for _, _, b in manifest.blobs()]
+    big = [b for b in blobs if b.length > DEFAULT_COALESCE_BLOB]
+    assert len(blobs) == 803 and len(big) == 2 and len(manifest.files()) == 1
+    _via_proxy(monkeypatch, proxy)
+    assert_same(ckptstore.load(url), state)
+    gets = proxy.requests("GetObject")
+    data_gets = [r for r in gets if r.key.endswith(".bin")]
+    # Default settings: each big blob is one GET (under read_part_size) straight into its
+    # tensor; the small blobs around and between them are one GET per run (the data
+    # file is tiled by blobs, so no gaps): at most len(big) + 1 runs in one file.
+    assert len(data_gets) <= len(big) + (len(big) + 1), [r.byte_range for r in data_gets]
+    assert sorted(r.byte_range for r in data_gets if r.received > DEFAULT_COALESCE_BLOB) == sorted(
+        (b.offset, b.offset + b.length - 1) for b in big)
+    assert sum(r.received for r in data_gets) == sum(b.length for b in blobs)  # every byte once
+    assert [r.op for r in proxy.requests()].count("GetObject") == len(data_gets) + 1  # + the manifest
+    assert {r.op for r in proxy.requests()} == {"ListObjectsV2", "GetObject"}  # no HEAD per empty blob either
+
+
+def test_corrupt_small_blob_in_a_coalesced_get_is_reported_naming_its_tensor(s3env, bucket, proxy, admin, monkeypatch):
+    url = f"s3://{bucket}/bad"
+    state = _tiny_tensors_state()
+    manifest = ckptstore.save(state, url, compression="none").result()
+    key = "model.l200.bias"
+    blob = manifest.ranks[0].tensors[key].chunks[0].blob
+    obj = f"bad/{blob.file}"
+    body = bytearray(admin.get_object(Bucket=bucket, Key=obj)["Body"].read())
+    body[blob.offset + 3] ^= 0x01
+    admin.put_object(Bucket=bucket, Key=obj, Body=bytes(body))
+    _via_proxy(monkeypatch, proxy)
+    with pytest.raises(IntegrityError) as ei:
+        ckptstore.load(url)
+    msg = str(ei.value)
+    assert f"tensor {key!r}" in msg and blob.file in msg and f"offset {blob.offset}," in msg and "xxh3" in msg
+    assert len([r for r in proxy.requests("GetObject") if r.key.endswith(".bin")]) <= 5  # still coalesced
+    proxy.clear()
+    problems = ckptstore.verify(url)  # verify (and the CLI's) reads the same way, checks every blob
+    assert [(p.key, p.offset) for p in problems] == [(key, blob.offset)]
+    assert len([r for r in proxy.requests("GetObject") if r.key.endswith(".bin")]) <= 5
+
+
+def test_template_load_fetches_only_the_chunks_it_needs(s3env, bucket, proxy, monkeypatch):
+    url = f"s3://{bucket}/tmpl"
+    g = torch.Generator().manual_seed(22)
+    state = {"model": {"a": torch.randn(64, 4096, generator=g), "skip": torch.randn(64, 4096, generator=g),
+                       "tiny": torch.ones(3)},
+             "optim": {"step": torch.tensor(7.0)}}
+    store = ckptstore.Store(url, chunk_bytes=128 * 1024, compression="none")  # 128 KiB > the 64 KiB gap
+    store.save(1, state, replicated=["model.*"]).result()
+    manifest = store.manifest(1)
+    a_blobs = [c.blob for c in manifest.tensors["model.a"].chunks]
+    needed = a_blobs + [b for _, b in manifest.ranks[0].blobs()]  # the rank's own: skeleton, step
+    _via_proxy(monkeypatch, proxy)
+    out = ckptstore.Store(url).load(1, template={"model": {"a": torch.zeros(64, 4096)}})
+    assert torch.equal(out["model"]["a"], state["model"]["a"]) and out["optim"]["step"] == 7.0
+    ranges = [r.byte_range for r in proxy.requests("GetObject") if r.key.endswith(".bin")]
+    fetched = [b for _, _, b in manifest.blobs() if any(b.offset <= hi and lo < b.offset + b.length for lo, hi in ranges)]
+    # Only needed blobs, and at most small ones bridged in a gap; none of "skip".
+    assert all(b in needed or b.length <= DEFAULT_COALESCE_GAP for b in fetched), fetched
+    assert not any(c.blob in fetched for c in manifest.tensors["model.skip"].chunks)
+    assert sum(hi - lo + 1 for lo, hi in ranges) <= sum(b.length for b in needed) + DEFAULT_COALESCE_GAP * len(ranges)
+    # At most one GET per run of neighbours in the file: the template's chunks (read by
+    # fill_template) and the rank's own blobs (read by restore) each.
+    in_file = sorted((b for _, _, b in manifest.blobs()), key=lambda b: b.offset)
+
+    def runs(group: list) -> int:
+        return sum(1 for i, b in enumerate(in_file) if b in group and (i == 0 or in_file[i - 1] not in group))
+
+    own = [b for _, b in manifest.ranks[0].blobs()]
+    assert len(ranges) <= runs(a_blobs) + runs(own) < len(needed), ranges
 
 
 # ---------------------------------------------------------------------------- CLI

@@ -403,3 +403,157 @@ def test_fsdp2_training_interrupted_and_resumed_ends_bit_equal_to_uninterrupted(
     assert_same(resumed[0]["final"], straight[0]["final"], "final")
     for k, v in straight[0]["initial"].items():
         assert not torch.equal(v, straight[0]["final"]["model"][k]), f"{k} did not train"
+
+
+# ----------------------------------------------------------------------------- FSDP2 over TP: _StridedShard
+@pytest.fixture(scope="module")
+def tp_run(tmp_path_factory):
+    """Saved by FSDP2 + TP on a 2x2 ("dp", "tp") mesh (store A); loaded by plain FSDP2 on 3
+    ranks, which saves what it loaded in its own layout (store B); both loaded back into
+    FSDP2 + TP on 2x2. B checks the load into strided templates against a checkpoint that
+    no strided layout wrote."""
+    base = tmp_path_factory.mktemp("tp")
+    a, b, ref_path = base / "a", base / "b", base / "reference.pt"
+    saved = sp.run_job(sp.tp_save, 4, base / "save", str(a), str(ref_path))
+    plain = sp.run_job(sp.tp_load_plain, 3, base / "plain", str(a), str(b))
+    loaded = sp.run_job(sp.tp_load, 4, base / "load", {"a": str(a), "b": str(b)})
+    return {"a": a, "b": b, "reference": torch.load(ref_path, weights_only=False), "saved": saved,
+            "plain": plain[0]["gathered"], "loaded": loaded[0]}
+
+
+STRIDED = "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
+
+
+def test_fsdp2_over_tp_gives_strided_shards_and_the_reference_matches_fsdps_own_all_gather(tp_run):
+    placements = tp_run["saved"][0]["placements"]
+    for key in ("model.0.weight", "model.0.bias", "model.4.weight", "model.4.bias",
+                "optim.state.0.weight.exp_avg", "optim.state.4.weight.exp_avg_sq"):
+        assert placements[key] == STRIDED, (key, placements[key])
+    assert placements["model.2.weight"] == "(Shard(dim=0), Shard(dim=1))"
+    assert "_StridedShard" in placements["extras.flat_cols"], placements["extras.flat_cols"]
+    # The full_tensor() reference agrees with the weights FSDP all-gathers for a forward.
+    ref = tp_run["reference"]["model"]
+    unsharded = tp_run["saved"][0]["unsharded"]
+    assert sorted(unsharded) == sorted(ref)
+    for key, (tp_placements, full) in unsharded.items():
+        assert "_StridedShard" not in tp_placements, (key, tp_placements)
+        assert_same(full, ref[key], f"unsharded {key}")
+
+
+def test_fsdp2_over_tp_save_covers_each_strided_tensor_exactly_once(tp_run):
+    manifest = ckptstore.Store(str(tp_run["a"])).manifest(1)
+    ref = tp_run["reference"]
+    assert set(manifest.tensors) == set(tp_run["saved"][0]["placements"])
+    for key, entry in manifest.tensors.items():
+        assert_each_region_once(key, entry)
+    # Non-contiguous local shards are written as several boxes: the flattened column shard
+    # of a 6x8 tensor over 2 "tp" ranks is 12 runs of 4 elements.
+    assert sorted((c.offsets[0], c.sizes[0]) for c in manifest.tensors["extras.flat_cols"].chunks) == \
+        [(i, 4) for i in range(0, 48, 4)]
+    assert tuple(manifest.tensors["model.4.weight"].shape) == tuple(ref["model"]["4.weight"].shape) == (7, 9)
+
+
+def test_fsdp2_over_tp_checkpoint_loads_whole_in_one_process(tp_run):
+    ref = tp_run["reference"]
+    location = tp_run["a"] / STEP_DIR
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ckptstore.WorldSizeChangedWarning)
+        state = ckptstore.load(location)
+        template = {"model": {k: torch.zeros_like(v) for k, v in ref["model"].items()},
+                    "optim": {"state": {k: {n: torch.zeros_like(t) for n, t in s.items()}
+                                        for k, s in ref["optim"]["state"].items()}},
+                    "extras": {k: torch.zeros_like(v) for k, v in ref["extras"].items()}}
+        filled = ckptstore.Store(str(tp_run["a"])).load(template=template)
+    for got, what in ((state, "load"), (filled, "template load")):
+        assert_same(got["model"], ref["model"], f"{what} model")
+        assert_same(got["optim"], ref["optim"], f"{what} optim")
+        assert_same(got["extras"], ref["extras"], f"{what} extras")
+    assert ckptstore.verify(location) == []
+
+
+def test_fsdp2_over_tp_checkpoint_loads_into_plain_fsdp2_on_3_ranks(tp_run):
+    ref = tp_run["reference"]
+    got = tp_run["plain"]
+    assert_same(got["model"], ref["model"], "model")
+    assert_same(got["optim"], ref["optim"], "optim")
+    assert_same(got["extras"], ref["extras"], "extras")
+
+
+@pytest.mark.parametrize("source", ["a", "b"])
+def test_fsdp2_over_tp_checkpoint_loads_into_fsdp2_over_tp(tp_run, source):
+    """a: the 2x2 FSDP2 + TP checkpoint itself; b: the 1-D 3-rank re-save of it."""
+    ref = tp_run["reference"]
+    got = tp_run["loaded"][source]
+    assert got["placements"]["model.0.weight"] == STRIDED
+    assert_same(got["gathered"]["model"], ref["model"], "model")
+    assert_same(got["gathered"]["optim"], ref["optim"], "optim")
+    assert_same(got["gathered"]["extras"], ref["extras"], "extras")
+    # The loading model started from other weights: a load that did nothing could not pass.
+    assert [k for k in ref["model"] if torch.equal(got["before"][k], ref["model"][k])] == []
+
+
+def test_dtensor_with_partial_placement_is_refused_by_name(tp_run):
+    for res in tp_run["saved"]:
+        message = res["refused"]
+        assert message is not None, "a Partial DTensor was saved"
+        assert "'bad.sum'" in message and "Partial" in message, message
+        assert res["steps"] == [1]
+
+
+class _FakeMesh:
+    def __init__(self, shape, coord):
+        self.mesh = torch.empty(shape)
+        self._coord = list(coord)
+
+    def get_coordinate(self):
+        return self._coord
+
+
+class _FakeDTensor:
+    """What ckptstore's box computation reads of a DTensor, for any rank of any mesh."""
+
+    def __init__(self, shape, mesh_shape, coord, placements, local):
+        self.shape, self.placements, self._local = torch.Size(shape), tuple(placements), local
+        self.device_mesh = _FakeMesh(mesh_shape, coord)
+
+    def to_local(self):
+        return self._local
+
+
+def test_strided_shard_boxes_match_torchs_own_splitting_on_every_rank():
+    """ckptstore's own placement arithmetic against torch's split code (the one
+    distribute_tensor(src_data_rank=None) uses), for every rank of 1-D, 2-D and 3-D meshes,
+    uneven and empty shards included: each box of the local tensor holds exactly the
+    global elements the box names, and the boxes hold the whole local tensor."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from ckptstore.checkpoint.flatten import dtensor_boxes
+
+    cases = [
+        ((32, 4), (2, 2), [_StridedShard(0, split_factor=2), Shard(0)]),  # FSDP2 over TP
+        ((7, 9), (2, 2), [_StridedShard(0, split_factor=2), Shard(0)]),
+        ((5,), (2, 2), [_StridedShard(0, split_factor=2), Shard(0)]),
+        ((3, 2), (2, 2), [_StridedShard(0, split_factor=2), Shard(0)]),  # an empty shard
+        ((9, 32), (2, 2), [Shard(0), Shard(1)]),
+        ((11, 6), (2, 2), [Shard(0), _StridedShard(0, split_factor=2)]),
+        ((5, 12), (2, 2), [Replicate(), _StridedShard(1, split_factor=3)]),
+        ((9, 10), (2, 3), [_StridedShard(1, split_factor=2), _StridedShard(0, split_factor=3)]),
+        ((13, 4), (2, 3), [_StridedShard(0, split_factor=3), Shard(0)]),
+        ((48,), (3,), [_StridedShard(0, split_factor=6)]),
+        ((10, 7), (2, 2, 2), [Replicate(), _StridedShard(0, split_factor=2), Shard(0)]),
+        ((6, 8), (2, 2, 2), [_StridedShard(1, split_factor=2), Shard(0), Shard(1)]),
+    ]
+    for shape, mesh_shape, placements in cases:
+        ids = torch.arange(math.prod(shape)).reshape(shape)
+        for coord in torch.cartesian_prod(*[torch.arange(n) for n in mesh_shape]).reshape(-1, len(mesh_shape)).tolist():
+            local = ids
+            for m, p in enumerate(placements):
+                if not p.is_replicate():
+                    local = p._split_tensor(local, mesh_shape[m], with_padding=False, contiguous=True)[0][coord[m]]
+            boxes = dtensor_boxes(_FakeDTensor(shape, mesh_shape, coord, placements, local))
+            what = f"{list(shape)} {placements} on {list(mesh_shape)} at {coord}"
+            assert sum(math.prod(b.sizes) for b in boxes) == local.numel(), what
+            for b in boxes:
+                want = ids[tuple(slice(o, o + n) for o, n in zip(b.offsets, b.sizes))]
+                assert torch.equal(local[b.index], want), f"{what}: box {b}"

@@ -12,11 +12,12 @@ that reaches it.
 from __future__ import annotations
 
 import io
+import itertools
 import math
 import pickle
 import sys
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Callable
 
@@ -69,6 +70,96 @@ def _dtensor_class():
     # no DTensor can exist, so the blocking part of a save never pays for that import.
     module = sys.modules.get("torch.distributed.tensor")
     return getattr(module, "DTensor", None)
+
+
+@dataclass(frozen=True)
+class LocalBox:
+    """A box of a DTensor's local tensor that is one box of the global tensor too."""
+
+    index: tuple[slice, ...]  # the box in the local tensor
+    offsets: tuple[int, ...]  # its place in the global tensor
+    sizes: tuple[int, ...]
+
+
+MAX_LOCAL_BOXES = 1 << 16
+
+
+def dtensor_boxes(dt, failure: str = "cannot save DTensor") -> list[LocalBox]:
+    """The boxes of the global tensor that this rank's local tensor holds, with where
+    each lies in the local tensor: one box for Shard and Replicate placements, several
+    for ``_StridedShard`` layouts whose local rows are not a contiguous range of the
+    global tensor (FSDP2 over tensor parallelism makes ``(_StridedShard(0, sf), Shard(0))``,
+    which is one box; a strided shard after a plain one, or a view of a column shard,
+    is not). Computed from the placements alone, following torch's sharding rules: a
+    Shard splits the current index list of its dimension as ``torch.chunk`` does; a
+    ``_StridedShard(d, split_factor=k)`` first chunks it into ``k`` pieces, chunks each
+    piece over the mesh dimension and keeps this rank's part of every piece. Raises
+    SerializationError for placements it does not know (Partial, say) and when the result
+    disagrees with the local tensor's shape; ``failure`` begins its message."""
+    mesh = dt.device_mesh
+    coord = mesh.get_coordinate()
+    if coord is None:  # this rank is not part of the DTensor's mesh: it holds nothing
+        return []
+    shape = tuple(dt.shape)
+    ndim = len(shape)
+    mesh_shape = tuple(mesh.mesh.shape)
+    placements = tuple(dt.placements)
+    index: list[Sequence[int]] = [range(n) for n in shape]  # ranges until a strided shard scatters one
+    for m, p in enumerate(placements):
+        if p.is_replicate():
+            continue
+        split_factor = getattr(p, "split_factor", None)
+        if not (p.is_shard() or split_factor is not None) or not isinstance(getattr(p, "dim", None), int):
+            raise SerializationError(f"{failure}: placement {p!r} (placements {list(placements)}) "
+                                     "is neither Shard, _StridedShard nor Replicate; redistribute it first")
+        d = p.dim % ndim if ndim else p.dim
+        if not 0 <= d < ndim:
+            raise SerializationError(f"{failure}: placement {p!r} shards dimension {p.dim} "
+                                     f"of a {ndim}-dimensional tensor")
+        n, c = mesh_shape[m], coord[m]
+        if split_factor is None:
+            index[d] = _chunk(index[d], n)[c]
+        else:
+            parts = [_chunk(piece, n)[c] for piece in _chunk(index[d], int(split_factor))]
+            parts = [q for q in parts if len(q)]
+            index[d] = parts[0] if len(parts) == 1 else [i for q in parts for i in q]
+    local_shape = tuple(dt.to_local().shape)
+    if tuple(len(ix) for ix in index) != local_shape:
+        raise SerializationError(
+            f"{failure}: placements {list(placements)} on a mesh of shape {list(mesh_shape)} give "
+            f"rank coordinate {list(coord)} a local shape {[len(ix) for ix in index]}, but its local tensor "
+            f"has shape {list(local_shape)}")
+    if any(n == 0 for n in local_shape):
+        return []
+    runs = [_runs(ix) for ix in index]
+    count = math.prod(len(r) for r in runs)
+    if count > MAX_LOCAL_BOXES:
+        raise SerializationError(f"{failure}: placements {list(placements)} scatter this rank's shard "
+                                 f"over {count} separate boxes of the global tensor; redistribute it first")
+    return [LocalBox(tuple(slice(lo, lo + k) for lo, _g, k in combo), tuple(g for _l, g, _k in combo),
+                     tuple(k for _l, _g, k in combo))
+            for combo in itertools.product(*runs)]
+
+
+def _chunk(items: Sequence[int], n: int) -> list[Sequence[int]]:
+    """``torch.chunk`` on a sequence (a range stays a range), padded with empty parts to
+    ``n`` parts."""
+    size = -(-len(items) // n) if len(items) else 0
+    return [items[i * size:(i + 1) * size] if size else items[:0] for i in range(n)]
+
+
+def _runs(index: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(local start, global start, length) of each run of consecutive global indices."""
+    if isinstance(index, range) and index.step == 1:
+        return [(0, index.start, len(index))] if len(index) else []
+    runs: list[tuple[int, int, int]] = []
+    for pos, g in enumerate(index):
+        if runs and runs[-1][1] + runs[-1][2] == g:
+            lo, start, k = runs[-1]
+            runs[-1] = (lo, start, k + 1)
+        else:
+            runs.append((pos, g, 1))
+    return runs
 
 
 def tensor_paths(obj, prefix: str = "") -> tuple[dict[int, tuple[str, torch.Tensor]], dict[int, str]]:
@@ -277,5 +368,5 @@ def region_byte_offset(shape, offsets, itemsize: int) -> int:
     return off
 
 
-__all__ = ["DTensorRef", "GLOBAL", "LOCAL", "StorageRef", "flatten", "parse_skeleton_key", "plan_chunks",
-           "region_byte_offset", "skeleton_key", "tensor_paths"]
+__all__ = ["DTensorRef", "GLOBAL", "LOCAL", "LocalBox", "StorageRef", "dtensor_boxes", "flatten",
+           "parse_skeleton_key", "plan_chunks", "region_byte_offset", "skeleton_key", "tensor_paths"]

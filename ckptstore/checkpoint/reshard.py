@@ -16,8 +16,13 @@ import torch
 from .. import format as fmt
 from ..errors import FormatError
 from ..storage import Storage
-from .flatten import _is_dtensor
-from .restore import read_region
+from .flatten import _is_dtensor, dtensor_boxes
+from .restore import read_regions
+
+# Template reads are issued in batches of about this many bytes: one batch's chunks are
+# read in parallel and small neighbours coalesced, while the temporary region tensors
+# held at once stay bounded (a whole rank's state at once would double its memory).
+READ_BATCH_BYTES = 256 << 20
 
 
 def fill_template(template, loaded, manifest: fmt.Manifest, storage: Storage, pool):
@@ -25,6 +30,23 @@ def fill_template(template, loaded, manifest: fmt.Manifest, storage: Storage, po
     non-tensor values replaced by the loaded ones. ``loaded`` is the rank's object as
     restored with its global tensors as meta placeholders."""
     where = storage.describe()
+    batch: list[tuple] = []  # (entry, what, offsets, sizes, destination view)
+    batch_bytes = 0
+
+    def read_batch() -> None:
+        nonlocal batch, batch_bytes
+        pending, batch, batch_bytes = batch, [], 0
+        regions = read_regions(storage, [r[:4] for r in pending], pool)
+        with torch.no_grad():
+            for (*_, dst), region in zip(pending, regions):
+                dst.copy_(region.reshape(dst.shape).to(dst.dtype))
+
+    def fill(dst: torch.Tensor, entry: fmt.TensorEntry, what: str, offsets, sizes) -> None:
+        nonlocal batch_bytes
+        batch.append((entry, what, tuple(offsets), tuple(sizes), dst))
+        batch_bytes += dst.numel() * dst.element_size()
+        if batch_bytes >= READ_BATCH_BYTES:
+            read_batch()
 
     def fill_tensor(t: torch.Tensor, path: str, old):
         entry = manifest.tensors.get(path)
@@ -42,16 +64,12 @@ def fill_template(template, loaded, manifest: fmt.Manifest, storage: Storage, po
                               f"{list(t.shape)} in the template")
         what = f"{where}: tensor {path!r}"
         if _is_dtensor(t):
-            chunks = t.__create_chunk_list__()
             local = t.to_local()
-            for c in chunks:
-                region = read_region(storage, entry, what, tuple(c.offsets), tuple(c.sizes), pool)
-                with torch.no_grad():
-                    local.copy_(region.reshape(local.shape).to(local.dtype))
+            boxes = dtensor_boxes(t, f"{where}: cannot load into DTensor {path!r} of the template")
+            for box in boxes:  # several for a _StridedShard layout scattered over the tensor
+                fill(local[box.index], entry, what, box.offsets, box.sizes)
         else:
-            region = read_region(storage, entry, what, (0,) * len(entry.shape), tuple(entry.shape), pool)
-            with torch.no_grad():
-                t.copy_(region.to(t.dtype))
+            fill(t, entry, what, (0,) * len(entry.shape), tuple(entry.shape))
         return t
 
     def visit(t, old, path: str):
@@ -81,7 +99,10 @@ def fill_template(template, loaded, manifest: fmt.Manifest, storage: Storage, po
             return type(t)(items) if not hasattr(t, "_fields") else type(t)(*items)
         return old  # not a tensor: the checkpoint's value
 
-    return visit(template, loaded, "")
+    result = visit(template, loaded, "")
+    if batch:
+        read_batch()
+    return result
 
 
 def _join(path: str, key) -> str:

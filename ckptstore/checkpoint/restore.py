@@ -7,8 +7,11 @@ unpickler unless the caller opts out, so a load runs no code from the checkpoint
 
 from __future__ import annotations
 
+import functools
 import io
 import pickle
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -54,7 +57,7 @@ def latest_manifest(storage: Storage) -> fmt.Manifest:
 
 def read_blob(storage: Storage, blob: fmt.Blob, out: memoryview, what: str) -> None:
     """Read one blob into ``out`` (its raw length), decode it and check its hash."""
-    where = f"{what} (file {blob.file}, offset {blob.offset}, {blob.length} bytes)"
+    where = _where(blob, what)
     hasher = None
     try:
         if not blob.codec:
@@ -77,16 +80,212 @@ def read_blob(storage: Storage, blob: fmt.Blob, out: memoryview, what: str) -> N
         raise IntegrityError(f"{where}: xxh3-128 mismatch (stored {blob.xxh3_128}, read {actual})")
 
 
+def _where(blob: fmt.Blob, what: str) -> str:
+    return f"{what} (file {blob.file}, offset {blob.offset}, {blob.length} bytes)"
+
+
+# ---------------------------------------------------------------------------- coalesced reads
+@dataclass(eq=False)
+class BlobRead:
+    """One blob a load (or verify) needs. Its raw bytes go to ``out`` (exactly
+    ``raw_length`` bytes); with ``out=None`` they are only checked, and handed to
+    ``done`` (when given) as a new uint8 tensor once their hash matched. ``what`` names
+    the blob in errors (``"<checkpoint>: tensor 'key'"``)."""
+
+    blob: fmt.Blob
+    what: str
+    out: memoryview | None = None
+    done: Callable[[torch.Tensor], None] | None = None
+
+
+def plan_reads(storage: Storage, reads: Sequence[BlobRead]) -> list[list[int]]:
+    """Group ``reads`` (by index) into the reads the storage will see.
+
+    Blobs of one file no larger than ``storage.read_coalesce_blob`` are merged, in
+    offset order, while the bytes between two neighbours are at most
+    ``storage.read_coalesce_gap`` and the merged range stays within
+    ``storage.read_coalesce_limit``: one request fetches them all into a temporary
+    buffer, which is split back per blob. Larger blobs are a read of their own, straight
+    into their destination (streamed, hashed as they arrive), as are all blobs of a
+    storage that does not coalesce (limit 0). Groups come back in the order of their
+    first read, so work and errors follow the caller's order."""
+    limit = int(getattr(storage, "read_coalesce_limit", 0) or 0)
+    if limit <= 0 or len(reads) < 2:
+        return [[i] for i in range(len(reads))]
+    gap = max(0, int(getattr(storage, "read_coalesce_gap", 0) or 0))
+    small = min(limit, int(getattr(storage, "read_coalesce_blob", 0) or 0))
+    order = sorted(range(len(reads)), key=lambda i: (reads[i].blob.file, reads[i].blob.offset, reads[i].blob.length))
+    groups: list[list[int]] = []
+    run: list[int] = []
+    file, start, end = None, 0, 0
+    for i in order:
+        b = reads[i].blob
+        if b.length > small:
+            if run:
+                groups.append(run)
+                run = []
+            groups.append([i])  # a big blob also ends the run it interrupts: never read twice
+            continue
+        if run and b.file == file and b.offset - end <= gap and max(end, b.offset + b.length) - start <= limit:
+            run.append(i)
+            end = max(end, b.offset + b.length)
+            continue
+        if run:
+            groups.append(run)
+        run, file, start, end = [i], b.file, b.offset, b.offset + b.length
+    if run:
+        groups.append(run)
+    groups.sort(key=min)
+    return groups
+
+
+def _new_buffer(n: int) -> memoryview:
+    return _view(torch.empty(n, dtype=torch.uint8))
+
+
+def _read_alone(storage: Storage, r: BlobRead, scratch) -> None:
+    """A read of its own, straight into ``r.out`` (or a temporary buffer)."""
+    if r.out is not None:
+        read_blob(storage, r.blob, r.out, r.what)
+        return
+    if r.done is None:
+        read_blob(storage, r.blob, scratch(r.blob.raw_length), r.what)
+        return
+    raw = torch.empty(r.blob.raw_length, dtype=torch.uint8)
+    read_blob(storage, r.blob, _view(raw), r.what)
+    r.done(raw)
+
+
+def _split(r: BlobRead, stored: memoryview, scratch) -> None:
+    """Check one blob's bytes cut out of a merged read and deliver them (I3: the hash is
+    checked before ``out`` or ``done`` gets a byte)."""
+    blob = r.blob
+    where = _where(blob, r.what)
+    tensor = None
+    try:
+        if not blob.codec:
+            if blob.length != blob.raw_length:
+                raise FormatError(f"{where}: raw blob length {blob.length} != raw_length {blob.raw_length}")
+            raw = stored  # checked in place; copied out only once it matched
+        elif r.out is not None:
+            raw = r.out
+        elif r.done is not None:
+            tensor = torch.empty(blob.raw_length, dtype=torch.uint8)
+            raw = _view(tensor)
+        else:
+            raw = scratch(blob.raw_length)
+        if blob.codec:
+            decode_into(blob.codec, stored, raw, where)
+    except FormatError as e:
+        raise IntegrityError(f"{where}: cannot decode: {e}") from e
+    actual = digest(raw)
+    if actual != blob.xxh3_128:
+        raise IntegrityError(f"{where}: xxh3-128 mismatch (stored {blob.xxh3_128}, read {actual})")
+    if r.out is not None:
+        if raw is not r.out:
+            r.out[:] = raw
+    elif r.done is not None:
+        if tensor is None:  # a copy, aligned for the dtype: the slice may start at any byte
+            tensor = torch.empty(blob.raw_length, dtype=torch.uint8)
+            _view(tensor)[:] = raw
+        r.done(tensor)
+
+
+def _view(t: torch.Tensor) -> memoryview:
+    return memoryview(t.numpy()) if t.numel() else memoryview(bytearray())
+
+
+def _read_group(storage: Storage, reads: Sequence[BlobRead], group: list[int], scratch=_new_buffer):
+    """Read one group of ``plan_reads``; returns ``[(index, IntegrityError)]`` for the
+    blobs that failed their checks (the others were delivered). Storage errors that are
+    no integrity problem (transient, permission) propagate."""
+    failed: list[tuple[int, IntegrityError]] = []
+    if len(group) == 1:
+        try:
+            _read_alone(storage, reads[group[0]], scratch)
+        except IntegrityError as e:
+            failed.append((group[0], e))
+        return failed
+    members = [reads[i] for i in group]
+    start = min(r.blob.offset for r in members)
+    end = max(r.blob.offset + r.blob.length for r in members)
+    buf = _new_buffer(end - start)
+    try:
+        storage.readinto(members[0].blob.file, start, buf)
+    except ObjectNotFoundError as e:
+        return [(i, IntegrityError(f"{_where(r.blob, r.what)}: file is missing: {e}")) for i, r in zip(group, members)]
+    except TruncatedObjectError:
+        # Some of them may still lie inside the file: read each alone, so every error
+        # names the blob it hit and the others load as they would have unmerged.
+        for i, r in zip(group, members):
+            try:
+                _read_alone(storage, r, scratch)
+            except IntegrityError as e:
+                failed.append((i, e))
+        return failed
+    for i, r in zip(group, members):
+        a = r.blob.offset - start
+        try:
+            _split(r, buf[a:a + r.blob.length], scratch)
+        except IntegrityError as e:
+            failed.append((i, e))
+    return failed
+
+
+def read_blobs(storage: Storage, reads: Sequence[BlobRead], pool) -> None:
+    """Read and check every blob of ``reads`` on ``pool``, neighbours coalesced
+    (:func:`plan_reads`); raises the error of the first read, in the caller's order,
+    that failed."""
+    jobs = [pool.submit(_read_group, storage, reads, g) for g in plan_reads(storage, reads)]
+    try:
+        for j in jobs:
+            failed = j.result()
+            if failed:
+                raise min(failed, key=lambda f: f[0])[1]
+    finally:
+        for j in jobs:
+            j.cancel()
+
+
+def check_blobs(storage: Storage, reads: Sequence[BlobRead], pool, scratch=_new_buffer,
+                on_blob=None) -> list[CkptStoreError | None]:
+    """Like :func:`read_blobs`, but every read's error (or None) instead of raising:
+    for verify. ``on_blob()`` is called once per blob as its group completes."""
+    results: list[CkptStoreError | None] = [None] * len(reads)
+    groups = plan_reads(storage, reads)
+    jobs = [pool.submit(_read_group, storage, reads, g, scratch) for g in groups]
+    for group, job in zip(groups, jobs):
+        try:
+            for i, e in job.result():
+                results[i] = e
+        except CkptStoreError as e:  # the group's read failed as a whole: none of it was checked
+            for i in group:
+                results[i] = e
+        if on_blob is not None:
+            for _ in group:
+                on_blob()
+    return results
+
+
 def read_tensors(storage: Storage, tensors: dict[str, fmt.TensorEntry], where: str,
                  pool) -> dict[str, torch.UntypedStorage]:
-    """Read every chunk of every tensor into new CPU storages, all chunks in parallel.
+    """Read every chunk of every tensor into new CPU storages, all chunks in parallel
+    (small neighbours in one read, see :func:`plan_reads`)."""
+    reads: list[BlobRead] = []
+    out = _tensor_reads(tensors, where, reads)
+    read_blobs(storage, reads, pool)
+    return out
+
+
+def _tensor_reads(tensors: dict[str, fmt.TensorEntry], where: str,
+                  reads: list[BlobRead]) -> dict[str, torch.UntypedStorage]:
+    """New CPU storages for ``tensors``, and (appended to ``reads``) the reads that fill them.
 
     A chunk whose region is contiguous in the tensor (rows of a row-major tensor) is
     read straight into place; any other region (a column shard, say) is read whole and
     copied into a strided view of the tensor.
     """
     out: dict[str, torch.UntypedStorage] = {}
-    jobs = []
     for key, entry in tensors.items():
         size = fmt.itemsize(entry.dtype)
         data = torch.empty(entry.nbytes, dtype=torch.uint8)
@@ -95,18 +294,11 @@ def read_tensors(storage: Storage, tensors: dict[str, fmt.TensorEntry], where: s
         for c in entry.chunks:
             if _contiguous_region(entry.shape, c.offsets, c.sizes):
                 start = region_byte_offset(entry.shape, c.offsets, size)
-                dst = view[start:start + c.blob.raw_length]
-                jobs.append(pool.submit(read_blob, storage, c.blob, dst, what))
+                reads.append(BlobRead(c.blob, what, view[start:start + c.blob.raw_length]))
             else:
                 full = data.view(fmt.dtype_from_name(entry.dtype)).reshape(entry.shape)
-                jobs.append(pool.submit(_read_into_region, storage, c, full, what))
+                reads.append(BlobRead(c.blob, what, None, functools.partial(_into_region, c, full)))
         out[key] = data.untyped_storage()
-    try:
-        for j in jobs:
-            j.result()
-    finally:
-        for j in jobs:
-            j.cancel()
     return out
 
 
@@ -120,37 +312,52 @@ def _contiguous_region(shape, offsets, sizes) -> bool:
     return all(sizes[d] == 1 for d in range(first)) and all(sizes[d] == shape[d] for d in range(first + 1, len(shape)))
 
 
-def _read_into_region(storage: Storage, c: fmt.Chunk, full: torch.Tensor, what: str) -> None:
-    chunk = _read_chunk(storage, c, full.dtype, what)
-    full[tuple(slice(o, o + n) for o, n in zip(c.offsets, c.sizes))] = chunk
+def _into_region(c: fmt.Chunk, full: torch.Tensor, raw: torch.Tensor) -> None:
+    full[tuple(slice(o, o + n) for o, n in zip(c.offsets, c.sizes))] = raw.view(full.dtype).reshape(c.sizes)
 
 
 def read_region(storage: Storage, entry: fmt.TensorEntry, where: str, offsets, sizes, pool) -> torch.Tensor:
     """A CPU tensor holding one region of a stored tensor, assembled from the chunks that
     overlap it. Each overlapping chunk is read whole and its hash checked (I3): a load
     reads only the chunks it needs, never unverified bytes."""
-    dtype = fmt.dtype_from_name(entry.dtype)
-    out = torch.empty(tuple(sizes), dtype=dtype)
-    if out.numel() == 0:
-        return out
-    jobs = []
-    for c in entry.chunks:
-        lo = [max(a, b) for a, b in zip(offsets, c.offsets)]
-        hi = [min(a + n, b + m) for a, n, b, m in zip(offsets, sizes, c.offsets, c.sizes)]
-        if any(h <= low for low, h in zip(lo, hi)):
+    return read_regions(storage, [(entry, where, offsets, sizes)], pool)[0]
+
+
+def read_regions(storage: Storage, requests, pool) -> list[torch.Tensor]:
+    """:func:`read_region` for many ``(entry, where, offsets, sizes)`` at once: the
+    chunks they overlap, of all tensors together, are read in parallel and small
+    neighbours coalesced (:func:`plan_reads`), each chunk once however many regions
+    overlap it."""
+    outs: list[torch.Tensor] = []
+    reads: list[BlobRead] = []
+    pending: dict[int, tuple[BlobRead, list]] = {}  # id(chunk) -> its read and the regions it fills
+    for entry, where, offsets, sizes in requests:
+        dtype = fmt.dtype_from_name(entry.dtype)
+        out = torch.empty(tuple(sizes), dtype=dtype)
+        outs.append(out)
+        if out.numel() == 0:
             continue
-        jobs.append((c, lo, hi, pool.submit(_read_chunk, storage, c, dtype, where)))
-    for c, lo, hi, job in jobs:
-        data = job.result()
-        src = data[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, c.offsets))]
-        out[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offsets))] = src
-    return out
+        for c in entry.chunks:
+            lo = [max(a, b) for a, b in zip(offsets, c.offsets)]
+            hi = [min(a + n, b + m) for a, n, b, m in zip(offsets, sizes, c.offsets, c.sizes)]
+            if any(h <= low for low, h in zip(lo, hi)):
+                continue
+            src = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, c.offsets))
+            dst = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offsets))
+            if id(c) not in pending:
+                targets: list = []
+                r = BlobRead(c.blob, where, None, functools.partial(_into_regions, c, dtype, targets))
+                pending[id(c)] = (r, targets)
+                reads.append(r)
+            pending[id(c)][1].append((out, dst, src))
+    read_blobs(storage, reads, pool)
+    return outs
 
 
-def _read_chunk(storage: Storage, c: fmt.Chunk, dtype: torch.dtype, where: str) -> torch.Tensor:
-    raw = torch.empty(c.blob.raw_length, dtype=torch.uint8)
-    read_blob(storage, c.blob, memoryview(raw.numpy()) if c.blob.raw_length else memoryview(bytearray()), where)
-    return raw.view(dtype).reshape(c.sizes)
+def _into_regions(c: fmt.Chunk, dtype: torch.dtype, targets: list, raw: torch.Tensor) -> None:
+    data = raw.view(dtype).reshape(c.sizes)
+    for out, dst, src in targets:
+        out[dst] = data[src]
 
 
 def restore(storage: Storage, manifest: fmt.Manifest, rank: int, map_location=None,
@@ -167,14 +374,15 @@ def restore(storage: Storage, manifest: fmt.Manifest, rank: int, map_location=No
         raise FormatError(f"{where}: the checkpoint holds no state for rank {rank}") from None
     if manifest.byteorder != "little":
         raise FormatError(f"{where}: big-endian checkpoints are not supported")
+    # One plan for all of it, so neighbours coalesce across tensors, global tensors and
+    # the skeleton; the skeleton comes last: a damaged file then reports the tensor it
+    # hit, not the skeleton.
+    reads: list[BlobRead] = []
+    raw = _tensor_reads(state.tensors, where, reads)
+    raw_globals = {} if globals_as_meta else _tensor_reads(dict(manifest.tensors), where, reads)
     skeleton = bytearray(state.skeleton.raw_length)
-    skeleton_job = pool.submit(read_blob, storage, state.skeleton, memoryview(skeleton),
-                               f"{where}: object skeleton of rank {rank}")
-    # Tensor errors first: a damaged file then reports the tensor it hit, not the skeleton.
-    raw = read_tensors(storage, state.tensors, where, pool)
-    needed_globals = {} if globals_as_meta else dict(manifest.tensors)
-    raw_globals = read_tensors(storage, needed_globals, where, pool)
-    skeleton_job.result()
+    reads.append(BlobRead(state.skeleton, f"{where}: object skeleton of rank {rank}", memoryview(skeleton)))
+    read_blobs(storage, reads, pool)
 
     restore_location = torch.serialization._get_restore_location(map_location)
     loaded: dict[str, torch.storage.TypedStorage] = {}
@@ -193,7 +401,8 @@ def restore(storage: Storage, manifest: fmt.Manifest, rank: int, map_location=No
         if scope == GLOBAL and globals_as_meta:
             if key not in manifest.tensors:
                 raise FormatError(f"{where}: the skeleton names global tensor {key!r}, which the manifest lacks")
-            typed = torch.storage.TypedStorage(numel, dtype=dtype, device="meta")
+            typed = torch.storage.TypedStorage(wrap_storage=torch.UntypedStorage(numel * dtype.itemsize, device="meta"),
+                                               dtype=dtype, _internal=True)
             loaded[ref] = typed
             return typed
         table = raw_globals if scope == GLOBAL else raw

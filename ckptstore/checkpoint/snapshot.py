@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 import xxhash
 
 from .. import format as fmt
-from ..errors import SerializationError
 from ..pipeline import RankWriter
 from ..staging import StagingCopier, StagingPool
 from .flatten import (
@@ -27,6 +26,7 @@ from .flatten import (
     LOCAL,
     DTensorRef,
     StorageRef,
+    dtensor_boxes,
     entry_shape,
     flatten,
     plan_chunks,
@@ -87,22 +87,20 @@ def snapshot(obj, writer: RankWriter, pool: StagingPool, chunk_bytes: int = DEFA
     def on_dtensor(ref: DTensorRef) -> None:
         dt = ref.dtensor
         out.shards[ref.key] = (fmt.dtype_name(dt.dtype), tuple(dt.shape))
-        try:
-            chunks = dt.__create_chunk_list__()
-        except Exception as e:  # e.g. Partial placements
-            raise SerializationError(f"cannot save DTensor {ref.key!r}: {e}") from e
-        if not chunks:
+        # Where the local tensor's elements lie in the global tensor, from the placements
+        # (a _StridedShard layout may scatter them over several boxes).
+        boxes = dtensor_boxes(dt, f"cannot save DTensor {ref.key!r}")
+        if not boxes:
             return
-        if len(chunks) != 1:
-            raise SerializationError(f"cannot save DTensor {ref.key!r}: its local tensor holds {len(chunks)} chunks")
         local = dt.to_local()
-        if not local.is_contiguous():
-            local = local.contiguous()
-        offsets0 = tuple(chunks[0].offsets)
         mine = _writes_dtensor_replica(dt)
         itemsize = dt.dtype.itemsize
-        stage(ref.key, local.untyped_storage(), local.storage_offset() * itemsize, tuple(local.shape), offsets0,
-              itemsize, GLOBAL, lambda o, n: mine(ref.key, o))
+        for box in boxes:
+            part = local[box.index]
+            if not part.is_contiguous():
+                part = part.contiguous()
+            stage(ref.key, part.untyped_storage(), part.storage_offset() * itemsize, box.sizes, box.offsets,
+                  itemsize, GLOBAL, lambda o, n: mine(ref.key, o))
 
     # The copier batches the copies (CPU: one parallel memcpy per batch; CUDA: one
     # device-to-host transfer per batch on a staging stream). ``before_wait`` starts

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from .. import format as fmt
 from ..errors import CkptStoreError, ObjectNotFoundError
 from ..storage import Storage, open_storage
-from .restore import latest_manifest, read_blob
+from .restore import BlobRead, check_blobs, latest_manifest
 
 
 @dataclass(frozen=True)
@@ -48,8 +48,9 @@ def verify_manifest(storage: Storage, manifest: fmt.Manifest, quick: bool = Fals
     for rank, key, blob in manifest.blobs():
         if sizes.get(blob.file, 0) is None:
             problems.append(Problem(where, rank, key, blob.file, blob.offset, "file is missing"))
-    jobs = []
     pool = pool or runtime().readers
+    reads: list[BlobRead] = []
+    checked: list[tuple[int | None, str | None, fmt.Blob]] = []
     for rank, key, blob in manifest.blobs():
         size = sizes.get(blob.file)
         if size is None:
@@ -59,13 +60,14 @@ def verify_manifest(storage: Storage, manifest: fmt.Manifest, quick: bool = Fals
                                     f"file is truncated: blob ends at {blob.offset + blob.length}, file holds {size}"))
             continue
         if not quick:
-            jobs.append((rank, key, blob, pool.submit(_check_blob, storage, blob, key)))
-    for rank, key, blob, job in jobs:
-        err = job.result()
-        if on_blob is not None:
-            on_blob()
+            reads.append(BlobRead(blob, f"tensor {key!r}" if key else "skeleton"))
+            checked.append((rank, key, blob))
+    # Read as a load does (neighbouring blobs coalesced into one read, each blob's hash
+    # checked on its own), reporting every blob's problem instead of the first.
+    errors = check_blobs(storage, reads, pool, scratch=_buffer, on_blob=on_blob)
+    for (rank, key, blob), err in zip(checked, errors):
         if err is not None:
-            problems.append(Problem(where, rank, key, blob.file, blob.offset, err))
+            problems.append(Problem(where, rank, key, blob.file, blob.offset, str(err)))
     return problems
 
 
@@ -78,14 +80,6 @@ def _buffer(n: int) -> memoryview:
     if buf is None or len(buf) < n:
         buf = _scratch.buf = bytearray(max(n, 1 << 20))
     return memoryview(buf)[:n]
-
-
-def _check_blob(storage: Storage, blob: fmt.Blob, key) -> str | None:
-    try:
-        read_blob(storage, blob, _buffer(blob.raw_length), f"tensor {key!r}" if key else "skeleton")
-    except CkptStoreError as e:
-        return str(e)
-    return None
 
 
 def verify(location, quick: bool = False) -> list[Problem]:

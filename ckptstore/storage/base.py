@@ -17,6 +17,19 @@ conformance suite (tests/test_storage_conformance.py) checks for every backend:
 - ``walk`` yields every object under a prefix, recursively, with size and mtime.
 - ``delete`` of a missing key is not an error.
 - Missing keys raise :class:`ObjectNotFoundError` (a ``FileNotFoundError``).
+
+Read coalescing (a hint to loaders, not part of the contract): a load merges the reads
+of small blobs that lie close together in one file into one ``readinto`` and splits
+the bytes back per blob (``ckptstore.checkpoint.restore.plan_reads``). Three attributes
+say how far a backend wants that to go, because a request costs very different amounts
+on disk and on an object store:
+
+- ``read_coalesce_blob``: only blobs at most this large are merged; larger ones are
+  read on their own, straight into their destination.
+- ``read_coalesce_gap``: two neighbours are merged when at most this many unneeded bytes
+  lie between them (those are read and dropped).
+- ``read_coalesce_limit``: the largest merged read, gaps included; 0 turns coalescing off
+  (the default for a backend that does not set them).
 """
 
 from __future__ import annotations
@@ -55,6 +68,9 @@ class Storage(abc.ABC):
     """A byte store rooted at ``url``."""
 
     url: str
+    read_coalesce_blob: int = 0
+    read_coalesce_gap: int = 0
+    read_coalesce_limit: int = 0  # 0: every blob is a read of its own
 
     @abc.abstractmethod
     def child(self, prefix: str) -> "Storage":

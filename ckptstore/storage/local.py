@@ -28,6 +28,18 @@ from .base import AppendWriter, ObjectInfo, Storage
 _TMP_MARK = ".tmp-"
 READ_PIECE = 4 << 20  # read (and hash) in pieces that stay in the CPU cache
 WRITEBACK_MIN = 1 << 20
+# Read coalescing (see storage/base.py). A read of its own costs a reader-pool job, an
+# open, a preadv, a close and a hasher (~100 us per blob measured on 2 cores, page
+# cache warm); a byte read as part of a merged read costs one more memcpy (~0.1 ns).
+# So blobs up to 256 KiB (a copy well under that cost) are merged, in reads of up to
+# READ_PIECE (the temporary buffer stays cache-sized). Only touching blobs (gap 0): a
+# data file is tiled by its blobs, so a full load merges every run of small blobs
+# anyway; gaps occur only in partial loads, where bridging one would save a single job
+# and read bytes the load does not need (tests/test_sharded.py counts them).
+# Loading 9,000 tensors of 4 B-16 KiB: 1.0 s of reads before, 0.24 s after.
+COALESCE_BLOB = 256 << 10
+COALESCE_GAP = 0
+COALESCE_LIMIT = READ_PIECE
 
 
 def _fsync_dir(path: str) -> None:
@@ -56,6 +68,10 @@ def os_errors(where: str):
 
 
 class LocalStorage(Storage):
+    read_coalesce_blob = COALESCE_BLOB
+    read_coalesce_gap = COALESCE_GAP
+    read_coalesce_limit = COALESCE_LIMIT
+
     def __init__(self, root: str | os.PathLike):
         self.root = os.path.abspath(os.fspath(root))
         self.url = self.root

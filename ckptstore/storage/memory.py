@@ -24,6 +24,12 @@ _NAMED_LOCK = threading.Lock()
 class MemoryStorage(Storage):
     """Objects in a dict shared by every view of the same store."""
 
+    # As on local disk (storage/local.py): a read is a slice copy, so what coalescing
+    # saves is the per-read job and call overhead.
+    read_coalesce_blob = 256 << 10
+    read_coalesce_gap = 0
+    read_coalesce_limit = 4 << 20
+
     def __init__(self, objects: _Objects | None = None, prefix: str = "", name: str = ""):
         self._objects = _Objects() if objects is None else objects
         self._lock = self._objects.lock

@@ -20,7 +20,8 @@ setting; keyword arguments override it. How the pieces work (see docs/s3.md):
   aborts the upload when it fails. Part sizes grow so that no object needs more than
   S3's 10,000 parts.
 * **readinto** issues ranged GETs, several concurrently for large ranges; a range past
-  the end of an object raises :class:`TruncatedObjectError` (a short read).
+  the end of an object raises :class:`TruncatedObjectError` (a short read). Loads merge
+  the reads of small neighbouring blobs into one GET (``read_coalesce_*``).
 """
 
 from __future__ import annotations
@@ -66,6 +67,13 @@ MAX_PARTS = 10_000
 DEFAULT_PART_SIZE = 16 * MiB
 DEFAULT_CONCURRENCY = 10
 DEFAULT_READ_PART_SIZE = 8 * MiB  # ranged GET size for large reads (boto3's download default)
+# Read coalescing (storage/base.py): a GET costs a round trip (10-50 ms to first byte on
+# S3) and a request charge, while one connection streams ~100 MB/s, so reading 64 KiB of
+# unneeded bytes (~1 ms) to save a GET is cheap; blobs below ~1 MiB take about as long
+# to request as to transfer, so they are merged; larger ones stream on their own straight
+# into their tensor. A merged read is at most read_part_size (one GET).
+DEFAULT_COALESCE_GAP = 64 * 1024
+DEFAULT_COALESCE_BLOB = 1 * MiB
 DEFAULT_MAX_ATTEMPTS = 10
 DEFAULT_RETRY_MODE = "standard"
 DEFAULT_CONNECT_TIMEOUT = 10.0
@@ -152,7 +160,8 @@ def _backoff(failure: int) -> None:
 class _Shared:
     """What a store and all its children share: client, settings, read pool."""
 
-    def __init__(self, bucket, client, part_size, max_concurrency, max_attempts, read_part_size, parts_per_tier):
+    def __init__(self, bucket, client, part_size, max_concurrency, max_attempts, read_part_size, parts_per_tier,
+                 coalesce=(0, 0, 0)):
         self.bucket = bucket
         self.client = client
         self.part_size = part_size
@@ -160,6 +169,7 @@ class _Shared:
         self.max_attempts = max_attempts
         self.read_part_size = read_part_size
         self.parts_per_tier = parts_per_tier
+        self.coalesce_blob, self.coalesce_gap, self.coalesce_limit = coalesce
         self._pool: DaemonThreadPool | None = None
         self._lock = threading.Lock()
 
@@ -186,6 +196,12 @@ class S3Storage(Storage):
     profile's ``max_attempts``, else 10). ``retry_mode``: ``"standard"`` or
     ``"adaptive"`` (default: ``AWS_RETRY_MODE`` or the profile's, else standard).
     ``connect_timeout`` / ``read_timeout``: seconds per attempt (10, 60).
+
+    Loads coalesce the GETs of small blobs close together in one object (storage/base.py):
+    ``read_coalesce_blob`` (default 1 MiB): only blobs at most this large are merged;
+    ``read_coalesce_gap`` (64 KiB): the most unneeded bytes fetched between two of them;
+    ``read_coalesce_limit`` (default ``read_part_size``): the largest merged GET, 0 to
+    turn coalescing off.
     """
 
     def __init__(self, bucket: str, prefix: str = "", *, client=None, endpoint_url: str | None = None,
@@ -193,8 +209,9 @@ class S3Storage(Storage):
                  part_size: int = DEFAULT_PART_SIZE, max_concurrency: int = DEFAULT_CONCURRENCY,
                  max_attempts: int | None = None, retry_mode: str | None = None,
                  connect_timeout: float = DEFAULT_CONNECT_TIMEOUT, read_timeout: float = DEFAULT_READ_TIMEOUT,
-                 read_part_size: int | None = None, _parts_per_tier: int = MAX_PARTS // 10,
-                 _shared: _Shared | None = None):
+                 read_part_size: int | None = None, read_coalesce_blob: int = DEFAULT_COALESCE_BLOB,
+                 read_coalesce_gap: int = DEFAULT_COALESCE_GAP, read_coalesce_limit: int | None = None,
+                 _parts_per_tier: int = MAX_PARTS // 10, _shared: _Shared | None = None):
         if not bucket or "/" in bucket:
             raise ValueError(f"invalid S3 bucket name {bucket!r}")
         self.bucket = bucket
@@ -208,6 +225,11 @@ class S3Storage(Storage):
             raise ValueError(f"part_size must be between 5 MiB and 5 GiB (S3's limits), got {part_size}")
         if int(max_concurrency) < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+        read_part_size = int(read_part_size or DEFAULT_READ_PART_SIZE)
+        coalesce = (int(read_coalesce_blob), int(read_coalesce_gap),
+                    read_part_size if read_coalesce_limit is None else int(read_coalesce_limit))
+        if min(coalesce) < 0:
+            raise ValueError(f"read_coalesce_blob, _gap and _limit must be >= 0, got {coalesce}")
         if retry_mode is not None and retry_mode not in ("standard", "adaptive", "legacy"):
             raise ValueError(f"retry_mode must be 'standard' or 'adaptive', got {retry_mode!r}")
         if client is None:
@@ -231,7 +253,7 @@ class S3Storage(Storage):
         elif max_attempts is None:
             max_attempts = client.meta.config.retries.get("total_max_attempts") or DEFAULT_MAX_ATTEMPTS
         self._shared = _Shared(bucket, client, part_size, int(max_concurrency), int(max_attempts),
-                               int(read_part_size or DEFAULT_READ_PART_SIZE), max(1, int(_parts_per_tier)))
+                               read_part_size, max(1, int(_parts_per_tier)), coalesce)
 
     # -- helpers
     @property
@@ -242,6 +264,18 @@ class S3Storage(Storage):
     @property
     def part_size(self) -> int:
         return self._shared.part_size
+
+    @property
+    def read_coalesce_blob(self) -> int:
+        return self._shared.coalesce_blob
+
+    @property
+    def read_coalesce_gap(self) -> int:
+        return self._shared.coalesce_gap
+
+    @property
+    def read_coalesce_limit(self) -> int:
+        return self._shared.coalesce_limit
 
     def _k(self, key: str) -> str:
         key = key.strip("/")
