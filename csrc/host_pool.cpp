@@ -36,7 +36,7 @@ std::atomic<std::uint64_t> g_pool_ids{1};
 
 // Anonymous private mapping of `len` bytes (a page multiple), 2 MiB aligned when
 // at least 2 MiB so the kernel can back it with huge pages (fewer faults, TLB misses).
-void* map_unpopulated(std::size_t len) {
+void* map_ordinary(std::size_t len) {
     if (len >= kHuge) {
         std::size_t total = len + kHuge;
         void* p = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
@@ -53,20 +53,6 @@ void* map_unpopulated(std::size_t len) {
     }
     void* p = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) throw std::bad_alloc();
-    return p;
-}
-
-// The same, its pages faulted in now, in one kernel call: a slab is created for bytes
-// about to be copied in, and first-touch faults taken inside the parallel copy cost
-// more and vary more (768 MiB on a 2-core VM: 0.44-0.98 s to copy into fresh pages,
-// 0.42-0.53 s to populate, then copy).
-// Kernels before 5.14 lack MADV_POPULATE_WRITE: pages then fault in on first use.
-void* map_ordinary(std::size_t len) {
-    void* p = map_unpopulated(len);
-#ifndef MADV_POPULATE_WRITE
-#define MADV_POPULATE_WRITE 23
-#endif
-    (void)madvise(p, len, MADV_POPULATE_WRITE);
     return p;
 }
 
