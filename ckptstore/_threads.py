@@ -38,8 +38,15 @@ class DaemonThreadPool:
             # start another when the queue holds more items than there are waiters.
             if len(self._queue) > self._idle and len(self._threads) < self._max:
                 t = threading.Thread(target=self._run, name=f"{self._name}-{len(self._threads)}", daemon=True)
-                self._threads.append(t)
-                t.start()
+                try:
+                    t.start()  # counted only once started: a dead thread must not take a slot
+                except BaseException:
+                    if not self._threads:  # nobody would ever run it: the caller gets the error
+                        self._queue.pop()
+                        raise
+                    self._cv.notify()  # a running thread takes it later
+                else:
+                    self._threads.append(t)
             else:
                 self._cv.notify()
         return future

@@ -121,8 +121,12 @@ class RankWriter:
         and once everything is staged.
         """
         pending, self._pending = self._pending, []
-        for fn, args, _buf in pending:
-            self._futures.append(self.rt.workers.submit(fn, *args))
+        for i, (fn, args, _buf) in enumerate(pending):
+            try:
+                self._futures.append(self.rt.workers.submit(fn, *args))
+            except BaseException:
+                self._pending = pending[i:] + self._pending  # abort() returns their buffers
+                raise
 
     def submit_skeleton(self, data: bytes) -> None:
         """The last blob of a snapshot: starts every held-back chunk too."""

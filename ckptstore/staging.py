@@ -113,8 +113,11 @@ class StagingPool:
         self._cond = threading.Condition()
         self._native = None
         if self.backend == "native":
-            device = torch.cuda.current_device() if self.pin_memory and torch.cuda.is_available() else 0
-            self._native = native.HostPool(self.capacity, pinned=self.pin_memory, device=device,
+            # Pinned slabs are portable and allocated under the allocating thread's
+            # current CUDA context; ``device`` is used only by a thread that has none.
+            # (No torch.cuda.current_device() here: it would initialise CUDA in every
+            # process that merely loads, and fix the device before set_device runs.)
+            self._native = native.HostPool(self.capacity, pinned=self.pin_memory, device=0,
                                            slab_bytes=int(slab_bytes))
             self._releases = 0  # bumped (under _cond) by every release: wakes waiters
         else:
@@ -369,14 +372,16 @@ class StagingCopier:
         inflight, self._inflight = self._inflight, None
         entries = self._cpu + self._dev
         self._cpu, self._cpu_bytes, self._dev, self._dev_bytes = [], 0, [], 0
-        if inflight is not None:
-            try:
-                inflight[0].wait()
-            except Exception:
-                pass
-            entries += inflight[1]
-        for entry in entries:
-            self.pool.release(entry[3])
+        try:
+            if inflight is not None:
+                entries += inflight[1]
+                try:
+                    inflight[0].wait()
+                except Exception:  # the copies stopped either way; the caller has the error
+                    pass
+        finally:
+            for entry in entries:
+                self.pool.release(entry[3])
 
     # -- internals
     def _drain(self) -> None:

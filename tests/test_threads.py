@@ -48,3 +48,43 @@ def test_errors_reach_the_future_and_shutdown_refuses_new_work():
     assert not any(t.is_alive() for t in pool._threads)
     with pytest.raises(RuntimeError, match="shut down"):
         pool.submit(pow, 2, 2)
+
+
+def test_a_flush_that_cannot_start_its_work_leaves_the_buffers_to_abort(tmp_path):
+    """If the workers refuse new work mid-flush (the runtime was shut down), the chunks
+    not started stay with the writer, and abort() returns their staging buffers: later
+    saves must not wait forever for memory nobody holds."""
+    from ckptstore import format as fmt
+    from ckptstore.codecs import CompressionPolicy
+    from ckptstore.pipeline import RankWriter, Runtime
+    from ckptstore.storage import LocalStorage
+
+    rt = Runtime(workers=1, staging_bytes=1 << 20)
+    writer = RankWriter(LocalStorage(str(tmp_path)), fmt.new_attempt_id(), 0, CompressionPolicy(), rt)
+    for i in range(3):
+        buf = rt.pool.acquire(4096)
+        writer.submit_chunk(f"t{i}", (0,), (1024,), 4, buf)
+    assert rt.pool.in_use == 3 * 4096
+    rt.workers.shutdown(wait=True)
+    with pytest.raises(RuntimeError, match="shut down"):
+        writer.flush()
+    writer.abort()
+    assert rt.pool.in_use == 0
+    rt.shutdown()
+
+
+def test_a_thread_that_fails_to_start_takes_no_slot(monkeypatch):
+    pool = DaemonThreadPool(1, "test")
+    real_start = threading.Thread.start
+
+    def refuse(self):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    with pytest.raises(RuntimeError, match="can't start"):
+        pool.submit(pow, 2, 3)
+    monkeypatch.setattr(threading.Thread, "start", real_start)
+    try:
+        assert pool.submit(pow, 2, 3).result(HANG_GUARD_S) == 8  # the slot is still free
+    finally:
+        pool.shutdown()

@@ -157,8 +157,10 @@ def _read_alone(storage: Storage, r: BlobRead, scratch) -> None:
 
 
 def _split(r: BlobRead, stored: memoryview, scratch) -> None:
-    """Check one blob's bytes cut out of a merged read and deliver them (I3: the hash is
-    checked before ``out`` or ``done`` gets a byte)."""
+    """Check one blob's bytes cut out of a merged read and deliver them (I3: nothing
+    reaches the caller before the hash matched; ``done`` gets the bytes only then, and a
+    compressed blob decoded into ``out``, a fresh buffer of the load, is discarded with
+    the load if it does not match)."""
     blob = r.blob
     where = _where(blob, r.what)
     tensor = None
