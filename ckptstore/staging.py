@@ -36,7 +36,7 @@ import torch
 
 from . import native
 
-__all__ = ["StagingBuffer", "StagingPool", "StagingCopier", "copy_into", "default_capacity"]
+__all__ = ["StagingBuffer", "StagingPool", "StagingCopier", "default_capacity"]
 
 DEFAULT_SLAB_BYTES = 64 << 20
 #: Backend of ``StagingPool(backend=None)`` unless CKPTSTORE_STAGING_POOL is set.
@@ -274,12 +274,6 @@ def _native_buffer(block) -> StagingBuffer:
     if block.nbytes == 0:  # torch.frombuffer refuses empty buffers
         return StagingBuffer(torch.empty(0, dtype=torch.uint8), memoryview(bytearray()), block)
     return StagingBuffer(torch.frombuffer(block, dtype=torch.uint8), memoryview(block), block)
-
-
-def copy_into(buf: StagingBuffer, src_ptr: int, nbytes: int) -> None:
-    """Copy host bytes into a staging buffer, in parallel and without the GIL."""
-    if nbytes:
-        native.copy_bytes(buf.ptr, src_ptr, nbytes)
 
 
 class StagingCopier:

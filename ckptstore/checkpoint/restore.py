@@ -318,16 +318,11 @@ def _into_region(c: fmt.Chunk, full: torch.Tensor, raw: torch.Tensor) -> None:
     full[tuple(slice(o, o + n) for o, n in zip(c.offsets, c.sizes))] = raw.view(full.dtype).reshape(c.sizes)
 
 
-def read_region(storage: Storage, entry: fmt.TensorEntry, where: str, offsets, sizes, pool) -> torch.Tensor:
-    """A CPU tensor holding one region of a stored tensor, assembled from the chunks that
-    overlap it. Each overlapping chunk is read whole and its hash checked (I3): a load
-    reads only the chunks it needs, never unverified bytes."""
-    return read_regions(storage, [(entry, where, offsets, sizes)], pool)[0]
-
-
 def read_regions(storage: Storage, requests, pool) -> list[torch.Tensor]:
-    """:func:`read_region` for many ``(entry, where, offsets, sizes)`` at once: the
-    chunks they overlap, of all tensors together, are read in parallel and small
+    """One CPU tensor per ``(entry, where, offsets, sizes)``: that region of a stored
+    tensor, assembled from the chunks that overlap it. Each overlapping chunk is read
+    whole and its hash checked (I3): a load reads only the chunks it needs, never
+    unverified bytes. The chunks of all regions together are read in parallel and small
     neighbours coalesced (:func:`plan_reads`), each chunk once however many regions
     overlap it."""
     outs: list[torch.Tensor] = []
