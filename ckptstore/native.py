@@ -250,15 +250,9 @@ class StageHandle:
         # Every batch and event is waited even after a failure: the others may still
         # be writing into buffers the caller recycles as soon as this raises.
         first: BaseException | None = None
-        for b in self._batches:
+        for finish in [b.wait for b in self._batches] + [ev.synchronize for ev in self._events]:
             try:
-                b.wait()
-            except BaseException as exc:
-                if first is None:
-                    first = exc
-        for ev in self._events:
-            try:
-                ev.synchronize()
+                finish()
             except BaseException as exc:
                 if first is None:
                     first = exc

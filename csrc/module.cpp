@@ -177,13 +177,8 @@ NB_MODULE(_C, m) {
             "capacity instead.")
         .def("free", &ckpt::HostPool::free, nb::arg("block"),
              "Return a block (ValueError if freed twice or not from this pool).")
-        .def(
-            "trim",
-            [](ckpt::HostPool& p) {
-                nb::gil_scoped_release nogil;
-                return p.trim();
-            },
-            "Free every slab that lends nothing; returns the bytes freed.")
+        .def("trim", &ckpt::HostPool::trim, nb::call_guard<nb::gil_scoped_release>(),
+             "Free every slab that lends nothing; returns the bytes freed.")
         .def("stats", [](const ckpt::HostPool& p) { return pool_stats_dict(p.stats()); })
         .def_prop_ro("capacity", &ckpt::HostPool::capacity)
         .def_prop_ro("in_use", &ckpt::HostPool::in_use, "bytes lent (cheaper than stats())")
@@ -207,20 +202,10 @@ NB_MODULE(_C, m) {
         "What the extension's CUDA runtime sees (probed once; never raises).");
 
     nb::class_<ckpt::CudaBatch>(m, "CudaBatch", "A batch of device-to-host copies in flight.")
-        .def(
-            "wait",
-            [](ckpt::CudaBatch& b) {
-                nb::gil_scoped_release nogil;
-                b.wait();
-            },
-            "Block until every copy has landed (GIL released); raises RuntimeError on a CUDA error.")
-        .def(
-            "query",
-            [](ckpt::CudaBatch& b) {
-                nb::gil_scoped_release nogil;
-                return b.query();
-            },
-            "True once every copy has landed.")
+        .def("wait", &ckpt::CudaBatch::wait, nb::call_guard<nb::gil_scoped_release>(),
+             "Block until every copy has landed (GIL released); raises RuntimeError on a CUDA error.")
+        .def("query", &ckpt::CudaBatch::query, nb::call_guard<nb::gil_scoped_release>(),
+             "True once every copy has landed.")
         .def_ro("device", &ckpt::CudaBatch::device)
         .def_ro("count", &ckpt::CudaBatch::count)
         .def_ro("nbytes", &ckpt::CudaBatch::nbytes)

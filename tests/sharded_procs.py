@@ -588,6 +588,18 @@ def tp_save(rank, world, events, root, ref_path):
             "refused": refused, "steps": store.steps()}
 
 
+def _load_into(root, model, opt, msd, osd, extras) -> dict:
+    """Load ``root`` into the model and optimizer (through their state-dict templates) and
+    into ``extras``; returns {"model", "optim", "extras"} as the model and optimizer now
+    hold them, and the loaded extras."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ckptstore.WorldSizeChangedWarning)
+        out = ckptstore.Store(root, commit_timeout=60).load(template={"model": msd, "optim": osd, "extras": extras})
+    set_state_dict(model, opt, model_state_dict=out["model"], optim_state_dict=out["optim"])
+    msd2, osd2 = get_state_dict(model, opt)
+    return {"model": msd2, "optim": osd2, "extras": out["extras"]}
+
+
 def tp_load_plain(rank, world, events, src, dst):
     """Load the FSDP2 + TP checkpoint into plain FSDP2 on a 1-D mesh of ``world`` ranks, then
     save what was loaded in that layout (Shard(0) only) for tp_load to read back."""
@@ -595,14 +607,9 @@ def tp_load_plain(rank, world, events, src, dst):
     model, opt = build_fsdp_plain(mesh, seed=123)
     msd, osd = get_state_dict(model, opt)
     extras = {k: distribute_tensor(torch.zeros(s), mesh, [Shard(0)]) for k, s in STRIDED_SHAPES.items()}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ckptstore.WorldSizeChangedWarning)
-        out = ckptstore.Store(src, commit_timeout=60).load(template={"model": msd, "optim": osd, "extras": extras})
-    set_state_dict(model, opt, model_state_dict=out["model"], optim_state_dict=out["optim"])
-    msd2, osd2 = get_state_dict(model, opt)
-    gathered = full_copy({"model": msd2, "optim": osd2, "extras": out["extras"]})
-    ckptstore.Store(dst, commit_timeout=60, chunk_bytes=256).save(1, {"model": msd2, "optim": osd2,
-                                                                      "extras": out["extras"]}).result()
+    loaded = _load_into(src, model, opt, msd, osd, extras)
+    gathered = full_copy(loaded)
+    ckptstore.Store(dst, commit_timeout=60, chunk_bytes=256).save(1, loaded).result()
     return {"gathered": gathered if rank == 0 else None}
 
 
@@ -616,11 +623,6 @@ def tp_load(rank, world, events, roots):
         msd, osd = get_state_dict(model, opt)
         before = full_copy(msd)
         extras = strided_extras(mesh, fill=0.0)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", ckptstore.WorldSizeChangedWarning)
-            out = ckptstore.Store(root, commit_timeout=60).load(template={"model": msd, "optim": osd, "extras": extras})
-        set_state_dict(model, opt, model_state_dict=out["model"], optim_state_dict=out["optim"])
-        msd2, osd2 = get_state_dict(model, opt)
-        gathered = full_copy({"model": msd2, "optim": osd2, "extras": out["extras"]})
-        res[name] = {"gathered": gathered, "before": before, "placements": _placements({"model": msd2})}
+        loaded = _load_into(root, model, opt, msd, osd, extras)
+        res[name] = {"gathered": full_copy(loaded), "before": before, "placements": _placements({"model": loaded["model"]})}
     return res if rank == 0 else {}

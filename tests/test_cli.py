@@ -12,17 +12,12 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
-from cliutil import cli, cli_env, run_cli_processes
+from cliutil import age_files, cli, cli_env, failed_attempt, run_cli_processes
 
 import ckptstore
-from ckptstore import format as fmt
-from ckptstore.checkpoint.save import SaveOptions, start_save
-from ckptstore.errors import CommitTimeoutError
-from ckptstore.pipeline import runtime
 
 pytestmark = pytest.mark.usefixtures("observe_earlier_failures")
 
@@ -54,25 +49,6 @@ def make_store(root, steps=(0, 10, 20)) -> ckptstore.Store:
     for s in steps:
         store.save(s, state(s), metrics={"loss": 1.0 / (s + 1), "acc": s / 100}).result()
     return store
-
-
-def failed_attempt(where, rank: int, step: int = 7) -> str:
-    """A save attempt of a 2-rank job whose other rank never shows up: rank 1 leaves its
-    data and vote and gives up; rank 0 leaves data, vote and an abort marker. Nothing is
-    committed (the timeout is the failure, not a synchronisation)."""
-    attempt = fmt.new_attempt_id()
-    fut = start_save(state(step), where, rt=runtime(), attempt=attempt, step=step, rank=rank, world_size=2,
-                     metrics=None, options=SaveOptions(commit_timeout=0.2))
-    assert isinstance(fut.exception(timeout=60), CommitTimeoutError)
-    return attempt
-
-
-def age_files(directory, seconds: float) -> None:
-    """Set the mtime of every file below ``directory`` ``seconds`` into the past."""
-    then = time.time() - seconds
-    for dirpath, _, files in os.walk(directory):
-        for f in files:
-            os.utime(os.path.join(dirpath, f), (then, then))
 
 
 # ---------------------------------------------------------------------------- --help, --version, real processes
@@ -158,9 +134,9 @@ def test_ls_on_a_single_checkpoint_path(tmp_path):
 def test_ls_all_shows_uncommitted_attempts_with_age_and_votes(tmp_path):
     root = str(tmp_path / "store")
     store = make_store(root, steps=(0, 5))
-    lone_rank1 = failed_attempt(store.location(7), rank=1)
-    lone_rank0 = failed_attempt(store.location(7), rank=0)
-    debris = failed_attempt(store.location(5), rank=1, step=5)  # beside a committed checkpoint
+    lone_rank1 = failed_attempt(store.location(7), state(7), rank=1, step=7)
+    lone_rank0 = failed_attempt(store.location(7), state(7), rank=0, step=7)
+    debris = failed_attempt(store.location(5), state(5), rank=1, step=5)  # beside a committed checkpoint
     age_files(os.path.join(root, "step-000000000007", "attempts", lone_rank1), 3600)
 
     plain = json.loads(cli("ls", "--json", root).stdout)

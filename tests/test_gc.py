@@ -11,7 +11,6 @@ This file is also the child program of its process tests: ``python test_gc.py RO
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
 import json
 import os
@@ -25,7 +24,7 @@ import time
 
 import pytest
 import torch
-from cliutil import cli
+from cliutil import age_files, cli, failed_attempt, files_below, tree
 
 import ckptstore
 from ckptstore import format as fmt
@@ -42,7 +41,7 @@ from ckptstore.checkpoint.retention import (
 from ckptstore.checkpoint.save import SaveOptions, start_save
 from ckptstore.checkpoint.verify import verify_manifest
 from ckptstore.cli import main
-from ckptstore.errors import CommitTimeoutError, NotCommittedError
+from ckptstore.errors import NotCommittedError
 from ckptstore.pipeline import runtime
 from ckptstore.storage import LocalStorage
 
@@ -72,43 +71,6 @@ def build_store(root, steps=tuple(LOSS)) -> ckptstore.Store:
         store.save(s, state(s), metrics={"loss": LOSS.get(s, float(s)), "acc": s / 100})
     ckptstore.wait()
     return store
-
-
-def files_below(root) -> dict[str, str]:
-    """{relative path: sha256} of every file below ``root``."""
-    out = {}
-    for dirpath, _, files in os.walk(root):
-        for f in files:
-            p = os.path.join(dirpath, f)
-            with open(p, "rb") as fh:
-                out[os.path.relpath(p, root)] = hashlib.sha256(fh.read()).hexdigest()
-    return out
-
-
-def tree(root) -> dict[str, str]:
-    """files_below plus the directories (so removing an empty directory shows)."""
-    out = files_below(root)
-    for dirpath, dirs, _ in os.walk(root):
-        for d in dirs:
-            out[os.path.relpath(os.path.join(dirpath, d), root) + "/"] = ""
-    return out
-
-
-def age_files(directory, seconds: float) -> None:
-    then = time.time() - seconds
-    for dirpath, _, files in os.walk(directory):
-        for f in files:
-            os.utime(os.path.join(dirpath, f), (then, then))
-
-
-def failed_attempt(where, rank: int, step: int) -> str:
-    """One rank of a 2-rank save whose partner never shows up: it leaves data and a vote
-    (rank 0 also an abort marker) and fails; nothing is committed."""
-    attempt = fmt.new_attempt_id()
-    fut = start_save(state(step), where, rt=runtime(), attempt=attempt, step=step, rank=rank, world_size=2,
-                     metrics=None, options=SaveOptions(commit_timeout=0.2))
-    assert isinstance(fut.exception(timeout=60), CommitTimeoutError)
-    return attempt
 
 
 def add_superseded_generation(location_path: str, resave) -> None:
@@ -315,10 +277,13 @@ def debris_store(root) -> dict:
     add_superseded_generation(os.path.join(root, fmt.step_dir_name(3)),
                               lambda: store.save(3, state(3), metrics={"loss": 3.0}).result())
     s3, s7 = store.location(3), store.location(7)
-    old = {"s3": failed_attempt(s3, 1, 3), "s7-0": failed_attempt(s7, 0, 7), "s7-1": failed_attempt(s7, 1, 7)}
+    old = {"s3": failed_attempt(s3, state(3), rank=1, step=3),
+           "s7-0": failed_attempt(s7, state(7), rank=0, step=7),
+           "s7-1": failed_attempt(s7, state(7), rank=1, step=7)}
     for where, a in old.items():
         age_files(os.path.join(root, fmt.step_dir_name(3 if where == "s3" else 7), "attempts", a), 2 * HOUR)
-    young = {"s3": failed_attempt(s3, 0, 3), "s7": failed_attempt(s7, 1, 7)}
+    young = {"s3": failed_attempt(s3, state(3), rank=0, step=3),
+             "s7": failed_attempt(s7, state(7), rank=1, step=7)}
     tmp_old = os.path.join(root, fmt.step_dir_name(2), fmt.manifest_name(2) + ".tmp-0badf00d")
     tmp_young = os.path.join(root, fmt.step_dir_name(1), fmt.manifest_name(2) + ".tmp-0cafe000")
     for p in (tmp_old, tmp_young):
@@ -480,7 +445,7 @@ def test_store_pin_refuses_what_is_not_committed(tmp_path):
     store = build_store(root, steps=(0,))
     with pytest.raises(FileNotFoundError):
         store.pin(5)
-    failed_attempt(store.location(6), 1, 6)
+    failed_attempt(store.location(6), state(6), rank=1, step=6)
     with pytest.raises(NotCommittedError):
         store.pin(6)
     assert store.pinned() == []
@@ -658,10 +623,10 @@ def kill_template(tmp_path_factory):
     for s in (4, 9):
         add_superseded_generation(os.path.join(root, fmt.step_dir_name(s)),
                                   lambda s=s: store.save(s, state(s)).result())
-    failed_attempt(store.location(10), 0, 10)
-    failed_attempt(store.location(10), 1, 10)
+    failed_attempt(store.location(10), state(10), rank=0, step=10)
+    failed_attempt(store.location(10), state(10), rank=1, step=10)
     age_files(root, 2 * HOUR)
-    young = failed_attempt(store.location(11), 1, 11)
+    young = failed_attempt(store.location(11), state(11), rank=1, step=11)
     return root, young
 
 

@@ -9,14 +9,13 @@ real ``python -m ckptstore.cli`` process, and that verify never changes the stor
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
 
 import pytest
 import torch
-from cliutil import cli, run_cli_processes
+from cliutil import cli, run_cli_processes, tree
 
 import ckptstore
 from ckptstore import format as fmt
@@ -63,19 +62,6 @@ def referenced(root) -> list[tuple[str, str, fmt.Manifest]]:
         assert loc.manifest is not None, loc.manifest_error
         for name in sorted(loc.manifest.files()):
             out.append((loc.storage.describe(), name, loc.manifest))
-    return out
-
-
-def tree(root) -> dict[str, tuple[int, str]]:
-    """{relative path: (size, sha256)} of every file below ``root``, plus directories."""
-    out = {}
-    for dirpath, dirs, files in os.walk(root):
-        for d in dirs:
-            out[os.path.relpath(os.path.join(dirpath, d), root) + "/"] = (0, "")
-        for f in files:
-            p = os.path.join(dirpath, f)
-            with open(p, "rb") as fh:
-                out[os.path.relpath(p, root)] = (os.path.getsize(p), hashlib.sha256(fh.read()).hexdigest())
     return out
 
 
