@@ -36,6 +36,11 @@ class StoragePermissionError(StorageError, PermissionError):
     """The store refused access (permissions, credentials)."""
 
 
+class NotRegularObjectError(StorageError):
+    """A key names a symlink, FIFO, device or directory where a regular object belongs:
+    never followed, opened or deleted through (it is reported as debris instead)."""
+
+
 class StorageFullError(StorageError):
     """The store has no space left."""
 
