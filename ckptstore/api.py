@@ -11,6 +11,7 @@ import dataclasses
 import io
 import json
 import os
+import pickle
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +21,7 @@ import torch
 from . import format as fmt
 from . import lifecycle
 from .checkpoint.commit import generations, read_manifest, write_failure_vote
-from .checkpoint.container import MAGIC, read_container, write_container
+from .checkpoint.container import MAGIC, read_container, replace_file, write_container
 from .checkpoint.group import agree_on_attempt, rank_and_world
 from .checkpoint.reshard import fill_template
 from .checkpoint.restore import latest_manifest, restore
@@ -54,66 +55,96 @@ def _is_stream(f) -> bool:
     return hasattr(f, "write") or hasattr(f, "read")
 
 
-def save(obj: Any, f, pickle_protocol: int = 2, *, compression: str | CompressionPolicy = "auto",
-         commit_timeout: float = 600.0, chunk_bytes: int | None = None,
-         storage_options: dict | None = None) -> SaveFuture:
+def save(obj: Any, f, pickle_module: Any = pickle, pickle_protocol: int = 2, *,
+         compression: str | CompressionPolicy = "auto", commit_timeout: float = 600.0,
+         chunk_bytes: int | None = None, storage_options: dict | None = None) -> SaveFuture:
     """Save ``obj`` like ``torch.save``; returns once its tensors are staged.
 
-    ``f`` is a local path (the checkpoint is a directory there), a ``memory://`` or
-    (with the S3 backend) ``s3://`` URL, or a writable binary file object. Saving to a
-    path that holds a checkpoint makes a new generation: the old one stays loadable until
-    the new one is committed. A file object is written before ``save`` returns.
+    ``f`` is a local path, a ``memory://`` or (with the S3 backend) ``s3://`` URL, or a
+    writable binary file object. A path that does not exist becomes a checkpoint
+    directory; saving to one that holds a checkpoint makes a new generation: the old one
+    stays loadable until the new one is committed. A path that holds a plain file (an
+    old ``torch.save`` output, say) is replaced atomically by a single-file container,
+    and a file object gets one: both are written before ``save`` returns.
+    ``pickle_module`` pickles the object skeleton, as in torch.save.
     This call is not collective: in a distributed job it saves this process's object.
     ``storage_options`` go to the backend (for S3: endpoint_url, part_size, ...).
     """
     lifecycle.raise_earlier_failure()
     options = _options(compression, commit_timeout, chunk_bytes, pickle_protocol)
+    if pickle_module is not pickle:  # SaveOptions' default is pickle
+        options = dataclasses.replace(options, pickle_module=pickle_module)
     rt = runtime()
     if _is_stream(f):
-        store = MemoryStorage()
-        future = start_save(obj, store, rt=rt, attempt=fmt.new_attempt_id(), step=None, rank=0,
-                            world_size=1, metrics=None, options=options)
-        future.result()
+        future, store = _save_in_memory(obj, rt, options)
         write_container(store, f)
         return future
+    if not isinstance(f, (str, os.PathLike)):
+        # torch.save's type and message, so code written for it catches this the same way
+        raise AttributeError("expected 'f' to be string, path, or a file-like object with a 'write' "
+                             f"attribute, got {type(f).__name__}")
     if not is_url(f) and os.path.isfile(f):
-        raise FileExistsError(
-            f"{os.fspath(f)}: is a file (perhaps written by torch.save); ckptstore saves a "
-            "checkpoint directory here. Remove the file or choose another path."
-        )
+        future, store = _save_in_memory(obj, rt, options)
+        replace_file(store, f)
+        return future
     storage = open_storage(f, **(storage_options or {}))
     future = start_save(obj, storage, rt=rt, attempt=fmt.new_attempt_id(), step=None, rank=0,
                         world_size=1, metrics=None, options=options)
     return lifecycle.track(future)
 
 
-def load(f, map_location=None, weights_only: bool = True, *, rank: int | None = None,
-         storage_options: dict | None = None, **pickle_load_args) -> Any:
+def _save_in_memory(obj, rt, options: SaveOptions) -> tuple[SaveFuture, MemoryStorage]:
+    """The committed checkpoint of ``obj`` in a new memory store, for a container."""
+    store = MemoryStorage()
+    future = start_save(obj, store, rt=rt, attempt=fmt.new_attempt_id(), step=None, rank=0,
+                        world_size=1, metrics=None, options=options)
+    future.result()
+    return future, store
+
+
+def load(f, map_location=None, pickle_module: Any = None, *, weights_only: bool | None = None,
+         rank: int | None = None, storage_options: dict | None = None, **pickle_load_args) -> Any:
     """Load what ``save`` (or ``torch.save``) wrote, checking every byte read.
 
     ``map_location`` takes torch.load's forms (str, device, dict, callable). With
-    ``weights_only=True`` (the default) only torch's allow-list of types is rebuilt; pass
-    ``weights_only=False`` only for checkpoints you trust. A file written by
-    ``torch.save`` is loaded with ``torch.load``.
+    ``weights_only=True`` (the default, unless ``pickle_module`` is given, as in
+    torch.load) only torch's allow-list of types is rebuilt; pass ``weights_only=False``
+    only for checkpoints you trust. ``pickle_module`` then unpickles the object skeleton.
+    A file written by ``torch.save`` is loaded with ``torch.load``.
     """
+    # torch.load's rules for pickle_module and weights_only, and its error
+    if weights_only is None:
+        weights_only = pickle_module is None
+    if weights_only and pickle_module is not None:
+        raise RuntimeError("Can not safely load weights when explicit pickle_module is specified")
+    if not weights_only:
+        pickle_module = pickle_module or pickle
+    torch_kw = {"map_location": map_location, "pickle_module": pickle_module, "weights_only": weights_only}
     if _is_stream(f):
         head = f.read(len(MAGIC))
-        if head == MAGIC:
-            return _load_storage(read_container(f, head), map_location, weights_only, rank, pickle_load_args)[0]
-        f.seek(-len(head), io.SEEK_CUR)
-        return torch.load(f, map_location=map_location, weights_only=weights_only, **pickle_load_args)
+        if head == MAGIC:  # a container reads front to back: any stream will do
+            return _load_storage(read_container(f, head), map_location, weights_only, rank, pickle_load_args,
+                                 pickle_module=pickle_module)[0]
+        try:
+            f.seek(-len(head), io.SEEK_CUR)
+        except (io.UnsupportedOperation, AttributeError) as e:  # torch.load's type and advice
+            raise type(e)(f"{e}. A torch.save file can only be loaded from a seekable stream (a ckptstore "
+                          "container from any). Please pre-load the data into a buffer like io.BytesIO "
+                          "and try to load from it instead.") from e
+        return torch.load(f, **torch_kw, **pickle_load_args)
     if not is_url(f):
         path = os.fspath(f)
         if os.path.isfile(path):
             with open(path, "rb") as fh:
                 if fh.read(len(MAGIC)) == MAGIC:
                     fh.seek(0)
-                    return _load_storage(read_container(fh), map_location, weights_only, rank, pickle_load_args)[0]
-            return torch.load(path, map_location=map_location, weights_only=weights_only, **pickle_load_args)
+                    return _load_storage(read_container(fh), map_location, weights_only, rank, pickle_load_args,
+                                         pickle_module=pickle_module)[0]
+            return torch.load(path, **torch_kw, **pickle_load_args)
         if not os.path.exists(path):
             raise CheckpointNotFoundError(f"{path}: no such file or directory")
     storage = open_storage(f, **(storage_options or {}))
-    return _load_storage(storage, map_location, weights_only, rank, pickle_load_args)[0]
+    return _load_storage(storage, map_location, weights_only, rank, pickle_load_args, pickle_module=pickle_module)[0]
 
 
 @dataclass(frozen=True)
@@ -137,14 +168,16 @@ class WorldSizeChangedWarning(UserWarning):
 
 
 def _load_storage(storage: Storage, map_location, weights_only: bool, rank: int | None, pickle_load_args,
-                  template=None, group=None):
+                  template=None, group=None, pickle_module=None):
     """(object, LoadInfo) of the visible checkpoint at ``storage``."""
+    # restore's default unpickler is pickle's: name only another module
+    custom = {} if pickle_module in (None, pickle) else {"pickle_module": pickle_module}
     for attempt in range(3):
         manifest = latest_manifest(storage)
         info = _load_info(storage, manifest, rank, group)
         try:
             obj = restore(storage, manifest, info.rank_state_of, map_location, weights_only,
-                          pickle_load_args=pickle_load_args, globals_as_meta=template is not None)
+                          pickle_load_args=pickle_load_args, globals_as_meta=template is not None, **custom)
             if template is not None:
                 obj = fill_template(template, obj, manifest, storage, runtime().readers)
             return obj, info

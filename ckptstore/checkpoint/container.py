@@ -11,11 +11,17 @@ container then lays that store's objects end to end::
 all integers little-endian. The manifest is the last object, so a stream cut short
 has no END and no manifest, and does not load. Loading parses it back into a memory
 store and reads that as any other checkpoint.
+
+A save to a path that holds a plain file (say an old ``torch.save`` output) writes a
+container too, replacing the file atomically (:func:`replace_file`).
 """
 
 from __future__ import annotations
 
+import os
+import stat
 import struct
+import tempfile
 
 from .. import format as fmt
 from ..errors import FormatError, NotACheckpointError
@@ -39,6 +45,33 @@ def write_container(store: MemoryStorage, f) -> None:
     f.write(END)
     if hasattr(f, "flush"):
         f.flush()
+
+
+def replace_file(store: MemoryStorage, path: str | os.PathLike) -> None:
+    """Replace the regular file at ``path`` by the container of ``store``, atomically:
+    a temporary file beside it, fsynced, renamed over it, then the directory fsynced.
+    A crash or error leaves the old file or the new one, never a torn file. OS errors
+    propagate as they are (as from torch.save)."""
+    path = os.path.realpath(path)  # through a symlink, as torch.save writes through it
+    where = os.path.dirname(path)
+    fd, tmp = tempfile.mkstemp(dir=where, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            write_container(store, fh)
+            os.fsync(fh.fileno())
+        os.chmod(tmp, stat.S_IMODE(os.stat(path).st_mode))  # mkstemp made it 0600: keep the old mode
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    dir_fd = os.open(where, os.O_RDONLY | os.O_DIRECTORY)  # the rename is durable once its directory is
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
 
 
 def _read_exact(f, n: int, what: str) -> bytes:

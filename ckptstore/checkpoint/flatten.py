@@ -26,6 +26,11 @@ import torch
 from ..errors import SerializationError
 
 
+class UnserializableTensorError(SerializationError, RuntimeError):
+    """torch refuses to serialise a tensor (a ZeroTensor; one buffer viewed as several
+    dtypes): a RuntimeError, as torch.save raises, and a SerializationError."""
+
+
 LOCAL, GLOBAL = "l", "g"  # skeleton key scopes: this rank's own tensors, global tensors
 
 
@@ -173,7 +178,8 @@ def tensor_paths(obj, prefix: str = "") -> tuple[dict[int, tuple[str, torch.Tens
         if isinstance(o, torch.Tensor):
             if _is_dtensor(o):
                 dtensors.setdefault(id(o), path or "tensor")
-            elif o.layout == torch.strided and type(o) in (torch.Tensor, torch.nn.Parameter):
+            elif o.layout == torch.strided and type(o) in (torch.Tensor, torch.nn.Parameter) and not o.is_nested:
+                # (a strided nested tensor has no shape to lend; its buffer pickles as a plain tensor)
                 found.setdefault(o.untyped_storage()._cdata, (path or "tensor", o))
             return
         if id(o) in seen:
@@ -230,7 +236,7 @@ def _has_typed_storage(dtype: torch.dtype) -> bool:
 
 def flatten(obj, on_storage: Callable[[StorageRef], None], pickle_protocol: int = 2, *,
             on_dtensor: Callable[[DTensorRef], None] | None = None,
-            replicated: Callable[[str], bool] | None = None) -> bytes:
+            replicated: Callable[[str], bool] | None = None, pickle_module=pickle) -> bytes:
     """Pickle ``obj``; call ``on_storage`` once per distinct storage and ``on_dtensor``
     once per DTensor, in pickling order.
 
@@ -239,10 +245,11 @@ def flatten(obj, on_storage: Callable[[StorageRef], None], pickle_protocol: int 
     pickled as a plain tensor of its global shape over a global storage reference, so
     loading without a process group yields the full (consolidated) tensor.
     ``replicated(path)`` marks storages whose first path it accepts as global.
+    ``pickle_module`` supplies the Pickler, as torch.save's argument does.
     """
     paths, dtensor_paths = tensor_paths(obj)
-    keys: dict[int, str] = {}
-    dtypes: dict[int, torch.dtype] = {}
+    keys: dict = {}  # storage cdata (an unallocated one: (cdata, dtype)) -> skeleton key
+    dtypes: dict[int, torch.dtype] = {}  # data pointer -> the dtype it is pickled as
     used: dict[str, set[str]] = {LOCAL: set(), GLOBAL: set()}
     global_refs: dict[int, tuple[str, str]] = {}  # placeholder storage cdata -> (skeleton key, location)
     placeholders: dict[int, tuple] = {}  # id(DTensor) -> reduce value (kept alive while pickling)
@@ -260,13 +267,17 @@ def flatten(obj, on_storage: Callable[[StorageRef], None], pickle_protocol: int 
         if cdata in global_refs:
             key, location = global_refs[cdata]
             return ("storage", storage_type, key, location, numel)
-        if cdata in keys:
-            if dtypes[cdata] != dtype:
-                raise SerializationError(
-                    "cannot save tensors that view the same storage as different dtypes "
-                    f"({dtypes[cdata]} and {dtype}, storage {keys[cdata]!r})"
-                )
-            return ("storage", storage_type, keys[cdata], torch.serialization.location_tag(storage), numel)
+        # torch.save's rule: one allocated buffer must be pickled as one dtype; an
+        # unallocated one holds no bytes, so each dtype viewing it gets an entry of its
+        # own (torch.load too gives each its own storage).
+        ptr = storage.data_ptr() if storage.device.type != "meta" else 0
+        if ptr and dtypes.setdefault(ptr, dtype) != dtype:
+            raise UnserializableTensorError(
+                "Cannot save multiple tensors or storages that view the same data as different types "
+                f"({dtypes[ptr]} and {dtype}, tensor {paths.get(cdata, ('?',))[0]!r})")
+        ident = cdata if ptr else (cdata, dtype)
+        if ident in keys:
+            return ("storage", storage_type, keys[ident], torch.serialization.location_tag(storage), numel)
         if storage.device.type == "meta":
             raise SerializationError("cannot save a tensor on the meta device: it holds no data")
         path, tensor = paths.get(cdata, (f"storage.{len(keys)}", None))
@@ -277,11 +288,10 @@ def flatten(obj, on_storage: Callable[[StorageRef], None], pickle_protocol: int 
             entry_dtype, entry_numel = tensor.dtype, numel // tensor.dtype.itemsize
         scope = GLOBAL if (replicated is not None and tensor is not None and replicated(path)) else LOCAL
         key = _unique(path, used[scope])
-        keys[cdata] = skeleton_key(scope, key)
-        dtypes[cdata] = dtype
+        keys[ident] = skeleton_key(scope, key)
         location = torch.serialization.location_tag(storage)
         on_storage(StorageRef(key, storage, entry_dtype, entry_shape(tensor, entry_numel, entry_dtype), location, scope))
-        return ("storage", storage_type, keys[cdata], location, numel)
+        return ("storage", storage_type, keys[ident], location, numel)
 
     def reduce_dtensor(dt):
         if id(dt) in placeholders:
@@ -309,7 +319,7 @@ def flatten(obj, on_storage: Callable[[StorageRef], None], pickle_protocol: int 
         placeholders[id(dt)] = value
         return value
 
-    class _Pickler(pickle.Pickler):
+    class _Pickler(pickle_module.Pickler):
         def persistent_id(self, o):
             return persistent_id(o)
 
@@ -323,7 +333,9 @@ def flatten(obj, on_storage: Callable[[StorageRef], None], pickle_protocol: int 
         _Pickler(buf, protocol=pickle_protocol).dump(obj)
     except SerializationError:
         raise
-    except (pickle.PicklingError, TypeError, AttributeError, RuntimeError) as e:
+    except RuntimeError as e:  # torch refused a tensor (ZeroTensor, ...): keep the builtin type
+        raise UnserializableTensorError(f"cannot save object: {e}") from e
+    except (pickle.PicklingError, TypeError, AttributeError) as e:
         raise SerializationError(f"cannot save object: {e}") from e
     return buf.getvalue()
 
@@ -368,5 +380,5 @@ def region_byte_offset(shape, offsets, itemsize: int) -> int:
     return off
 
 
-__all__ = ["DTensorRef", "GLOBAL", "LOCAL", "LocalBox", "StorageRef", "dtensor_boxes", "flatten",
-           "parse_skeleton_key", "plan_chunks", "region_byte_offset", "skeleton_key", "tensor_paths"]
+__all__ = ["DTensorRef", "GLOBAL", "LOCAL", "LocalBox", "StorageRef", "UnserializableTensorError", "dtensor_boxes",
+           "flatten", "parse_skeleton_key", "plan_chunks", "region_byte_offset", "skeleton_key", "tensor_paths"]

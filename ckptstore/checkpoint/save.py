@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pickle
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 from .. import format as fmt
 from ..codecs import CompressionPolicy
@@ -21,6 +23,7 @@ class SaveOptions:
     commit_timeout: float = 600.0
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     pickle_protocol: int = 2
+    pickle_module: Any = pickle  # pickles the object skeleton, as torch.save's argument
     replicated: tuple[str, ...] = ()  # fnmatch patterns of state paths replicated on every rank
 
 
@@ -78,7 +81,8 @@ def start_save(obj, storage: Storage, *, rt: Runtime, attempt: str, step: int | 
     writer = RankWriter(storage, attempt, rank, options.compression, rt)
     try:
         staged = snapshot(obj, writer, rt.pool, options.chunk_bytes, options.pickle_protocol,
-                          rank=rank, world_size=world_size, replicated=options.replicated)
+                          rank=rank, world_size=world_size, replicated=options.replicated,
+                          pickle_module=options.pickle_module)
     except BaseException as e:
         writer.abort()
         _refuse(storage, attempt, step, world_size, rank, e)

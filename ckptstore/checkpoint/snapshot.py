@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import pickle
 from dataclasses import dataclass, field
 
 import xxhash
@@ -46,9 +47,10 @@ class Snapshot:
 
 def snapshot(obj, writer: RankWriter, pool: StagingPool, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
              pickle_protocol: int = 2, *, rank: int = 0, world_size: int = 1,
-             replicated: list[str] | tuple[str, ...] = ()) -> Snapshot:
+             replicated: list[str] | tuple[str, ...] = (), pickle_module=pickle) -> Snapshot:
     """Stage ``obj``. When this returns, every byte the checkpoint will hold sits in
-    staging memory (or is already written), so the caller may modify its tensors."""
+    staging memory (or is already written), so the caller may modify its tensors.
+    ``pickle_module`` pickles the skeleton, as in torch.save."""
     limit = max(1, min(chunk_bytes, pool.capacity))
     out = Snapshot()
     patterns = tuple(replicated)
@@ -107,7 +109,8 @@ def snapshot(obj, writer: RankWriter, pool: StagingPool, chunk_bytes: int = DEFA
     # the workers before it waits for the pool, since only they free buffers.
     copier = StagingCopier(pool, before_wait=writer.flush)
     with copier:  # on a clean exit every byte has landed and every buffer is with the writer
-        skeleton = flatten(obj, on_storage, pickle_protocol, on_dtensor=on_dtensor, replicated=is_replicated)
+        skeleton = flatten(obj, on_storage, pickle_protocol, on_dtensor=on_dtensor, replicated=is_replicated,
+                           pickle_module=pickle_module)
     writer.submit_skeleton(skeleton)
     return out
 

@@ -1,0 +1,304 @@
+"""Drop-in fidelity: where PyTorch's own test_serialization.py, ported to call
+ckptstore, found ckptstore behaving unlike torch.save / torch.load.
+
+Each test first asks torch 2.13 what it does, then checks that ckptstore does the same:
+the same objects back, the same refusals, the same builtin exception types (so an
+``except`` clause written for torch keeps working).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import stat
+
+import pytest
+import torch
+
+import ckptstore
+from ckptstore.checkpoint import container
+from ckptstore.checkpoint.container import MAGIC
+from ckptstore.errors import CkptStoreError, SerializationError
+
+pytestmark = pytest.mark.usefixtures("observe_earlier_failures")
+
+
+def torch_roundtrip(obj, **load_kw):
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return torch.load(buf, **load_kw)
+
+
+def ckpt_roundtrip(obj, target: str, tmp_path, save_kw=None, **load_kw):
+    """Save then load through ckptstore: a checkpoint directory or a BytesIO."""
+    if target == "path":
+        path = tmp_path / "ckpt"
+        ckptstore.save(obj, path, **(save_kw or {})).result(timeout=60)
+        return ckptstore.load(path, **load_kw)
+    buf = io.BytesIO()
+    ckptstore.save(obj, buf, **(save_kw or {}))
+    buf.seek(0)
+    return ckptstore.load(buf, **load_kw)
+
+
+def caught(builtin, fn, *args, **kw) -> BaseException:
+    """The exception ``fn`` raises, caught by ``except builtin`` as caller code would."""
+    try:
+        fn(*args, **kw)
+    except builtin as e:
+        return e
+    raise AssertionError(f"{fn.__name__} raised nothing")
+
+
+TARGETS = ["path", "bytesio"]
+
+
+# ---------------------------------------------------------------------------- 1. unallocated storage
+@pytest.mark.parametrize("target", TARGETS)
+def test_unallocated_storage_viewed_as_two_dtypes_saves_like_torch(tmp_path, target):
+    t = torch.empty(0)
+    obj = [t, t.view(torch.int32), t.view(torch.int32)]
+    expected = torch_roundtrip(obj)
+    loaded = ckpt_roundtrip(obj, target, tmp_path)
+    assert [(x.dtype, tuple(x.shape)) for x in loaded] == [(x.dtype, tuple(x.shape)) for x in expected]
+    assert [x.dtype for x in loaded] == [torch.float32, torch.int32, torch.int32]
+
+
+# ---------------------------------------------------------------------------- 2. nested tensors
+def _nested(layout):
+    g = torch.Generator().manual_seed(0)
+    return torch.nested.nested_tensor([torch.randn(2, 3, generator=g), torch.randn(4, 3, generator=g)],
+                                      layout=layout)
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("weights_only", [True, False])
+@pytest.mark.parametrize("layout", [torch.strided, torch.jagged], ids=["strided", "jagged"])
+def test_nested_tensor_round_trips_as_torch_does(tmp_path, target, weights_only, layout):
+    nt = _nested(layout)
+    obj = {"nt": nt, "plain": torch.arange(3)}
+    try:
+        expected = torch_roundtrip(obj, weights_only=weights_only)
+    except Exception as e:  # torch refuses it: ckptstore must refuse it the same way
+        with pytest.raises(type(e)):
+            ckpt_roundtrip(obj, target, tmp_path, weights_only=weights_only)
+        return
+    loaded = ckpt_roundtrip(obj, target, tmp_path, weights_only=weights_only)
+    got, want = loaded["nt"], expected["nt"]
+    assert type(got) is type(want) and got.is_nested and got.layout == want.layout == layout
+    assert got.dtype == want.dtype
+    assert [tuple(c.shape) for c in got.unbind()] == [(2, 3), (4, 3)]
+    for a, b in zip(got.unbind(), nt.unbind()):
+        assert torch.equal(a, b)
+    assert torch.equal(loaded["plain"], torch.arange(3))
+
+
+# ---------------------------------------------------------------------------- 3. pickle_module
+class Recorder:
+    """A pickle module, as torch.save / torch.load accept, that counts its use."""
+
+    pickled = 0
+    unpickled = 0
+
+    class Pickler(pickle.Pickler):
+        def dump(self, obj):
+            Recorder.pickled += 1
+            return super().dump(obj)
+
+    class Unpickler(pickle.Unpickler):
+        def load(self):
+            Recorder.unpickled += 1
+            return super().load()
+
+
+@pytest.fixture
+def recorder():
+    Recorder.pickled = Recorder.unpickled = 0
+    return Recorder
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_pickle_module_and_protocol_positional_as_torch(tmp_path, target):
+    obj = {"w": torch.randn(3, 2), "n": 7}
+    torch.save(obj, io.BytesIO(), pickle, 2)  # torch's positional order: pickle_module, pickle_protocol
+    loaded = ckpt_roundtrip(obj, target, tmp_path, save_kw={"pickle_module": pickle, "pickle_protocol": 2})
+    assert torch.equal(loaded["w"], obj["w"]) and loaded["n"] == 7
+    path = tmp_path / "positional"
+    ckptstore.save(obj, path, pickle, 2).result(timeout=60)
+    assert ckptstore.load(path, None, pickle, weights_only=False)["n"] == 7
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_pickle_module_pickles_and_unpickles_the_skeleton(tmp_path, target, recorder):
+    obj = {"w": torch.ones(2)}
+    loaded = ckpt_roundtrip(obj, target, tmp_path, save_kw={"pickle_module": recorder},
+                            pickle_module=recorder, weights_only=False)
+    assert torch.equal(loaded["w"], obj["w"])
+    assert (recorder.pickled, recorder.unpickled) == (1, 1)
+
+
+def test_pickle_module_alone_turns_weights_only_off_as_torch(tmp_path, recorder):
+    """torch.load(f, pickle_module=m) loads with weights_only=False (torch's default rule)."""
+    path = tmp_path / "ckpt"
+    ckptstore.save({"w": torch.ones(2)}, path).result(timeout=60)
+    assert torch.equal(ckptstore.load(path, pickle_module=recorder)["w"], torch.ones(2))
+    assert recorder.unpickled == 1
+    torch_file = tmp_path / "torch.pt"
+    torch.save({"w": torch.ones(2)}, torch_file)
+    assert torch.equal(ckptstore.load(torch_file, pickle_module=recorder)["w"], torch.ones(2))
+    assert recorder.unpickled == 2  # handed on to torch.load
+
+
+def test_pickle_module_with_weights_only_refused_as_torch(tmp_path):
+    buf = io.BytesIO()
+    torch.save({"w": torch.ones(2)}, buf)
+    want = caught(RuntimeError, torch.load, io.BytesIO(buf.getvalue()), pickle_module=pickle, weights_only=True)
+    path = tmp_path / "ckpt"
+    ckptstore.save({"w": torch.ones(2)}, path).result(timeout=60)
+    for source in (path, io.BytesIO(buf.getvalue())):
+        got = caught(RuntimeError, ckptstore.load, source, pickle_module=pickle, weights_only=True)
+        assert type(got) is type(want) and str(got) == str(want)
+
+
+# ---------------------------------------------------------------------------- 4. existing plain file
+def _debris(directory) -> list[str]:
+    return sorted(n for n in os.listdir(directory) if n.endswith(".tmp"))
+
+
+@pytest.mark.parametrize("existing", ["empty", "torch_save"])
+def test_save_over_a_plain_file_replaces_it_like_torch(tmp_path, existing):
+    path = tmp_path / "model.pt"
+    if existing == "empty":
+        path.write_bytes(b"")
+    else:
+        torch.save({"old": torch.zeros(3)}, path)
+    os.chmod(path, 0o640)
+    torch.save({"x": 1}, tmp_path / "probe.pt")  # torch.save replaces a file too
+    obj = {"w": torch.randn(4, 3), "n": 2**70}
+    fut = ckptstore.save(obj, path)
+    assert fut.done() and fut.result(timeout=0) is not None  # written before save returned
+    assert path.is_file() and path.read_bytes()[:len(MAGIC)] == MAGIC  # the single-file container
+    assert stat.S_IMODE(path.stat().st_mode) == 0o640
+    loaded = ckptstore.load(path)
+    assert list(loaded) == ["w", "n"] and torch.equal(loaded["w"], obj["w"]) and loaded["n"] == 2**70
+    assert _debris(tmp_path) == []
+    # saving again replaces it again, and a path that does not exist still becomes a directory
+    ckptstore.save({"w": torch.ones(1)}, path)
+    assert torch.equal(ckptstore.load(path)["w"], torch.ones(1))
+    ckptstore.save(obj, tmp_path / "new").result(timeout=60)
+    assert (tmp_path / "new").is_dir()
+
+
+@pytest.mark.parametrize("how", ["unpicklable", "replace_fails"])
+def test_failed_save_over_a_plain_file_leaves_it_byte_identical(tmp_path, monkeypatch, how):
+    path = tmp_path / "model.pt"
+    torch.save({"old": torch.arange(5.0)}, path)
+    before = path.read_bytes()
+    if how == "unpicklable":
+        with pytest.raises(SerializationError):
+            ckptstore.save({"w": torch.ones(3), "bad": lambda: 0}, path)
+    else:
+        def boom(src, dst):
+            raise OSError(5, "injected failure at rename", dst)
+        monkeypatch.setattr(container.os, "replace", boom)
+        with pytest.raises(OSError, match="injected"):
+            ckptstore.save({"w": torch.ones(3)}, path)
+        monkeypatch.undo()
+    assert path.read_bytes() == before
+    assert _debris(tmp_path) == []
+    assert torch.equal(ckptstore.load(path)["old"], torch.arange(5.0))
+
+
+# ---------------------------------------------------------------------------- 5. builtin error types
+def test_dtype_views_of_allocated_storage_raise_runtime_error_as_torch(tmp_path):
+    t = torch.zeros(4)
+    obj = [t, t.view(torch.int32)]
+    want = caught(RuntimeError, torch.save, obj, io.BytesIO())
+    assert "view the same data as different types" in str(want)
+    for save_to in (io.BytesIO(), tmp_path / "ckpt"):
+        got = caught(RuntimeError, ckptstore.save, obj, save_to)
+        assert isinstance(got, SerializationError) and isinstance(got, TypeError)  # ckptstore's own type too
+        assert str(want) in str(got)
+    # the same dtype twice, or two dtypes over separate buffers, is fine
+    same = torch_roundtrip([t, t[1:]])
+    loaded = ckpt_roundtrip([t, t[1:]], "bytesio", tmp_path)
+    assert [x.storage_offset() for x in loaded] == [x.storage_offset() for x in same]
+
+
+def test_zero_tensor_raises_runtime_error_as_torch(tmp_path):
+    z = torch._efficientzerotensor(3)
+    want = caught(RuntimeError, torch.save, z, io.BytesIO())
+    got = caught(RuntimeError, ckptstore.save, {"z": z}, tmp_path / "ckpt")
+    assert isinstance(got, SerializationError)
+    assert str(want) in str(got)
+    assert not (tmp_path / "ckpt").exists() or not any(n.startswith("manifest-") for n in os.listdir(tmp_path / "ckpt"))
+
+
+@pytest.mark.parametrize("target", [123, 1.5, None, object()], ids=["int", "float", "none", "object"])
+def test_target_neither_path_nor_file_raises_attribute_error_as_torch(target):
+    want = caught(AttributeError, torch.save, {"w": torch.ones(1)}, target)
+    got = caught(AttributeError, ckptstore.save, {"w": torch.ones(1)}, target)
+    assert type(got) is type(want)
+    assert "file-like object with a 'write' attribute" in str(got)
+
+
+class NoSeek:
+    """A readable stream without seek or tell (a socket's makefile, say)."""
+
+    def __init__(self, data: bytes):
+        self._buf = io.BytesIO(data)
+
+    def read(self, n=-1):
+        return self._buf.read(n)
+
+    def readline(self):
+        return self._buf.readline()
+
+
+class Unseekable(io.RawIOBase):
+    """A stream that says it cannot seek (a pipe)."""
+
+    def __init__(self, data: bytes):
+        self._buf = io.BytesIO(data)
+
+    def readable(self):
+        return True
+
+    def seekable(self):
+        return False
+
+    def readinto(self, out):
+        data = self._buf.read(len(out))
+        out[:len(data)] = data
+        return len(data)
+
+
+@pytest.mark.parametrize("stream", [NoSeek, Unseekable])
+def test_torch_file_from_non_seekable_stream_refused_as_torch(stream):
+    buf = io.BytesIO()
+    torch.save({"w": torch.ones(2)}, buf)
+    data = buf.getvalue()
+    want = caught(Exception, torch.load, stream(data))
+    assert "seekable" in str(want)
+    got = caught(type(want), ckptstore.load, stream(data))
+    assert type(got) is type(want)
+    assert "seekable" in str(got) and "io.BytesIO" in str(got)
+
+
+@pytest.mark.parametrize("stream", [NoSeek, Unseekable])
+def test_container_loads_from_non_seekable_stream(stream):
+    """A ckptstore container reads front to back: it needs no seek (a feature torch lacks)."""
+    buf = io.BytesIO()
+    ckptstore.save({"w": torch.arange(4)}, buf)
+    assert torch.equal(ckptstore.load(stream(buf.getvalue()))["w"], torch.arange(4))
+
+
+def test_new_error_types_stay_in_the_tree():
+    from ckptstore.checkpoint.flatten import UnserializableTensorError
+
+    assert issubclass(UnserializableTensorError, (CkptStoreError,))
+    assert issubclass(UnserializableTensorError, RuntimeError)
+    assert issubclass(UnserializableTensorError, SerializationError)
