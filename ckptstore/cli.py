@@ -88,6 +88,8 @@ def _ls_record(loc: Location, now: float) -> dict:
     }
     if loc.manifest_error:
         rec["error"] = loc.manifest_error
+    if loc.foreign:
+        rec["foreign"] = loc.foreign
     return rec
 
 
@@ -237,9 +239,15 @@ def gc(url, keep_last, keep_every, keep_within, keep_best, grace, dry_run, as_js
         click.echo(json.dumps({**p.to_json(), "dry_run": dry_run}, indent=2))
         return
     verb = "would delete" if dry_run else "deleted"
-    for d in p.deletions:
+    done = [d for d in p.deletions if d.skipped is None]
+    for d in done:
         click.echo(f"{verb} {d.kind:<10} {d.location}: {d.reason} ({_human_bytes(d.bytes)})")
-    click.echo(f"{verb} {len(p.deletions)} item(s), {_human_bytes(p.bytes)}; kept {len(p.kept)} checkpoint(s)")
+    for d in p.deletions:
+        if d.skipped is not None:
+            click.echo(f"skipped {d.kind:<10} {d.location}: {d.skipped}")
+    for key in p.foreign:
+        click.echo(f"left    foreign    {key}: not a name ckptstore writes (symlink, special file or unknown)")
+    click.echo(f"{verb} {len(done)} item(s), {_human_bytes(p.bytes)}; kept {len(p.kept)} checkpoint(s)")
 
 
 # ---------------------------------------------------------------------------- consolidate

@@ -147,7 +147,12 @@ def encode(data: memoryview, elementsize: int, policy: CompressionPolicy,
 
 
 def decode_into(chain: list[Mapping[str, Any]], stored, out: memoryview, what: str) -> None:
-    """Decode ``stored`` into the preallocated ``out`` (exactly raw_length bytes)."""
+    """Decode ``stored`` into the preallocated ``out`` (exactly raw_length bytes).
+
+    Never allocates more than ``len(out)`` however the stored bytes lie: the zstd frame
+    must state exactly that content size (python-zstandard would otherwise allocate
+    what the frame claims, ignoring ``max_output_size``), and large frames decode
+    straight into ``out`` (or the one unshuffle buffer)."""
     ids = [c.get("id") for c in chain]
     if ids == []:
         if len(stored) != len(out):
@@ -156,19 +161,44 @@ def decode_into(chain: list[Mapping[str, Any]], stored, out: memoryview, what: s
         return
     if ids not in (["zstd"], ["shuffle", "zstd"]):
         raise FormatError(f"{what}: unknown codec chain {ids}")
-    try:
-        raw = _decompressor().decompress(stored, max_output_size=len(out))
-    except zstandard.ZstdError as e:
-        raise FormatError(f"{what}: zstd frame is corrupt: {e}") from e
-    if len(raw) != len(out):
-        raise FormatError(f"{what}: decoded {len(raw)} bytes, expected {len(out)}")
-    if ids[0] == "shuffle":
+    size = chain[0].get("elementsize") if ids[0] == "shuffle" else None
+    if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
+        raise FormatError(f"{what}: bad shuffle elementsize {size!r}")
+    target = out if size is None else memoryview(bytearray(len(out)))
+    _zstd_into(stored, target, what)
+    if size is not None and len(out):
         import torch
 
-        size = chain[0].get("elementsize")
-        if not isinstance(size, int) or size < 1:
-            raise FormatError(f"{what}: bad shuffle elementsize {size!r}")
-        dst = torch.frombuffer(out, dtype=torch.uint8)
-        native.unshuffle_into(dst, torch.frombuffer(bytearray(raw), dtype=torch.uint8), size)
-    else:
-        out[:] = raw
+        native.unshuffle_into(torch.frombuffer(out, dtype=torch.uint8),
+                              torch.frombuffer(target, dtype=torch.uint8), size)
+
+
+STREAM_DECODE_BYTES = 1 << 20  # above this, decode into the destination (saves a copy)
+
+
+def _zstd_into(stored, out: memoryview, what: str) -> None:
+    try:
+        claimed = zstandard.frame_content_size(stored)
+    except zstandard.ZstdError as e:
+        raise FormatError(f"{what}: zstd frame is corrupt: {e}") from e
+    if claimed != len(out):
+        told = "no size" if claimed < 0 else f"{claimed} bytes"
+        raise FormatError(f"{what}: zstd frame states {told}, the manifest {len(out)}")
+    try:
+        if len(out) <= STREAM_DECODE_BYTES:
+            raw = _decompressor().decompress(stored, max_output_size=len(out))
+            if len(raw) != len(out):
+                raise FormatError(f"{what}: decoded {len(raw)} bytes, expected {len(out)}")
+            out[:] = raw
+            return
+        reader = _decompressor().stream_reader(stored, read_across_frames=False)
+        got = 0
+        while got < len(out):
+            n = reader.readinto(out[got:])
+            if n == 0:
+                raise FormatError(f"{what}: zstd frame ends after {got} of {len(out)} bytes")
+            got += n
+        if reader.read(1):
+            raise FormatError(f"{what}: zstd frame holds more than {len(out)} bytes")
+    except zstandard.ZstdError as e:
+        raise FormatError(f"{what}: zstd frame is corrupt: {e}") from e

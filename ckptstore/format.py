@@ -9,9 +9,8 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import math
-import posixpath
+import os
 import re
-import uuid
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -23,73 +22,81 @@ FORMAT_NAME = "ckptstore"
 FORMAT_VERSION = 1
 
 # ---------------------------------------------------------------------------- names
-ATTEMPTS_DIR = "attempts"
-_MANIFEST_RE = re.compile(r"^manifest-(\d{10})\.json$")
-_ATTEMPT_RE = re.compile(r"^[0-9]{8}T[0-9]{6}-[0-9a-f]{12}$")
-_STEP_DIR_RE = re.compile(r"^step-(\d{12})$")
+# Stored names live in ``names``; re-exported here for the callers that know them as format's.
+from .names import (  # noqa: E402
+    ATTEMPTS_DIR,
+    MAX_GENERATION,
+    MAX_STEP,
+    MAX_WORLD_SIZE,
+    abort_name,
+    attempt_dir,
+    check_attempt_id,
+    check_data_file,
+    check_relative_name,
+    data_file_name,
+    is_attempt_id,
+    manifest_name,
+    new_attempt_id,
+    parse_manifest_name,
+    parse_step_dir_name,
+    step_dir_name,
+    vote_name,
+)
 
+_DIGEST_RE = re.compile(r"[0-9a-f]{32}")
 
-def manifest_name(generation: int) -> str:
-    return f"manifest-{generation:010d}.json"
-
-
-def parse_manifest_name(name: str) -> int | None:
-    """The generation of a manifest file name, or None when it is not one."""
-    m = _MANIFEST_RE.match(name)
-    return int(m.group(1)) if m else None
-
-
-def new_attempt_id() -> str:
-    """A unique, time-sortable id for one save attempt (I2)."""
-    now = _dt.datetime.now(_dt.timezone.utc)
-    return f"{now:%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:12]}"
-
-
-def is_attempt_id(name: str) -> bool:
-    return bool(_ATTEMPT_RE.match(name))
-
-
-def attempt_dir(attempt: str) -> str:
-    return f"{ATTEMPTS_DIR}/{attempt}"
-
-
-def data_file_name(attempt: str, rank: int, stream: int) -> str:
-    return f"{attempt_dir(attempt)}/data-r{rank:05d}-s{stream:02d}.bin"
-
-
-def vote_name(attempt: str, rank: int) -> str:
-    return f"{attempt_dir(attempt)}/vote-r{rank:05d}.json"
-
-
-def abort_name(attempt: str) -> str:
-    return f"{attempt_dir(attempt)}/abort.json"
-
-
-def step_dir_name(step: int) -> str:
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise ValueError(f"step must be a non-negative int, got {step!r}")
-    return f"step-{step:012d}"
-
-
-def parse_step_dir_name(name: str) -> int | None:
-    m = _STEP_DIR_RE.match(name)
-    return int(m.group(1)) if m else None
+# ---------------------------------------------------------------------------- size caps
+# Claims a reader checks before it allocates or loops on them (docs/format.md, "Size
+# caps"): a hostile or damaged manifest costs at most what it honestly holds.
+MAX_NDIM = 64
+MAX_BYTES = 1 << 62  # any offset, length, tensor size or element count
+ZSTD_MAX_RATIO = 32768  # a zstd block is >= 4 bytes (RLE) and decodes to <= 128 KiB
+MAX_MANIFEST_BYTES = int(os.environ.get("CKPTSTORE_MAX_MANIFEST_BYTES", 256 << 20))
+MAX_VOTE_BYTES = MAX_MANIFEST_BYTES
+MAX_MARKER_BYTES = 64 << 10  # abort markers, pins, heartbeats
+_CORNER_DIMS = 16  # exact-cover check by corners up to this many split dimensions
 
 
 def utc_now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="microseconds")
 
 
-def check_relative_name(name: Any, what: str = "file name") -> str:
-    """Refuse names that could escape the checkpoint (I4)."""
-    if not isinstance(name, str) or not name:
-        raise FormatError(f"{what} must be a non-empty string, got {name!r}")
-    if name.startswith("/") or "\\" in name or "\x00" in name:
-        raise FormatError(f"{what} {name!r} is absolute or contains a forbidden character")
-    parts = name.split("/")
-    if any(p in ("", ".", "..") for p in parts) or posixpath.normpath(name) != name:
-        raise FormatError(f"{what} {name!r} escapes the checkpoint or is not normalised")
-    return name
+def parse_time(iso: str) -> float:
+    """Epoch seconds of a stored ISO 8601 time (validated when its record was parsed)."""
+    return _dt.datetime.fromisoformat(iso).timestamp()
+
+
+def _time(v: Any, what: str) -> str:
+    _expect(v, str, what)
+    try:
+        parse_time(v)
+    except (ValueError, OverflowError, OSError) as e:
+        raise FormatError(f"{what} {v[:64]!r} is not an ISO 8601 time") from e
+    return v
+
+
+def loads_json(data: bytes, what: str) -> Any:
+    """Strict JSON: duplicate keys, NaN/Infinity, bad UTF-8 and runaway nesting are a
+    FormatError naming ``what``, never another exception type."""
+    try:
+        return json.loads(data, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
+    except FormatError as e:
+        raise FormatError(f"{what}: {e}") from None
+    except (ValueError, UnicodeDecodeError, RecursionError, TypeError) as e:
+        raise FormatError(f"{what} is not valid JSON: {type(e).__name__}: {str(e)[:200]}") from None
+
+
+def _no_duplicates(pairs: list) -> dict:
+    d = dict(pairs)
+    if len(d) != len(pairs):
+        seen = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise FormatError(f"duplicate JSON key {dup[:64]!r}")
+    return d
+
+
+def _no_constant(name: str):
+    raise FormatError(f"JSON constant {name} is not allowed")
 
 
 # ---------------------------------------------------------------------------- dtypes
@@ -129,12 +136,38 @@ def _fields(d: Any, required: set[str], optional: set[str], what: str) -> dict:
     return d
 
 
-def _int_list(v: Any, what: str) -> tuple[int, ...]:
+def _int_list(v: Any, what: str, max_len: int = MAX_NDIM) -> tuple[int, ...]:
     _expect(v, list, what)
+    if len(v) > max_len:
+        raise FormatError(f"{what} has {len(v)} entries, at most {max_len} are allowed")
     for x in v:
-        if _expect(x, int, what) < 0:
-            raise FormatError(f"{what} holds a negative value {x}")
+        if not 0 <= _expect(x, int, what) <= MAX_BYTES:
+            raise FormatError(f"{what} holds {x}, outside 0 .. 2**62")
     return tuple(v)
+
+
+def _int(v: Any, what: str, low: int = 0, high: int = MAX_BYTES) -> int:
+    if not low <= _expect(v, int, what) <= high:
+        raise FormatError(f"{what} is {v}, outside {low} .. {high}")
+    return v
+
+
+def _codec_chain(codec: Any, what: str) -> tuple[dict, ...]:
+    """The only chains version 1 knows, with exactly their parameters (I4)."""
+    _expect(codec, list, what)
+    for c in codec:
+        _expect(c, dict, f"{what}[]")
+    ids = [c.get("id") for c in codec]
+    if ids not in ([], ["zstd"], ["shuffle", "zstd"]):
+        raise FormatError(f"{what} is an unknown codec chain {ids}")
+    for c in codec:
+        if c["id"] == "zstd":
+            _fields(c, {"id", "level"}, set(), f"{what} zstd record")
+            _int(c["level"], f"{what} zstd level", 1, 22)
+        else:
+            _fields(c, {"id", "elementsize"}, set(), f"{what} shuffle record")
+            _int(c["elementsize"], f"{what} shuffle elementsize", 1, 64)
+    return tuple(codec)
 
 
 # ---------------------------------------------------------------------------- records
@@ -162,21 +195,25 @@ class Blob:
         }
 
     @classmethod
-    def from_json(cls, d: dict, what: str, extra: set[str] = frozenset()) -> "Blob":
+    def from_json(cls, d: dict, what: str, attempt: str, extra: set[str] = frozenset()) -> "Blob":
+        """Parse and bound one blob record; ``attempt`` is the only attempt its file may lie in."""
         _fields(d, cls._FIELDS | extra, set(), what)
-        codec = _expect(d["codec"], list, f"{what}.codec")
-        for c in codec:
-            _expect(c, dict, f"{what}.codec[]")
-            _expect(c.get("id"), str, f"{what}.codec[].id")
+        codec = _codec_chain(d["codec"], f"{what}.codec")
         digest = _expect(d["xxh3_128"], str, f"{what}.xxh3_128")
-        if not re.fullmatch(r"[0-9a-f]{32}", digest):
+        if not _DIGEST_RE.fullmatch(digest):
             raise FormatError(f"{what}.xxh3_128 is not a 32-digit hex digest")
+        length = _int(d["length"], f"{what}.length")
+        raw_length = _int(d["raw_length"], f"{what}.raw_length")
+        if not codec and raw_length != length:
+            raise FormatError(f"{what}: a raw blob's raw_length {raw_length} != its length {length}")
+        if codec and raw_length > length * ZSTD_MAX_RATIO:
+            raise FormatError(f"{what}: {length} zstd bytes cannot decode to raw_length {raw_length}")
         return cls(
-            file=check_relative_name(d["file"], f"{what}.file"),
-            offset=_int_list([d["offset"]], f"{what}.offset")[0],
-            length=_int_list([d["length"]], f"{what}.length")[0],
-            raw_length=_int_list([d["raw_length"]], f"{what}.raw_length")[0],
-            codec=tuple(codec),
+            file=check_data_file(d["file"], attempt, f"{what}.file"),
+            offset=_int(d["offset"], f"{what}.offset"),
+            length=length,
+            raw_length=raw_length,
+            codec=codec,
             xxh3_128=digest,
         )
 
@@ -193,9 +230,9 @@ class Chunk:
         return {"offsets": list(self.offsets), "sizes": list(self.sizes), **self.blob.to_json()}
 
     @classmethod
-    def from_json(cls, d: dict, what: str) -> "Chunk":
+    def from_json(cls, d: dict, what: str, attempt: str) -> "Chunk":
         _expect(d, dict, what)
-        blob = Blob.from_json(d, what, extra={"offsets", "sizes"})
+        blob = Blob.from_json(d, what, attempt, extra={"offsets", "sizes"})
         return cls(_int_list(d["offsets"], f"{what}.offsets"), _int_list(d["sizes"], f"{what}.sizes"), blob)
 
 
@@ -219,16 +256,15 @@ class TensorEntry:
         return {"dtype": self.dtype, "shape": list(self.shape), "chunks": [c.to_json() for c in self.chunks]}
 
     @classmethod
-    def from_json(cls, d: dict, what: str) -> "TensorEntry":
+    def from_json(cls, d: dict, what: str, attempt: str) -> "TensorEntry":
         _fields(d, {"dtype", "shape", "chunks"}, set(), what)
         dtype = _expect(d["dtype"], str, f"{what}.dtype")
-        dtype_from_name(dtype)
+        size = dtype_from_name(dtype).itemsize
+        shape = _int_list(d["shape"], f"{what}.shape")
+        if math.prod(shape) * size > MAX_BYTES:
+            raise FormatError(f"{what}: shape {list(shape)} of {dtype} exceeds 2**62 bytes")
         chunks = _expect(d["chunks"], list, f"{what}.chunks")
-        return cls(
-            dtype,
-            _int_list(d["shape"], f"{what}.shape"),
-            tuple(Chunk.from_json(c, f"{what}.chunks[{i}]") for i, c in enumerate(chunks)),
-        )
+        return cls(dtype, shape, tuple(Chunk.from_json(c, f"{what}.chunks[{i}]", attempt) for i, c in enumerate(chunks)))
 
 
 @dataclass(frozen=True)
@@ -247,13 +283,13 @@ class RankState:
         }
 
     @classmethod
-    def from_json(cls, d: dict, what: str) -> "RankState":
+    def from_json(cls, d: dict, what: str, attempt: str) -> "RankState":
         _fields(d, {"rank", "skeleton", "tensors"}, set(), what)
         tensors = _expect(d["tensors"], dict, f"{what}.tensors")
         return cls(
-            rank=_int_list([d["rank"]], f"{what}.rank")[0],
-            skeleton=Blob.from_json(d["skeleton"], f"{what}.skeleton"),
-            tensors={k: TensorEntry.from_json(v, f"{what}.tensors[{k!r}]") for k, v in tensors.items()},
+            rank=_int(d["rank"], f"{what}.rank", 0, MAX_WORLD_SIZE - 1),
+            skeleton=Blob.from_json(d["skeleton"], f"{what}.skeleton", attempt),
+            tensors={k: TensorEntry.from_json(v, f"{what}.tensors[{k!r}]", attempt) for k, v in tensors.items()},
         )
 
     def blobs(self):
@@ -289,17 +325,20 @@ class ReplicaHash:
     @classmethod
     def from_json(cls, d: dict, what: str) -> "ReplicaHash":
         _fields(d, {"key", "offsets", "sizes", "xxh3_128"}, set(), what)
+        digest = _expect(d["xxh3_128"], str, f"{what}.xxh3_128")
+        if not _DIGEST_RE.fullmatch(digest):
+            raise FormatError(f"{what}.xxh3_128 is not a 32-digit hex digest")
         return cls(_expect(d["key"], str, f"{what}.key"), _int_list(d["offsets"], f"{what}.offsets"),
-                   _int_list(d["sizes"], f"{what}.sizes"), _expect(d["xxh3_128"], str, f"{what}.xxh3_128"))
+                   _int_list(d["sizes"], f"{what}.sizes"), digest)
 
 
 def _entries_json(entries: Mapping[str, TensorEntry]) -> dict:
     return {k: v.to_json() for k, v in entries.items()}
 
 
-def _entries_from_json(d: Any, what: str) -> dict[str, TensorEntry]:
+def _entries_from_json(d: Any, what: str, attempt: str) -> dict[str, TensorEntry]:
     _expect(d, dict, what)
-    return {k: TensorEntry.from_json(v, f"{what}[{k!r}]") for k, v in d.items()}
+    return {k: TensorEntry.from_json(v, f"{what}[{k!r}]", attempt) for k, v in d.items()}
 
 
 @dataclass(frozen=True)
@@ -348,23 +387,30 @@ class Vote:
                     "error", "state", "shards", "replicas", "written_at"}, set(), what)
         if d["kind"] != "vote":
             raise FormatError(f"vote has kind {d['kind']!r}")
+        attempt = check_attempt_id(d["attempt"], "vote.attempt")
         ok = _expect(d["ok"], bool, "vote.ok")
-        state = RankState.from_json(d["state"], "vote.state") if d["state"] is not None else None
+        state = RankState.from_json(d["state"], "vote.state", attempt) if d["state"] is not None else None
         if ok and state is None:
             raise FormatError("a yes-vote must carry the rank's state")
+        if d["error"] is not None:
+            _expect(d["error"], str, "vote.error")
         replicas = _expect(d["replicas"], list, "vote.replicas")
         return cls(
-            attempt=_expect(d["attempt"], str, "vote.attempt"),
-            step=None if d["step"] is None else _int_list([d["step"]], "vote.step")[0],
-            world_size=_int_list([d["world_size"]], "vote.world_size")[0],
-            rank=_int_list([d["rank"]], "vote.rank")[0],
+            attempt=attempt,
+            step=None if d["step"] is None else _int(d["step"], "vote.step"),
+            world_size=_int(d["world_size"], "vote.world_size", 1, MAX_WORLD_SIZE),
+            rank=_int(d["rank"], "vote.rank", 0, MAX_WORLD_SIZE - 1),
             ok=ok,
             error=d["error"],
             state=state,
-            shards=_entries_from_json(d["shards"], "vote.shards"),
+            shards=_entries_from_json(d["shards"], "vote.shards", attempt),
             replicas=tuple(ReplicaHash.from_json(r, f"vote.replicas[{i}]") for i, r in enumerate(replicas)),
-            written_at=_expect(d["written_at"], str, "vote.written_at"),
+            written_at=_time(d["written_at"], "vote.written_at"),
         )
+
+    @classmethod
+    def from_bytes(cls, data: bytes, what: str = "vote") -> "Vote":
+        return cls.from_json(loads_json(data, what))
 
 
 _MANIFEST_FIELDS = {
@@ -425,15 +471,19 @@ class Manifest:
         if d["byteorder"] not in ("little", "big"):
             raise FormatError(f"manifest.byteorder is {d['byteorder']!r}")
         ranks = _expect(d["ranks"], list, "manifest.ranks")
+        world_size = _int(d["world_size"], "manifest.world_size", 1, MAX_WORLD_SIZE)
+        if len(ranks) != world_size:  # before parsing them: a claimed world size costs nothing
+            raise FormatError(f"manifest.ranks holds {len(ranks)} ranks, world_size is {world_size}")
+        attempt = check_attempt_id(d["attempt"], "manifest.attempt")
         m = cls(
-            generation=_int_list([d["generation"]], "manifest.generation")[0],
-            attempt=_expect(d["attempt"], str, "manifest.attempt"),
-            step=None if d["step"] is None else _int_list([d["step"]], "manifest.step")[0],
-            world_size=_int_list([d["world_size"]], "manifest.world_size")[0],
-            created_at=_expect(d["created_at"], str, "manifest.created_at"),
-            committed_at=_expect(d["committed_at"], str, "manifest.committed_at"),
-            ranks=tuple(RankState.from_json(r, f"manifest.ranks[{i}]") for i, r in enumerate(ranks)),
-            tensors=_entries_from_json(d["tensors"], "manifest.tensors"),
+            generation=_int(d["generation"], "manifest.generation", 1, MAX_GENERATION),
+            attempt=attempt,
+            step=None if d["step"] is None else _int(d["step"], "manifest.step", 0, MAX_STEP),
+            world_size=world_size,
+            created_at=_time(d["created_at"], "manifest.created_at"),
+            committed_at=_time(d["committed_at"], "manifest.committed_at"),
+            ranks=tuple(RankState.from_json(r, f"manifest.ranks[{i}]", attempt) for i, r in enumerate(ranks)),
+            tensors=_entries_from_json(d["tensors"], "manifest.tensors", attempt),
             metrics=_expect(d["metrics"], dict, "manifest.metrics"),
             byteorder=d["byteorder"],
             library=_expect(d["library"], str, "manifest.library"),
@@ -445,11 +495,10 @@ class Manifest:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "Manifest":
-        try:
-            d = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise FormatError(f"manifest is not valid JSON: {e}") from e
-        return cls.from_json(d)
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise FormatError(f"manifest holds {len(data)} bytes, more than the cap of {MAX_MANIFEST_BYTES} "
+                              "(CKPTSTORE_MAX_MANIFEST_BYTES)")
+        return cls.from_json(loads_json(data, "manifest"))
 
     # -- summaries
     def blobs(self):
@@ -476,19 +525,23 @@ class Manifest:
 # ---------------------------------------------------------------------------- validation
 def validate_ranks(ranks: tuple[RankState, ...], world_size: int) -> None:
     """I5: one state per rank 0..world_size-1, and chunks covering each tensor exactly once."""
-    if world_size < 1:
-        raise FormatError(f"world_size must be >= 1, got {world_size}")
+    if not 1 <= world_size <= MAX_WORLD_SIZE:
+        raise FormatError(f"world_size must be in 1 .. {MAX_WORLD_SIZE}, got {world_size}")
     seen = sorted(r.rank for r in ranks)
-    if seen != list(range(world_size)):
-        raise FormatError(f"ranks {seen} do not match world_size {world_size}")
+    if len(seen) != world_size or seen != list(range(world_size)):
+        raise FormatError(f"ranks {seen[:16]}{'...' if len(seen) > 16 else ''} do not match world_size {world_size}")
     for r in ranks:
         for key, entry in r.tensors.items():
             validate_coverage(entry, f"rank {r.rank} tensor {key!r}")
 
 
 def validate_coverage(entry: TensorEntry, what: str) -> None:
-    """Chunks lie inside the tensor, do not overlap, and add up to it; lengths agree."""
-    nd = len(entry.shape)
+    """Chunks lie inside the tensor, do not overlap, and add up to it; lengths agree.
+
+    O(n log n) in the number of chunks (see :func:`_check_exact_cover`), so a manifest
+    of many chunks costs what it holds, never n squared."""
+    shape = entry.shape
+    nd = len(shape)
     size = itemsize(entry.dtype)
     total = 0
     boxes = []
@@ -496,30 +549,59 @@ def validate_coverage(entry: TensorEntry, what: str) -> None:
         if len(c.offsets) != nd or len(c.sizes) != nd:
             raise FormatError(f"{what}: chunk {i} has {len(c.offsets)} dims, tensor has {nd}")
         for d in range(nd):
-            if c.offsets[d] + c.sizes[d] > entry.shape[d]:
+            if c.offsets[d] + c.sizes[d] > shape[d]:
                 raise FormatError(f"{what}: chunk {i} lies outside the tensor in dim {d}")
         vol = math.prod(c.sizes)
         if c.blob.raw_length != vol * size:
             raise FormatError(f"{what}: chunk {i} raw_length {c.blob.raw_length} != {vol * size}")
         total += vol
         if vol:
-            boxes.append((c.offsets, c.sizes, i))
+            boxes.append(c)
     if total != entry.numel:
         raise FormatError(f"{what}: chunks cover {total} of {entry.numel} elements")
-    _check_disjoint(boxes, what)
+    _check_exact_cover(shape, boxes, what)
 
 
-def _check_disjoint(boxes: list, what: str) -> None:
-    # Sweep along dim 0: only boxes still open at a box's start can overlap it.
-    if not boxes or not boxes[0][0]:
-        if len(boxes) > 1:
-            raise FormatError(f"{what}: a 0-dim tensor has {len(boxes)} chunks")
-        return
-    boxes.sort()
-    active: list = []
-    for off, sz, i in boxes:
-        active = [b for b in active if b[0][0] + b[1][0] > off[0]]
-        for o2, s2, j in active:
-            if all(off[d] < o2[d] + s2[d] and o2[d] < off[d] + sz[d] for d in range(len(off))):
-                raise FormatError(f"{what}: chunks {j} and {i} overlap")
-        active.append((off, sz, i))
+_MAX_CORNERS = 1 << 24
+
+
+def _check_exact_cover(shape: tuple[int, ...], boxes: list, what: str) -> None:
+    """Non-empty boxes inside ``shape`` cover it exactly once, by signed corner counts.
+
+    A box's indicator function is the signed sum of orthant steps at its 2**k corners
+    (sign (-1)**(number of upper bounds)), and steps at distinct points are linearly
+    independent. So the boxes cover every element exactly once iff their summed signed
+    corners equal those of the whole tensor: one sort of n * 2**k corner rows, where k
+    counts the dimensions some chunk splits (1 or 2 in practice)."""
+    split = [d for d in range(len(shape)) if any(c.offsets[d] != 0 or c.sizes[d] != shape[d] for c in boxes)]
+    if not split:
+        return  # every box is the whole tensor, and their volumes add up to it: exactly one
+    import numpy as np
+
+    k, n = len(split), len(boxes)
+    if k > _CORNER_DIMS or n << k > _MAX_CORNERS:
+        raise FormatError(f"{what}: {n} chunks split {k} dimensions, more than a reader checks "
+                          f"({_MAX_CORNERS} corners)")
+    lo = np.array([[c.offsets[d] for d in split] for c in boxes], dtype=np.int64).reshape(n, k)
+    hi = lo + np.array([[c.sizes[d] for d in split] for c in boxes], dtype=np.int64).reshape(n, k)
+    corners, signs = [], []
+    for mask in range(1 << k):
+        upper = np.array([(mask >> j) & 1 for j in range(k)], dtype=bool)
+        corners.append(np.where(upper, hi, lo))
+        signs.append(np.full(n, -1 if bin(mask).count("1") % 2 else 1, dtype=np.int64))
+    rows = np.concatenate(corners)
+    weights = np.concatenate(signs)
+    order = np.lexsort(rows.T[::-1])
+    rows, weights = rows[order], weights[order]
+    starts = np.flatnonzero(np.r_[True, np.any(rows[1:] != rows[:-1], axis=1)])
+    sums = np.add.reduceat(weights, starts)
+    got = {tuple(rows[s].tolist()): int(w) for s, w in zip(starts, sums) if w}
+    full = [shape[d] for d in split]
+    want = {tuple(full[j] if (mask >> j) & 1 else 0 for j in range(k)): (-1 if bin(mask).count("1") % 2 else 1)
+            for mask in range(1 << k)}
+    if got != want:
+        where = sorted(set(got.items()) ^ set(want.items()))[0][0]
+        at = [0] * len(shape)
+        for j, d in enumerate(split):
+            at[d] = where[j]
+        raise FormatError(f"{what}: chunks overlap or leave a gap (near element {at})")

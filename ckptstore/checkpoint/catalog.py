@@ -7,16 +7,14 @@ or ``name/`` from ``save(obj, root / name)``).
 
 from __future__ import annotations
 
-import datetime as _dt
-import json
 from dataclasses import dataclass, field
 
 from .. import format as fmt
+from .. import names
 from ..errors import CkptStoreError, ObjectNotFoundError
+from ..names import PIN_NAME
 from ..storage import Storage
-from .commit import read_manifest
-
-PIN_NAME = "pin.json"
+from .commit import read_capped, read_manifest
 
 
 @dataclass
@@ -43,6 +41,9 @@ class Location:
     manifest_error: str | None
     attempts: dict[str, Attempt] = field(default_factory=dict)
     temp_files: list[tuple[str, float]] = field(default_factory=list)  # (key, mtime)
+    # Entries ckptstore never writes (a symlink, a FIFO, a name outside the grammar):
+    # reported, never followed, read or deleted.
+    foreign: list[str] = field(default_factory=list)
     pinned: bool = False
 
     @property
@@ -56,29 +57,32 @@ class Location:
         return fmt.parse_step_dir_name(self.name)
 
     def committed_at(self) -> float:
-        return parse_time(self.manifest.committed_at) if self.manifest else 0.0
-
-
-def parse_time(iso: str) -> float:
-    return _dt.datetime.fromisoformat(iso).timestamp()
+        return fmt.parse_time(self.manifest.committed_at) if self.manifest else 0.0
 
 
 def scan_location(storage: Storage, name: str) -> Location:
     entries = storage.list("")
-    gens = sorted(g for g in (fmt.parse_manifest_name(n) for n in entries) if g is not None)
+    gens = sorted(g for g in (names.parse_manifest_name(n) for n in entries) if g is not None)
     manifest, error = None, None
     if gens:
         try:
             manifest = read_manifest(storage, gens[-1])
-        except (CkptStoreError, ValueError) as e:
+        except CkptStoreError as e:  # every parse failure is a FormatError naming the file
             error = str(e)
     loc = Location(name, storage, gens, manifest, error, pinned=PIN_NAME in entries)
     for info in storage.walk(""):
-        if ".tmp-" in info.key.rsplit("/", 1)[-1]:
-            loc.temp_files.append((info.key, info.mtime))
-            continue
         parts = info.key.split("/")
-        if len(parts) < 3 or parts[0] != fmt.ATTEMPTS_DIR:
+        if getattr(info, "kind", "file") != "file":
+            loc.foreign.append(info.key)
+            continue
+        if len(parts) == 1:
+            if names.is_temp_name(parts[0]):
+                loc.temp_files.append((info.key, info.mtime))
+            continue  # manifests, pin, and what else the location holds at its top
+        if parts[0] != names.ATTEMPTS_DIR:
+            continue  # not ours to judge: a nested location or the user's files
+        if len(parts) != 3 or not names.is_attempt_id(parts[1]):
+            loc.foreign.append(info.key)
             continue
         a = loc.attempts.get(parts[1])
         if a is None:
@@ -86,13 +90,10 @@ def scan_location(storage: Storage, name: str) -> Location:
         a.files += 1
         a.bytes += info.size
         a.newest_mtime = max(a.newest_mtime, info.mtime)
-        leaf = parts[-1]
-        if leaf.startswith("vote-r") and leaf.endswith(".json"):
-            try:
-                a.voted.append(int(leaf[len("vote-r"):-len(".json")]))
-            except ValueError:
-                pass
-        elif leaf == "abort.json":
+        kind = names.attempt_leaf_kind(parts[2])
+        if kind == "vote":
+            a.voted.append(names.parse_vote_leaf(parts[2]))
+        elif kind == "abort":
             a.aborted = True
     for a in loc.attempts.values():
         a.voted.sort()
@@ -100,22 +101,22 @@ def scan_location(storage: Storage, name: str) -> Location:
 
 
 def is_location(storage: Storage) -> bool:
-    names = storage.list("")
-    return f"{fmt.ATTEMPTS_DIR}/" in names or any(fmt.parse_manifest_name(n) is not None for n in names)
+    entries = storage.list("")
+    return f"{names.ATTEMPTS_DIR}/" in entries or any(names.parse_manifest_name(n) is not None for n in entries)
 
 
 def scan_store(storage: Storage) -> list[Location]:
     """Every checkpoint location at or directly below the root, committed ones first by
     step (then commit time), uncommitted ones last."""
     try:
-        names = storage.list("")
+        entries = storage.list("")
     except ObjectNotFoundError:
         return []
     found = []
     if is_location(storage):
         found.append(scan_location(storage, ""))
-    for name in names:
-        if name.endswith("/") and name.rstrip("/") != fmt.ATTEMPTS_DIR:
+    for name in entries:
+        if name.endswith("/") and name.rstrip("/") != names.ATTEMPTS_DIR:
             child = storage.child(name.rstrip("/"))
             if is_location(child):
                 found.append(scan_location(child, name.rstrip("/")))
@@ -131,6 +132,7 @@ def read_pin(loc: Location) -> dict | None:
     if not loc.pinned:
         return None
     try:
-        return json.loads(loc.storage.read(PIN_NAME))
-    except (ObjectNotFoundError, ValueError):
+        pin = fmt.loads_json(read_capped(loc.storage, PIN_NAME, fmt.MAX_MARKER_BYTES, "pin"), "pin")
+    except CkptStoreError:
         return {}
+    return pin if isinstance(pin, dict) else {}

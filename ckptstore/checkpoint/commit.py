@@ -17,6 +17,7 @@ import warnings
 
 from .. import __version__
 from .. import format as fmt
+from .. import names
 from ..errors import (
     AlreadyExistsError,
     CkptStoreError,
@@ -45,7 +46,7 @@ class Deadline:
     def __init__(self, timeout: float, storage: Storage | None = None, attempt: str = "", rank: int = 0):
         self.end = time.monotonic() + timeout
         self.delay = 0.002
-        self._beat = (storage, f"{fmt.attempt_dir(attempt)}/heartbeat-r{rank:05d}") if storage else None
+        self._beat = (storage, names.heartbeat_name(attempt, rank)) if storage else None
         self._last_beat = time.monotonic()
 
     def sleep_or_expire(self) -> bool:
@@ -66,7 +67,7 @@ class Deadline:
 
 def write_vote(storage: Storage, vote: fmt.Vote) -> None:
     data = json.dumps(vote.to_json(), separators=(",", ":")).encode()
-    storage.put(fmt.vote_name(vote.attempt, vote.rank), data, if_absent=True)
+    storage.put(names.vote_name(vote.attempt, vote.rank), data, if_absent=True)
 
 
 def write_failure_vote(storage: Storage, attempt: str, step, world_size: int, rank: int, error: BaseException) -> None:
@@ -77,32 +78,50 @@ def write_failure_vote(storage: Storage, attempt: str, step, world_size: int, ra
         pass
 
 
+def read_capped(storage: Storage, key: str, cap: int, what: str) -> bytes:
+    """A small stored document, refused unread when it is larger than ``cap``."""
+    size = storage.stat(key).size
+    if size > cap:
+        raise FormatError(f"{storage.describe(key)}: {what} holds {size} bytes, more than the cap of {cap}")
+    return storage.read(key, 0, size)
+
+
 def read_votes(storage: Storage, attempt: str) -> dict[int, fmt.Vote]:
     votes = {}
-    prefix = fmt.attempt_dir(attempt)
+    prefix = names.attempt_dir(attempt)
     for name in storage.list(prefix):
-        if name.startswith("vote-r") and name.endswith(".json"):
-            try:
-                v = fmt.Vote.from_json(json.loads(storage.read(f"{prefix}/{name}")))
-            except (ValueError, ObjectNotFoundError) as e:
-                raise FormatError(f"{storage.describe(prefix + '/' + name)}: unreadable vote: {e}") from e
-            votes[v.rank] = v
+        rank = names.parse_vote_leaf(name)
+        if rank is None:
+            continue
+        key = f"{prefix}/{name}"
+        try:
+            v = fmt.Vote.from_bytes(read_capped(storage, key, fmt.MAX_VOTE_BYTES, "vote"))
+        except (FormatError, ObjectNotFoundError) as e:
+            raise FormatError(f"{storage.describe(key)}: unreadable vote: {e}") from e
+        if (v.attempt, v.rank) != (attempt, rank):
+            raise FormatError(f"{storage.describe(key)}: holds the vote of rank {v.rank} for attempt {v.attempt}")
+        votes[v.rank] = v
     return votes
 
 
 def generations(storage: Storage) -> list[int]:
     """The generations of the manifests present, ascending."""
-    gens = (fmt.parse_manifest_name(n) for n in storage.list(""))
+    gens = (names.parse_manifest_name(n) for n in storage.list(""))
     return sorted(g for g in gens if g is not None)
 
 
 def read_manifest(storage: Storage, generation: int) -> fmt.Manifest:
-    name = fmt.manifest_name(generation)
-    data = storage.read(name)
+    """The manifest of ``generation``, parsed and validated: any defect is a FormatError
+    naming the file (never another exception type), so one bad manifest costs the tools
+    that checkpoint, not the store."""
+    name = names.manifest_name(generation)
     try:
-        return fmt.Manifest.from_bytes(data)
+        m = fmt.Manifest.from_bytes(read_capped(storage, name, fmt.MAX_MANIFEST_BYTES, "manifest"))
     except FormatError as e:
         raise type(e)(f"{storage.describe(name)}: {e}") from e
+    if m.generation != generation:
+        raise FormatError(f"{storage.describe(name)}: holds generation {m.generation}, its name says {generation}")
+    return m
 
 
 def commit(storage: Storage, own: fmt.Vote, world_size: int, created_at: str, metrics: dict,
@@ -148,18 +167,25 @@ def commit(storage: Storage, own: fmt.Vote, world_size: int, created_at: str, me
         raise
     previous = generations(storage)
     generation = (previous[-1] + 1) if previous else 1
+    if generation > names.MAX_GENERATION:
+        abort(storage, attempt, f"generation {generation} does not fit a manifest name")
+        raise CommitError(f"{where}: the location already holds generation {previous[-1]}, the highest a "
+                          "manifest name can hold (a planted or damaged manifest?); nothing was committed")
     manifest = fmt.Manifest(
         generation=generation, attempt=attempt, step=own.step, world_size=world_size,
         created_at=created_at, committed_at=fmt.utc_now(), ranks=ranks, tensors=tensors, metrics=metrics,
         library=f"ckptstore {__version__}",
     )
     try:
-        storage.put(fmt.manifest_name(generation), manifest.to_bytes(), if_absent=True)
+        storage.put(names.manifest_name(generation), manifest.to_bytes(), if_absent=True)
     except AlreadyExistsError as e:
         raise CommitConflictError(
             f"{where}: another writer committed generation {generation} first; this save was not committed"
         ) from e
     try:
+        # Retire only once a reader's own listing shows the new generation as the visible one.
+        if generations(storage)[-1:] != [generation]:
+            raise CommitError(f"generation {generation} is not the visible one after its commit")
         retire_generations(storage, below=generation)
     except Exception as e:  # committed already: a leftover generation is gc's to clean
         warnings.warn(f"{where}: committed generation {generation}, but retiring older ones failed: {e}",
@@ -228,17 +254,28 @@ def retire_generations(storage: Storage, below: int) -> None:
             attempt = old.attempt
         except (CkptStoreError, ValueError):
             attempt = None  # unreadable: drop the manifest, leave files to gc
-        storage.delete(fmt.manifest_name(gen))
-        if attempt is not None and fmt.is_attempt_id(attempt):
-            storage.delete_prefix(fmt.attempt_dir(attempt) + "/")
+        storage.delete(names.manifest_name(gen))
+        if attempt is not None:  # a parsed manifest's attempt passed the grammar check
+            storage.delete_prefix(names.attempt_dir(attempt) + "/")
 
 
 def abort(storage: Storage, attempt: str, reason) -> None:
     try:
-        data = json.dumps({"attempt": attempt, "reason": str(reason), "at": fmt.utc_now()}).encode()
-        storage.put(fmt.abort_name(attempt), data, if_absent=True)
+        data = json.dumps({"attempt": attempt, "reason": str(reason)[:4096], "at": fmt.utc_now()}).encode()
+        storage.put(names.abort_name(attempt), data, if_absent=True)
     except BaseException:
         pass
+
+
+def read_abort_reason(storage: Storage, attempt: str) -> str:
+    """The reason an abort marker gives, or why it cannot be read (it is untrusted input)."""
+    try:
+        marker = fmt.loads_json(read_capped(storage, names.abort_name(attempt), fmt.MAX_MARKER_BYTES, "abort marker"),
+                                "abort marker")
+        reason = marker.get("reason") if isinstance(marker, dict) else None
+        return reason[:4096] if isinstance(reason, str) else "(no reason given)"
+    except CkptStoreError as e:
+        return f"(unreadable abort marker: {e})"
 
 
 def await_outcome(storage: Storage, attempt: str, timeout: float, rank: int = 1) -> fmt.Manifest:
@@ -254,11 +291,13 @@ def await_outcome(storage: Storage, attempt: str, timeout: float, rank: int = 1)
                 m = read_manifest(storage, gen)
             except ObjectNotFoundError:
                 continue  # retired while we looked
+            except FormatError:
+                seen.add(gen)  # not ours, whatever it is: rank 0 decides and says so
+                continue
             seen.add(gen)
             if m.attempt == attempt:
                 return m
-        if storage.exists(fmt.abort_name(attempt)):
-            reason = json.loads(storage.read(fmt.abort_name(attempt))).get("reason")
-            raise CommitError(f"{where}: rank 0 did not commit attempt {attempt}: {reason}")
+        if storage.exists(names.abort_name(attempt)):
+            raise CommitError(f"{where}: rank 0 did not commit attempt {attempt}: {read_abort_reason(storage, attempt)}")
         if not deadline.sleep_or_expire():
             raise CommitTimeoutError(f"{where}: attempt {attempt} was not committed within {timeout}s")

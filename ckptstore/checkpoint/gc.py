@@ -3,9 +3,14 @@ generations and of the debris of failed or abandoned attempts.
 
 Safe beside running saves (I7): an attempt no manifest references is deleted only
 when nothing under it changed for the grace period; deletions are explicit keys
-chosen when the plan was made, so a generation committed meanwhile is never touched;
-a manifest is always deleted before the files it names, so a gc killed at any moment
-leaves every listed checkpoint whole, and running it again finishes the job.
+chosen when the plan was made, and each is checked again just before it runs: a
+location that gained a generation since the plan is not deleted, and an attempt that
+a manifest now present references is not deleted, so a save that commits while gc
+runs keeps its checkpoint. A manifest is always deleted before the files it names, so
+a gc killed at any moment leaves every listed checkpoint whole, and running it again
+finishes the job. Names read from storage pass the grammar of ``names`` before gc
+acts on them; entries outside it (symlinks, special files, foreign names) are
+reported, never deleted.
 """
 
 from __future__ import annotations
@@ -13,11 +18,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from .. import format as fmt
-from ..errors import CkptStoreError
+from .. import names
+from ..errors import CkptStoreError, ObjectNotFoundError
 from ..storage import Storage
 from .catalog import Location, read_pin, scan_store
-from .commit import read_manifest
+from .commit import generations, read_manifest
 from .retention import Candidate, Retention, select_kept
 
 DEFAULT_GRACE = 6 * 3600.0
@@ -30,6 +35,9 @@ class Deletion:
     keys: list[str]  # in deletion order: manifests first
     bytes: int
     reason: str
+    seen_generations: tuple[int, ...] = ()  # the location's generations when planned
+    attempts: tuple[str, ...] = ()  # attempts whose files it deletes
+    skipped: str | None = None  # why execute left it alone (the store changed since the plan)
 
 
 @dataclass
@@ -39,24 +47,28 @@ class GcPlan:
     deletions: list[Deletion] = field(default_factory=list)
     stale_upload_age: float | None = None  # abort multipart uploads idle longer than this
     aborted_uploads: list[str] = field(default_factory=list)
+    foreign: list[str] = field(default_factory=list)  # entries gc never touches (symlinks, foreign names)
 
     @property
     def bytes(self) -> int:
-        return sum(d.bytes for d in self.deletions)
+        return sum(d.bytes for d in self.deletions if d.skipped is None)
 
     def to_json(self) -> dict:
         return {
             "url": self.url,
             "kept": [{"name": k, "reasons": v} for k, v in self.kept.items()],
             "deleted": [{"kind": d.kind, "location": d.location, "reason": d.reason, "bytes": d.bytes,
-                         "objects": len(d.keys)} for d in self.deletions],
+                         "objects": len(d.keys)} for d in self.deletions if d.skipped is None],
+            "skipped": [{"kind": d.kind, "location": d.location, "reason": d.skipped}
+                        for d in self.deletions if d.skipped is not None],
             "bytes": self.bytes,
             "stale_uploads": self.aborted_uploads,
+            "foreign": self.foreign,
         }
 
 
 def _attempt_keys(loc: Location, attempt: str) -> tuple[list[str], int]:
-    prefix = f"{fmt.ATTEMPTS_DIR}/{attempt}/"
+    prefix = names.attempt_dir(attempt) + "/"
     infos = list(loc.storage.walk(prefix))
     return [i.key for i in infos], sum(i.size for i in infos)
 
@@ -77,6 +89,8 @@ def plan(storage: Storage, policy: Retention = Retention(), grace: float = DEFAU
 
     for loc in locations:
         label = _label(loc)
+        seen = tuple(loc.generations)
+        result.foreign += [f"{label}/{key}" for key in loc.foreign]
         if loc.manifest_error is not None:
             # A manifest we cannot read (corrupt, or a newer format) still claims its files:
             # keep the whole location and let a person look (verify reports it).
@@ -85,26 +99,30 @@ def plan(storage: Storage, policy: Retention = Retention(), grace: float = DEFAU
         referenced = {loc.manifest.attempt} if loc.manifest else set()
         if loc.committed and label not in result.kept:
             # The whole checkpoint goes: its manifests, then the attempts they name.
-            keys = [fmt.manifest_name(g) for g in loc.generations]
+            keys = [names.manifest_name(g) for g in loc.generations]
             size = 0
             for attempt in sorted(referenced):
                 files, n = _attempt_keys(loc, attempt)
                 keys += files
                 size += n
-            result.deletions.append(Deletion("checkpoint", label, keys, size, "not kept by any policy"))
+            result.deletions.append(Deletion("checkpoint", label, keys, size, "not kept by any policy",
+                                             seen, tuple(sorted(referenced))))
         elif loc.committed:
             for g in loc.generations[:-1]:
-                keys = [fmt.manifest_name(g)]
+                keys = [names.manifest_name(g)]
                 size = 0
                 try:
                     old = read_manifest(loc.storage, g).attempt
                 except (CkptStoreError, ValueError):
                     old = None
+                doomed: tuple[str, ...] = ()
                 if old and old not in referenced and old in loc.attempts:
                     files, size = _attempt_keys(loc, old)
                     keys += files
                     loc.attempts.pop(old)
-                result.deletions.append(Deletion("generation", label, keys, size, f"generation {g} superseded"))
+                    doomed = (old,)
+                result.deletions.append(Deletion("generation", label, keys, size, f"generation {g} superseded",
+                                                 seen, doomed))
         for attempt, info in sorted(loc.attempts.items()):
             if attempt in referenced:
                 continue
@@ -113,22 +131,74 @@ def plan(storage: Storage, policy: Retention = Retention(), grace: float = DEFAU
             files, size = _attempt_keys(loc, attempt)
             why = "aborted" if info.aborted else "never committed"
             result.deletions.append(Deletion("attempt", label, files, size,
-                                             f"attempt {attempt} {why}, idle {info.age(now):.0f}s"))
+                                             f"attempt {attempt} {why}, idle {info.age(now):.0f}s",
+                                             seen, (attempt,)))
         for key, mtime in loc.temp_files:
             if now - mtime >= grace:
-                result.deletions.append(Deletion("temp", label, [key], 0, "temporary file of an interrupted write"))
+                result.deletions.append(Deletion("temp", label, [key], 0, "temporary file of an interrupted write",
+                                                 seen))
     return result
+
+
+class _Recheck:
+    """What a location holds now, looked up again just before each deletion: its
+    generations (one listing), and the attempts its present manifests reference (read
+    again only when the generations changed since the last look)."""
+
+    def __init__(self, storage: Storage):
+        self.storage = storage
+        self._gens: tuple[int, ...] | None = None
+        self._live: dict[int, str | None] = {}  # generation -> attempt (None: unreadable)
+
+    def generations(self) -> tuple[int, ...]:
+        gens = tuple(generations(self.storage))
+        if gens != self._gens:
+            self._gens = gens
+            self._live = {g: self._live[g] for g in gens if g in self._live}
+            for g in gens:
+                if g not in self._live:
+                    try:
+                        self._live[g] = read_manifest(self.storage, g).attempt
+                    except ObjectNotFoundError:
+                        self._live[g] = ""  # retired while we looked: references nothing
+                    except CkptStoreError:
+                        self._live[g] = None
+        return gens
+
+    def why_not(self, d: Deletion) -> str | None:
+        """Why ``d`` must not run now, or None."""
+        gens = self.generations()
+        doomed = {names.parse_manifest_name(k) for k in d.keys} - {None}
+        if d.kind == "checkpoint" and gens != d.seen_generations:
+            return f"generations changed since the plan ({list(d.seen_generations)} -> {list(gens)})"
+        for g, attempt in self._live.items():
+            if g in doomed:
+                continue
+            if attempt is None and d.attempts:
+                return f"generation {g} cannot be read: it may reference these files"
+            if attempt in d.attempts:
+                return f"generation {g}, committed since the plan, references attempt {attempt}"
+        return None
 
 
 def execute(storage: Storage, gc_plan: GcPlan, on_deleted=None) -> None:
     """Carry out a plan, deletion by deletion, each in its key order (manifests first).
 
-    Keys are deleted through the store's root, so directories a deletion empties go too.
+    Each deletion is checked again against what its location holds now (see the module
+    docstring); one that no longer holds is skipped and says why (``Deletion.skipped``).
+    Keys are deleted through the store's root, so directories a deletion empties go
+    too (the location's own directory included).
     """
+    rechecks: dict[str, _Recheck] = {}
     for d in gc_plan.deletions:
         prefix = "" if d.location == "." else f"{d.location}/"
-        for key in d.keys:
-            storage.delete(prefix + key)
+        check = rechecks.get(d.location)
+        if check is None:
+            check = rechecks[d.location] = _Recheck(storage.child(d.location) if prefix else storage)
+        d.skipped = check.why_not(d)
+        if d.skipped is None:
+            for key in d.keys:
+                storage.delete(prefix + key)
         if on_deleted is not None:
             on_deleted(d)
     if gc_plan.stale_upload_age is not None:

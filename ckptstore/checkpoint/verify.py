@@ -7,9 +7,10 @@ import threading
 from dataclasses import dataclass
 
 from .. import format as fmt
-from ..errors import CkptStoreError, ObjectNotFoundError
+from ..errors import CkptStoreError
 from ..storage import Storage, open_storage
-from .restore import BlobRead, check_blobs, latest_manifest
+from .reader import BlobRead, check_blobs, extent_problem, file_sizes
+from .restore import latest_manifest
 
 
 @dataclass(frozen=True)
@@ -39,32 +40,21 @@ def verify_manifest(storage: Storage, manifest: fmt.Manifest, quick: bool = Fals
 
     where = storage.describe()
     problems: list[Problem] = []
-    sizes: dict[str, int | None] = {}
-    for name in sorted(manifest.files()):
-        try:
-            sizes[name] = storage.stat(name).size
-        except ObjectNotFoundError:
-            sizes[name] = None
-    for rank, key, blob in manifest.blobs():
-        if sizes.get(blob.file, 0) is None:
-            problems.append(Problem(where, rank, key, blob.file, blob.offset, "file is missing"))
     pool = pool or runtime().readers
+    sizes = file_sizes(storage, manifest.files(), pool)
     reads: list[BlobRead] = []
     checked: list[tuple[int | None, str | None, fmt.Blob]] = []
     for rank, key, blob in manifest.blobs():
-        size = sizes.get(blob.file)
-        if size is None:
-            continue
-        if blob.offset + blob.length > size:
-            problems.append(Problem(where, rank, key, blob.file, blob.offset,
-                                    f"file is truncated: blob ends at {blob.offset + blob.length}, file holds {size}"))
+        problem = extent_problem(blob, sizes)
+        if problem is not None:
+            problems.append(Problem(where, rank, key, blob.file, blob.offset, problem))
             continue
         if not quick:
             reads.append(BlobRead(blob, f"tensor {key!r}" if key else "skeleton"))
             checked.append((rank, key, blob))
     # Read as a load does (neighbouring blobs coalesced into one read, each blob's hash
     # checked on its own), reporting every blob's problem instead of the first.
-    errors = check_blobs(storage, reads, pool, scratch=_buffer, on_blob=on_blob)
+    errors = check_blobs(storage, reads, pool, scratch=_buffer, on_blob=on_blob, sizes=sizes)
     for (rank, key, blob), err in zip(checked, errors):
         if err is not None:
             problems.append(Problem(where, rank, key, blob.file, blob.offset, str(err)))

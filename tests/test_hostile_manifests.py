@@ -1,0 +1,427 @@
+"""Hostile and damaged metadata: every stored name, length and document is untrusted.
+
+Each case plants what an attacker or a bad disk could leave in a store (a manifest whose
+``attempt`` climbs out of the store, a zstd frame that lies about its size, a JSON bomb,
+a FIFO where a data file belongs, a generation beyond the names' width) and checks the
+outcome the issue demands: a FormatError or IntegrityError naming what failed, bounded
+memory, the store's tools going on with the rest, and nothing committed lost.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+import torch
+import zstandard
+from cliutil import cli, cli_env, files_below
+
+import ckptstore
+from ckptstore import format as fmt
+from ckptstore import names
+from ckptstore.checkpoint.commit import read_manifest
+from ckptstore.errors import CommitError, FormatError, IntegrityError
+from ckptstore.storage import LocalStorage
+
+pytestmark = pytest.mark.usefixtures("observe_earlier_failures")
+
+
+def _state(step: int) -> dict:
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(64, 64, generator=g), "z": torch.zeros(4096), "step": step}
+
+
+def _store(root, steps=(1, 2, 3)) -> ckptstore.Store:
+    store = ckptstore.Store(root)
+    for s in steps:
+        store.save(s, _state(s)).result()
+    return store
+
+
+def _manifest_path(location: str) -> str:
+    (name,) = [n for n in os.listdir(location) if names.parse_manifest_name(n)]
+    return os.path.join(location, name)
+
+
+def _edit(location: str, change) -> None:
+    """Rewrite the visible manifest of ``location`` through ``change(dict)`` (in place)."""
+    path = _manifest_path(location)
+    with open(path) as f:
+        d = json.load(f)
+    change(d)
+    with open(path, "w") as f:
+        json.dump(d, f)
+
+
+def _files_of(d: dict):
+    for r in d["ranks"]:
+        yield r["skeleton"]
+        for e in r["tensors"].values():
+            yield from e["chunks"]
+
+
+# ---------------------------------------------------------------------------- names (1)
+@pytest.mark.parametrize("attempt", ["../../../victim", "../../step-000000000003", "..", "a/b",
+                                     "20261130T041729-50678b3e979b/../../x", ""])
+def test_I4_I7_gc_never_deletes_outside_the_store_through_a_manifest_attempt(tmp_path, attempt):
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "precious.txt").write_text("keep me")
+    root = tmp_path / "a" / "b" / "store"
+    store = _store(str(root))
+    loc = str(root / names.step_dir_name(1))
+
+    def change(d):
+        old = d["attempt"]
+        d["attempt"] = attempt
+        for b in _files_of(d):
+            b["file"] = b["file"].replace(old, attempt)
+
+    _edit(loc, change)
+    with pytest.raises(FormatError) as ei:
+        store.load(1)
+    assert names.manifest_name(1) in str(ei.value)
+    before = files_below(tmp_path)
+    result = cli("gc", str(root), "--keep-last", "1", "--grace", "0")
+    assert result.exit_code == 0, result.output
+    assert (victim / "precious.txt").read_text() == "keep me"
+    after = files_below(tmp_path)
+    # Only the unreferenced step 2 went; the unreadable step 1 is kept whole, step 3 loads.
+    assert {k for k in before if k not in after} == {k for k in before if f"{names.step_dir_name(2)}/" in k}
+    assert store.steps() == [1, 3] and store.load(3)["step"] == 3
+
+
+def test_I4_manifest_naming_another_attempts_file_is_refused(tmp_path):
+    """A checkpoint may only name its own attempt's data files, so gc's liveness rule
+    (an attempt lives iff a retained manifest names it) covers every byte a load reads."""
+    store = _store(str(tmp_path / "s"), steps=(1, 2))
+    other = store.manifest(2).attempt
+
+    def change(d):
+        d["ranks"][0]["skeleton"]["file"] = names.data_file_name(other, 0, 0)
+
+    _edit(str(tmp_path / "s" / names.step_dir_name(1)), change)
+    with pytest.raises(FormatError, match="another attempt"):
+        store.load(1)
+    assert cli("verify", str(tmp_path / "s")).exit_code == 1
+
+
+@pytest.mark.parametrize("bad", ["/etc/passwd", "attempts/../../x", "data.bin", "attempts/x/data-r00000-s00.bin"])
+def test_I4_blob_file_outside_the_grammar_is_refused(tmp_path, bad):
+    store = _store(str(tmp_path / "s"), steps=(1,))
+    _edit(str(tmp_path / "s" / names.step_dir_name(1)), lambda d: d["ranks"][0]["skeleton"].update(file=bad))
+    with pytest.raises(FormatError):
+        store.load(1)
+
+
+def test_names_round_trip_and_refuse_what_does_not_fit():
+    a = names.new_attempt_id()
+    assert names.parse_data_file(names.data_file_name(a, 7, 1)) == (a, 7, 1)
+    assert names.parse_vote_leaf(names.vote_name(a, 3).rsplit("/", 1)[1]) == 3
+    assert names.attempt_leaf_kind(names.heartbeat_name(a, 2).rsplit("/", 1)[1]) == "heartbeat"
+    assert names.attempt_leaf_kind("abort.json") == "abort"
+    assert names.attempt_leaf_kind("manifest-0000000001.json.tmp-0a1b2c3d") == "temp"
+    assert names.attempt_leaf_kind("evil") is None
+    assert names.parse_manifest_name(names.manifest_name(names.MAX_GENERATION)) == names.MAX_GENERATION
+    for bad_gen in (0, names.MAX_GENERATION + 1, -1, True):
+        with pytest.raises(FormatError):
+            names.manifest_name(bad_gen)
+    for bad_name in ("manifest-10000000000.json", "manifest-0000000000.json", "manifest-000000001a.json",
+                     " manifest-0000000001.json", "manifest-0000000001.json\n"):
+        assert names.parse_manifest_name(bad_name) is None
+    for bad_attempt in ("../x", "20261130T041729-50678B3E979B", "20261130T041729-50678b3e979b\n", None):
+        assert not names.is_attempt_id(bad_attempt)
+        with pytest.raises(FormatError):
+            names.attempt_dir(bad_attempt)
+    with pytest.raises(FormatError):
+        names.data_file_name(a, names.MAX_WORLD_SIZE, 0)
+
+
+# ---------------------------------------------------------------------------- generations (2)
+def test_I6_planted_last_generation_never_makes_a_save_retire_the_older_ones(tmp_path):
+    loc = str(tmp_path / "latest.pt")
+    ckptstore.save(_state(1), loc).result()
+    with open(_manifest_path(loc)) as f:
+        d = json.load(f)
+    d["generation"] = names.MAX_GENERATION
+    with open(os.path.join(loc, names.manifest_name(names.MAX_GENERATION)), "w") as f:
+        json.dump(d, f)
+    with pytest.raises(CommitError, match="highest a manifest name can hold"):
+        ckptstore.save(_state(2), loc).result()
+    # Nothing retired: both manifests stay, and what is visible still loads.
+    assert sorted(n for n in os.listdir(loc) if names.parse_manifest_name(n)) == [
+        names.manifest_name(1), names.manifest_name(names.MAX_GENERATION)]
+    assert ckptstore.load(loc)["step"] == 1
+
+
+def test_I4_generation_differing_from_its_file_name_is_refused(tmp_path):
+    loc = str(tmp_path / "c")
+    ckptstore.save(_state(1), loc).result()
+    _edit(loc, lambda d: d.update(generation=5))
+    with pytest.raises(FormatError, match="generation 5"):
+        ckptstore.load(loc)
+
+
+# ---------------------------------------------------------------------------- parsing (4)
+def _bad_json_cases(d: dict) -> dict[str, bytes]:
+    body = json.dumps(d)
+    nested = body.replace('"metrics": {}', '"metrics": {"x": ' + "[" * 100000 + "]" * 100000 + "}")
+    assert nested != body
+    return {
+        "deep nesting": nested.encode(),
+        "yesterday": json.dumps({**d, "committed_at": "yesterday"}).encode(),
+        "duplicate key": body.replace('"step": ', '"step": 1, "step": ', 1).encode(),
+        "NaN": body.replace('"metrics": {}', '"metrics": {"loss": NaN}').encode(),
+        "huge int": body.replace('"world_size": 1', '"world_size": 1' + "0" * 5000).encode(),
+        "not utf-8": b"\xff\xfe" + body.encode(),
+        "codec param": body.replace('"codec": [', '"codec": [{"id": "zstd", "level": 1, "dict": "x"}, ', 1).encode()
+        if '"codec": [' in body else b"",
+        "world size 4e7": json.dumps({**d, "world_size": 40_000_000}).encode(),
+        "ndim 65": json.dumps(_with_chunk(d, shape=[1] * 65)).encode(),
+        "2**62 bytes": json.dumps(_with_chunk(d, shape=[1 << 40, 1 << 40])).encode(),
+        "offset 2**63": json.dumps(_with_blob(d, offset=1 << 63)).encode(),
+        "raw blob lengths differ": json.dumps(_with_blob(d, length=3)).encode(),
+        "zstd beyond its ratio": json.dumps(_with_blob(d, codec=[{"id": "zstd", "level": 1}],
+                                                       raw_length=1 << 40, length=16)).encode(),
+    }
+
+
+def _with_chunk(d: dict, **entry) -> dict:
+    d = json.loads(json.dumps(d))
+    next(iter(d["ranks"][0]["tensors"].values())).update(entry)
+    return d
+
+
+def _with_blob(d: dict, **fields) -> dict:
+    d = json.loads(json.dumps(d))
+    next(iter(d["ranks"][0]["tensors"].values()))["chunks"][0].update(fields)
+    return d
+
+
+def test_I4_every_malformed_manifest_is_a_format_error_naming_the_file(tmp_path):
+    loc = str(tmp_path / "c")
+    ckptstore.save({"w": torch.arange(100.0)}, loc, compression="none").result()
+    path = _manifest_path(loc)
+    with open(path) as f:
+        good = json.load(f)
+    cases = {k: v for k, v in _bad_json_cases(good).items() if v}
+    assert len(cases) >= 12
+    for what, data in cases.items():
+        with open(path, "wb") as f:
+            f.write(data)
+        with pytest.raises(FormatError) as ei:
+            read_manifest(LocalStorage(loc), 1)
+        assert names.manifest_name(1) in str(ei.value), what
+
+
+def test_I4_one_bad_manifest_never_takes_ls_verify_gc_down(tmp_path):
+    root = str(tmp_path / "s")
+    store = _store(root)
+    path = _manifest_path(os.path.join(root, names.step_dir_name(2)))
+    with open(path, "w") as f:
+        f.write('{"a":' * 50000 + "1" + "}" * 50000)
+    ls = json.loads(cli("ls", "--json", root).stdout)
+    assert [r["step"] for r in ls] == [1, 3, 2] or sorted(r["step"] for r in ls) == [1, 2, 3]
+    assert [("error" in r) for r in ls if r["step"] == 2] == [True]
+    v = cli("verify", "--json", root)
+    assert v.exit_code == 1
+    report = {c["step"]: c["ok"] for c in json.loads(v.stdout)["checkpoints"]}
+    assert report == {1: True, 2: False, 3: True}
+    g = cli("gc", root, "--keep-last", "1", "--grace", "0")
+    assert g.exit_code == 0, g.output
+    assert os.path.exists(path)  # kept: gc keeps what it cannot parse
+    assert store.steps() == [2, 3] and store.load(3)["step"] == 3
+
+
+def test_I4_vote_of_another_rank_or_attempt_is_refused_at_commit(tmp_path):
+    from cliutil import failed_attempt
+
+    where = LocalStorage(tmp_path / "loc")
+    attempt = failed_attempt(where, _state(1), rank=1, step=1)
+    vote = tmp_path / "loc" / names.vote_name(attempt, 1)
+    d = json.loads(vote.read_bytes())
+    d["rank"] = 0
+    vote.write_text(json.dumps(d))
+    from ckptstore.checkpoint.commit import read_votes
+
+    with pytest.raises(FormatError, match="holds the vote of rank 0"):
+        read_votes(where, attempt)
+
+
+# ---------------------------------------------------------------------------- coverage (3)
+def _brute_force_exact(shape, boxes) -> bool:
+    count = np.zeros(shape, dtype=np.int64)
+    for off, size in boxes:
+        count[tuple(slice(o, o + s) for o, s in zip(off, size))] += 1
+    return bool((count == 1).all())
+
+
+def _entry(shape, boxes) -> fmt.TensorEntry:
+    blob = lambda n: fmt.Blob(names.data_file_name(names.new_attempt_id(), 0, 0), 0, n, n, (), "0" * 32)  # noqa: E731
+    return fmt.TensorEntry("uint8", tuple(shape),
+                           tuple(fmt.Chunk(tuple(o), tuple(s), blob(int(np.prod(s)))) for o, s in boxes))
+
+
+def test_I5_corner_cover_check_agrees_with_brute_force_on_random_boxes():
+    rng = random.Random(1234)
+    verdicts = set()
+    for trial in range(600):
+        nd = rng.randint(1, 3)
+        shape = [rng.randint(1, 5) for _ in range(nd)]
+        if rng.random() < 0.5:  # a grid tiling, perturbed now and then
+            cuts = [sorted({0, dim, *(rng.randint(0, dim) for _ in range(2))}) for dim in shape]
+            boxes = [([c[i] for c, i in zip(cuts, idx)], [c[i + 1] - c[i] for c, i in zip(cuts, idx)])
+                     for idx in np.ndindex(*[len(c) - 1 for c in cuts])]
+            if rng.random() < 0.5 and len(boxes) > 1:
+                boxes[rng.randrange(len(boxes))] = boxes[rng.randrange(len(boxes))]
+        else:
+            boxes = []
+            for _ in range(rng.randint(1, 5)):
+                off = [rng.randint(0, d - 1) for d in shape]
+                boxes.append((off, [rng.randint(1, d - o) for d, o in zip(shape, off)]))
+        want = _brute_force_exact(shape, boxes)
+        try:
+            fmt.validate_coverage(_entry(shape, boxes), "t")
+            got = True
+        except FormatError:
+            got = False
+        assert got == want, (shape, boxes)
+        verdicts.add(got)
+    assert verdicts == {True, False}
+
+
+def test_I5_many_column_chunks_are_validated_and_an_overlap_among_them_found():
+    n = 8000
+    shape = (4, n)
+    boxes = [((0, i), (4, 1)) for i in range(n)]
+    fmt.validate_coverage(_entry(shape, boxes), "columns")
+    boxes[5000] = ((0, 4999), (4, 1))
+    with pytest.raises(FormatError, match="overlap or leave a gap"):
+        fmt.validate_coverage(_entry(shape, boxes), "columns")
+
+
+# ---------------------------------------------------------------------------- bounded memory (3)
+def _lying_frame_store(tmp_path, lie_in_manifest: bool) -> str:
+    """A checkpoint whose one chunk's stored bytes are replaced by a 32 KiB zstd frame
+    that decodes to 1 GiB of zeros (the manifest's raw_length stays honest unless
+    ``lie_in_manifest``)."""
+    loc = str(tmp_path / "c")
+    ckptstore.save({"w": torch.zeros(4096)}, loc, compression="zstd").result()
+    frame = zstandard.ZstdCompressor(level=3, write_content_size=True).compress(b"\0" * (1 << 30))
+    assert len(frame) < 64 << 10
+    d = json.load(open(_manifest_path(loc)))
+    chunk = d["ranks"][0]["tensors"]["w"]["chunks"][0]
+    data = os.path.join(loc, chunk["file"])
+    with open(data, "r+b") as f:
+        f.seek(0, 2)
+        offset = f.tell()
+        f.write(frame)
+    chunk.update(offset=offset, length=len(frame))
+    if lie_in_manifest:
+        chunk["raw_length"] = 1 << 30
+    with open(_manifest_path(loc), "w") as f:
+        json.dump(d, f)
+    return loc
+
+
+_PEAK = """
+import resource, sys, ckptstore
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+try:
+    {call}
+    print("ok")
+except Exception as e:
+    print(type(e).__name__, str(e)[:2000].replace(chr(10), " "))
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
+"""
+
+
+def _peak_mib(call: str) -> tuple[str, int]:
+    out = subprocess.run([sys.executable, "-c", _PEAK.format(call=call)], capture_output=True, text=True,
+                         env=cli_env(), timeout=300)
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) >= 2, out.stderr
+    return lines[-2], int(lines[-1])
+
+
+@pytest.mark.parametrize("call", ["ckptstore.load({loc!r})",
+                                  "assert ckptstore.verify({loc!r})"])
+def test_lying_zstd_frame_costs_no_memory_on_load_and_verify(tmp_path, call):
+    loc = _lying_frame_store(tmp_path, lie_in_manifest=False)
+    outcome, grew = _peak_mib(call.format(loc=loc))
+    assert outcome.startswith("IntegrityError") or outcome == "ok", outcome
+    if outcome.startswith("IntegrityError"):
+        assert "zstd frame states 1073741824 bytes" in outcome
+    assert grew < 200, f"peak RSS grew by {grew} MiB"
+
+
+def test_flipped_bit_in_a_frame_header_is_an_integrity_error(tmp_path):
+    loc = str(tmp_path / "c")
+    ckptstore.save({"w": torch.zeros(1 << 16)}, loc, compression="zstd").result()
+    chunk = json.load(open(_manifest_path(loc)))["ranks"][0]["tensors"]["w"]["chunks"][0]
+    assert chunk["codec"][-1]["id"] == "zstd"
+    path = os.path.join(loc, chunk["file"])
+    original = open(path, "rb").read()
+    for byte in range(4, 14):  # the frame header after the magic number
+        for bit in (0, 3, 7):
+            data = bytearray(original)
+            data[chunk["offset"] + byte] ^= 1 << bit
+            open(path, "wb").write(data)
+            try:
+                ckptstore.load(loc)
+            except IntegrityError as e:
+                assert "'w'" in str(e)
+            # (a flip that leaves the frame valid and the hash equal cannot happen: the
+            # hash covers the decoded bytes, so loading succeeded only with them intact)
+
+
+def test_claimed_lengths_beyond_the_file_are_refused_before_allocating(tmp_path):
+    loc = str(tmp_path / "c")
+    ckptstore.save({"w": torch.arange(1000.0)}, loc, compression="none").result()
+
+    def change(d):
+        e = d["ranks"][0]["tensors"]["w"]
+        e["shape"] = [1 << 38]
+        e["chunks"][0].update(sizes=[1 << 38], length=1 << 40, raw_length=1 << 40)
+
+    _edit(loc, change)
+    outcome, grew = _peak_mib(f"ckptstore.load({loc!r})")
+    assert outcome.startswith("IntegrityError") and "file is truncated" in outcome, outcome
+    assert grew < 200
+
+
+def test_manifest_over_the_size_cap_is_refused_unread(tmp_path, monkeypatch):
+    loc = str(tmp_path / "c")
+    ckptstore.save(_state(1), loc).result()
+    monkeypatch.setattr(fmt, "MAX_MANIFEST_BYTES", 100)
+    with pytest.raises(FormatError, match="more than the cap"):
+        ckptstore.load(loc)
+
+
+# ---------------------------------------------------------------------------- special files (5)
+def test_fifo_in_place_of_a_data_file_fails_at_once(tmp_path):
+    loc = str(tmp_path / "c")
+    ckptstore.save(_state(1), loc).result()
+    data = os.path.join(loc, read_manifest(LocalStorage(loc), 1).ranks[0].skeleton.file)
+    os.unlink(data)
+    os.mkfifo(data)
+    outcome = []
+
+    def load():
+        try:
+            ckptstore.load(loc)
+        except Exception as e:  # noqa: BLE001 (recorded and asserted below)
+            outcome.append(e)
+
+    t = threading.Thread(target=load, daemon=True)
+    t.start()
+    t.join(120)  # a safety net only: the load must fail on its own, at once
+    assert not t.is_alive(), "load hangs on a FIFO"
+    assert len(outcome) == 1 and isinstance(outcome[0], IntegrityError), outcome
+    assert "regular" in str(outcome[0]) or "missing" in str(outcome[0])
