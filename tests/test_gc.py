@@ -514,6 +514,46 @@ def test_I7_commit_never_publishes_files_gc_removed_while_it_waited(tmp_path, zy
         assert problems == [], f"committed a checkpoint whose files gc removed: {[str(p) for p in problems]}"
 
 
+@pytest.mark.parametrize("when", ["attempt", "checkpoint"])
+def test_I7_a_checkpoint_committed_between_plan_and_execution_is_never_deleted(tmp_path, zygote, when):
+    """gc plans with --grace 0 while a 2-rank save is between its votes; the save then
+    commits; gc executes its plan. The committed checkpoint must survive whole: gc
+    checks each deletion again against what the location holds now."""
+    root = str(tmp_path / "store")
+    build_store(root, steps=(0,) if when == "attempt" else (1, 5))
+    step = 1  # the step the "rank1" child saves
+    where = os.path.join(root, fmt.step_dir_name(step))
+    voted = threading.Event()
+
+    class Observed(LocalStorage):
+        def put(self, key, data, *, if_absent=False):
+            super().put(key, data, if_absent=if_absent)
+            if key.endswith("/vote-r00000.json"):
+                voted.set()
+
+    attempt = fmt.new_attempt_id()
+    fut = start_save(state(1), Observed(where), rt=runtime(), attempt=attempt, step=step, rank=0, world_size=2,
+                     metrics=None, options=SaveOptions(commit_timeout=HANG_GUARD_S))
+    assert voted.wait(HANG_GUARD_S)
+    policy = Retention(last=1)
+    planned = gc_mod.plan(LocalStorage(root), policy, grace=0)
+    doomed = {(d.kind, d.location) for d in planned.deletions}
+    if when == "attempt":
+        assert ("attempt", fmt.step_dir_name(1)) in doomed  # the in-flight attempt looks like debris
+    else:
+        assert ("checkpoint", fmt.step_dir_name(1)) in doomed  # an old step, about to be saved again
+    child = zygote.run(THIS, "rank1", where, attempt)
+    assert child.finish() == 0, zygote.stderr_tail()
+    manifest = fut.result(timeout=HANG_GUARD_S)
+    gc_mod.execute(LocalStorage(root), planned)
+    skipped = [d for d in planned.deletions if d.skipped is not None]
+    assert {d.location for d in skipped} == {fmt.step_dir_name(step)}, planned.to_json()
+    assert when in {d.kind for d in skipped} and all("since the plan" in d.skipped for d in skipped)
+    assert ckptstore.verify(where) == []
+    assert ckptstore.Store(root).manifest(step).attempt == manifest.attempt == attempt
+    assert ckptstore.Store(root).load(step)["step"] == 1
+
+
 # ---------------------------------------------------------------------------- processes
 @pytest.fixture(scope="module")
 def zygote():

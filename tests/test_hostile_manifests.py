@@ -425,3 +425,47 @@ def test_fifo_in_place_of_a_data_file_fails_at_once(tmp_path):
     assert not t.is_alive(), "load hangs on a FIFO"
     assert len(outcome) == 1 and isinstance(outcome[0], IntegrityError), outcome
     assert "regular" in str(outcome[0]) or "missing" in str(outcome[0])
+
+
+def test_container_length_that_lies_costs_only_what_the_stream_holds(tmp_path):
+    import io
+    import struct
+
+    from ckptstore.checkpoint.container import MAGIC
+
+    stream = io.BytesIO(MAGIC + struct.pack("<I", 4) + b"name" + struct.pack("<Q", 1 << 60) + b"x" * 100)
+    with pytest.raises(FormatError, match="ends inside object 'name'"):
+        ckptstore.load(stream)
+    path = tmp_path / "c.bin"
+    path.write_bytes(stream.getvalue())
+    outcome, grew = _peak_mib(f"ckptstore.load({str(path)!r})")
+    assert outcome.startswith("FormatError"), outcome
+    assert grew < 200
+
+
+def test_I6_retiring_never_deletes_the_new_generations_files_an_old_manifest_names(tmp_path):
+    """A planted older generation that names the attempt of the save being committed:
+    retiring it must drop that manifest, never the new checkpoint's files."""
+    import ckptstore.checkpoint.commit as commit_mod
+
+    loc = str(tmp_path / "c")
+    ckptstore.save(_state(1), loc).result()
+    real_put = LocalStorage.put
+
+    def planting_put(self, key, data, *, if_absent=False):
+        gen = names.parse_manifest_name(key)
+        if gen == 2:  # the new generation's manifest: plant a copy of it as generation 1
+            os.unlink(os.path.join(loc, names.manifest_name(1)))
+            d = json.loads(bytes(data))
+            d["generation"] = 1
+            real_put(self, names.manifest_name(1), json.dumps(d).encode())
+        return real_put(self, key, data, if_absent=if_absent)
+
+    LocalStorage.put = planting_put
+    try:
+        ckptstore.save(_state(2), loc).result()
+    finally:
+        LocalStorage.put = real_put
+    assert commit_mod.generations(LocalStorage(loc)) == [2]
+    assert ckptstore.load(loc)["step"] == 2
+    assert ckptstore.verify(loc) == []

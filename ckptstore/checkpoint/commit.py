@@ -186,7 +186,7 @@ def commit(storage: Storage, own: fmt.Vote, world_size: int, created_at: str, me
         # Retire only once a reader's own listing shows the new generation as the visible one.
         if generations(storage)[-1:] != [generation]:
             raise CommitError(f"generation {generation} is not the visible one after its commit")
-        retire_generations(storage, below=generation)
+        retire_generations(storage, below=generation, live_attempt=attempt)
     except Exception as e:  # committed already: a leftover generation is gc's to clean
         warnings.warn(f"{where}: committed generation {generation}, but retiring older ones failed: {e}",
                       RuntimeWarning, stacklevel=2)
@@ -244,8 +244,10 @@ def merge_shards(votes: list[fmt.Vote]) -> dict[str, fmt.TensorEntry]:
     return merged
 
 
-def retire_generations(storage: Storage, below: int) -> None:
-    """Delete generations older than ``below``: each manifest before its files (I7)."""
+def retire_generations(storage: Storage, below: int, live_attempt: str) -> None:
+    """Delete generations older than ``below``: each manifest before its files (I7).
+    The files of ``live_attempt`` (the new generation's) are never deleted, whatever an
+    older manifest claims."""
     for gen in generations(storage):
         if gen >= below:
             break
@@ -255,7 +257,7 @@ def retire_generations(storage: Storage, below: int) -> None:
         except (CkptStoreError, ValueError):
             attempt = None  # unreadable: drop the manifest, leave files to gc
         storage.delete(names.manifest_name(gen))
-        if attempt is not None:  # a parsed manifest's attempt passed the grammar check
+        if attempt is not None and attempt != live_attempt:  # parsed: the attempt passed the grammar
             storage.delete_prefix(names.attempt_dir(attempt) + "/")
 
 

@@ -74,11 +74,20 @@ def replace_file(store: MemoryStorage, path: str | os.PathLike) -> None:
         os.close(dir_fd)
 
 
+_READ_PIECE = 64 << 20
+
+
 def _read_exact(f, n: int, what: str) -> bytes:
-    data = f.read(n)
-    if data is None or len(data) != n:
-        raise FormatError(f"checkpoint stream ends inside {what}")
-    return data
+    """Exactly ``n`` bytes, read in bounded pieces: a length field that lies costs at
+    most what the stream really holds, never an allocation of what it claims."""
+    pieces, got = [], 0
+    while got < n:
+        data = f.read(min(n - got, _READ_PIECE))
+        if not data:
+            raise FormatError(f"checkpoint stream ends inside {what} ({got} of {n} bytes)")
+        pieces.append(data)
+        got += len(data)
+    return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
 
 def read_container(f, head: bytes = b"") -> MemoryStorage:
@@ -92,7 +101,10 @@ def read_container(f, head: bytes = b"") -> MemoryStorage:
         if tag + _peek4(f, tag) == END:
             return store
         (n,) = struct.unpack("<I", tag)
-        name = _read_exact(f, n, "an object name").decode()
+        try:
+            name = _read_exact(f, n, "an object name").decode()
+        except UnicodeDecodeError as e:
+            raise FormatError(f"checkpoint stream holds an object name that is not UTF-8: {e}") from None
         fmt.check_relative_name(name, "container object name")
         (size,) = struct.unpack("<Q", _read_exact(f, 8, "an object length"))
         store.put(name, _read_exact(f, size, f"object {name!r}"))
