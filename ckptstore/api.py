@@ -20,6 +20,7 @@ import torch
 
 from . import format as fmt
 from . import lifecycle
+from . import names
 from .checkpoint.commit import generations, read_manifest, write_failure_vote
 from .checkpoint.container import MAGIC, read_container, replace_file, write_container
 from .checkpoint.group import agree_on_attempt, rank_and_world
@@ -28,7 +29,7 @@ from .checkpoint.restore import latest_manifest, restore
 from .checkpoint.save import SaveFuture, SaveOptions, start_save
 from .codecs import CompressionPolicy
 from .checkpoint import gc
-from .checkpoint.catalog import PIN_NAME
+from .names import PIN_NAME
 from .checkpoint.retention import Retention, parse_duration
 from .errors import (
     CheckpointNotFoundError,
@@ -88,7 +89,7 @@ def save(obj: Any, f, pickle_module: Any = pickle, pickle_protocol: int = 2, *,
         replace_file(store, f)
         return future
     storage = open_storage(f, **(storage_options or {}))
-    future = start_save(obj, storage, rt=rt, attempt=fmt.new_attempt_id(), step=None, rank=0,
+    future = start_save(obj, storage, rt=rt, attempt=names.new_attempt_id(), step=None, rank=0,
                         world_size=1, metrics=None, options=options)
     return lifecycle.track(future)
 
@@ -96,7 +97,7 @@ def save(obj: Any, f, pickle_module: Any = pickle, pickle_protocol: int = 2, *,
 def _save_in_memory(obj, rt, options: SaveOptions) -> tuple[SaveFuture, MemoryStorage]:
     """The committed checkpoint of ``obj`` in a new memory store, for a container."""
     store = MemoryStorage()
-    future = start_save(obj, store, rt=rt, attempt=fmt.new_attempt_id(), step=None, rank=0,
+    future = start_save(obj, store, rt=rt, attempt=names.new_attempt_id(), step=None, rank=0,
                         world_size=1, metrics=None, options=options)
     future.result()
     return future, store
@@ -227,7 +228,7 @@ class Store:
         return f"Store({self.url!r})"
 
     def location(self, step: int) -> Storage:
-        return self.storage.child(fmt.step_dir_name(step))
+        return self.storage.child(names.step_dir_name(step))
 
     def save(self, step: int, state: Any, metrics: dict | None = None, *,
              replicated: list[str] | tuple[str, ...] = ()) -> SaveFuture:
@@ -278,11 +279,11 @@ class Store:
         """Committed steps, ascending."""
         found = []
         try:
-            names = self.storage.list("")
+            entries = self.storage.list("")
         except ObjectNotFoundError:
             return []
-        for name in names:
-            step = fmt.parse_step_dir_name(name.rstrip("/"))
+        for name in entries:
+            step = names.parse_step_dir_name(name.rstrip("/"))
             if step is not None and name.endswith("/") and generations(self.location(step)):
                 found.append(step)
         return sorted(found)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from .. import format as fmt
+from .. import names
 
 
 def rank_and_world(group=None) -> tuple[int, int]:
@@ -22,7 +22,7 @@ def agree_on_attempt(step: int | None, group=None) -> tuple[str, int | None]:
     """A fresh attempt id that every rank of ``group`` shares, and rank 0's step
     (collective). The caller checks that its own step is rank 0's."""
     rank, world = rank_and_world(group)
-    attempt = fmt.new_attempt_id()
+    attempt = names.new_attempt_id()
     if world == 1:
         return attempt, step
     payload = [attempt, step] if rank == 0 else [None, None]
