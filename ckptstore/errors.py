@@ -41,6 +41,10 @@ class NotRegularObjectError(StorageError):
     never followed, opened or deleted through (it is reported as debris instead)."""
 
 
+class ObjectTooLargeError(StorageError):
+    """A whole-object read with a ``limit`` found a larger object: refused unread."""
+
+
 class StorageFullError(StorageError):
     """The store has no space left."""
 

@@ -610,7 +610,11 @@ def test_load_of_many_tiny_tensors_coalesces_gets(s3env, bucket, proxy, monkeypa
         (b.offset, b.offset + b.length - 1) for b in big)
     assert sum(r.received for r in data_gets) == sum(b.length for b in blobs)  # every byte once
     assert [r.op for r in proxy.requests()].count("GetObject") == len(data_gets) + 1  # + the manifest
-    assert {r.op for r in proxy.requests()} == {"ListObjectsV2", "GetObject"}  # no HEAD per empty blob either
+    # One HEAD per data file (its size bounds every blob extent before anything is
+    # allocated), none per blob, none for the manifest (its size cap rides on its GET).
+    heads = proxy.requests("HeadObject")
+    assert sorted(r.key.rsplit("/", 1)[-1] for r in heads) == sorted(f.rsplit("/", 1)[-1] for f in manifest.files())
+    assert {r.op for r in proxy.requests()} == {"ListObjectsV2", "GetObject", "HeadObject"}
 
 
 def test_corrupt_small_blob_in_a_coalesced_get_is_reported_naming_its_tensor(s3env, bucket, proxy, admin, monkeypatch):

@@ -11,11 +11,19 @@ import pytest
 import torch
 
 from ckptstore import format as fmt
-from ckptstore.checkpoint.restore import BlobRead, plan_reads, read_regions, read_tensors, restore
+from ckptstore.checkpoint.reader import BlobRead, plan_reads
+from ckptstore.checkpoint.restore import read_regions, read_tensors, restore
 from ckptstore.checkpoint.save import SaveOptions, start_save
 from ckptstore.checkpoint.verify import verify_manifest
 from ckptstore.codecs import CompressionPolicy
-from ckptstore.errors import AlreadyExistsError, CkptStoreError, IntegrityError, ObjectNotFoundError, StorageError
+from ckptstore.errors import (
+    AlreadyExistsError,
+    CkptStoreError,
+    FormatError,
+    IntegrityError,
+    ObjectNotFoundError,
+    StorageError,
+)
 from ckptstore.pipeline import runtime
 from ckptstore.storage import LocalStorage, ObjectInfo
 
@@ -64,6 +72,21 @@ def test_read_ranges(storage):
     empty = bytearray()
     storage.readinto("k", len(payload), memoryview(empty))  # zero bytes at the end: fine
     assert empty == bytearray()
+
+
+def test_read_with_a_limit_refuses_larger_objects_unread(storage):
+    from ckptstore.errors import ObjectTooLargeError
+
+    storage.put("k", b"x" * 100)
+    assert storage.read("k", limit=100) == b"x" * 100
+    assert storage.read("k", 10, limit=90) == b"x" * 90
+    with pytest.raises(ObjectTooLargeError) as ei:
+        storage.read("k", limit=99)
+    assert "'k'" in str(ei.value) or "/k" in str(ei.value)
+    with pytest.raises(ObjectTooLargeError):
+        storage.read("k", 1, limit=98)
+    storage.put("empty", b"")
+    assert storage.read("empty", limit=0) == b""
 
 
 def test_put_replaces(storage):
@@ -292,7 +315,9 @@ def test_child_view_sees_the_same_objects(storage):
 
 
 def test_child_of_child_and_trailing_slashes(storage):
-    leaf = storage.child("a/").child("/b")
+    leaf = storage.child("a/").child("b/")  # one trailing '/': fine; a leading one is absolute
+    with pytest.raises(FormatError):
+        storage.child("a/").child("/b")
     leaf.put("k", b"v")
     assert storage.read("a/b/k") == b"v"
     assert storage.child("a").list("") == ["b/"]
@@ -312,6 +337,97 @@ def test_child_put_if_absent_and_append_and_delete_prefix(storage):
     assert {i.key for i in storage.walk("")} == {"ck/manifest", "keep"}
     sub.delete("manifest")
     assert {i.key for i in storage.walk("")} == {"keep"}
+
+
+# ---------------------------------------------------------------------------- key grammar
+# Keys and prefixes are untrusted (storage/base.py, check_key): every method refuses a
+# key that is not a relative, normalised '/'-separated name with FormatError (a
+# ValueError) naming the store and the key, before it touches anything.
+BAD_KEYS = ["", "/abs", "/", "../escape", "a/../../escape", "a/..", "..", ".", "./a", "a/./b", "a//b", "a/",
+            "a\\b", "\\", "a\x00b", "\x00"]
+BAD_PREFIXES = ["/", "/abs", "//", "..", "../", "../escape/", "a/../b", ".", "./", "a/./", "a//", "a//b",
+                "a\\b", "a\x00"]
+KEY_CALLS = {
+    "put": lambda s, k: s.put(k, b"x"),
+    "put_if_absent": lambda s, k: s.put(k, b"x", if_absent=True),
+    "open_append": lambda s, k: s.open_append(k),
+    "readinto": lambda s, k: s.readinto(k, 0, memoryview(bytearray(1))),
+    "read": lambda s, k: s.read(k),
+    "read_range": lambda s, k: s.read(k, 0, 1),
+    "stat": lambda s, k: s.stat(k),
+    "exists": lambda s, k: s.exists(k),
+    "delete": lambda s, k: s.delete(k),
+}
+PREFIX_CALLS = {
+    "list": lambda s, p: s.list(p),
+    "walk": lambda s, p: s.walk(p),  # refused at the call, not at the first next()
+    "delete_prefix": lambda s, p: s.delete_prefix(p),
+    "child": lambda s, p: s.child(p),
+}
+
+
+def _assert_refused(storage, call, key):
+    with pytest.raises(FormatError) as ei:
+        call()
+    assert isinstance(ei.value, ValueError) and isinstance(ei.value, CkptStoreError)
+    msg = str(ei.value)
+    assert storage.describe() in msg and repr(key) in msg, msg
+
+
+def test_every_method_refuses_invalid_keys_naming_store_and_key(storage):
+    storage.put("sub/keep", b"keep")
+    sub = storage.child("sub")
+    for name, call in KEY_CALLS.items():
+        for key in BAD_KEYS:
+            _assert_refused(storage, lambda: call(storage, key), key)
+            _assert_refused(sub, lambda: call(sub, key), key)
+    assert [(i.key, i.size) for i in storage.walk("")] == [("sub/keep", 4)]  # nothing written or deleted
+    assert storage.read("sub/keep") == b"keep"
+
+
+def test_every_method_refuses_invalid_prefixes_naming_store_and_prefix(storage):
+    storage.put("sub/keep", b"keep")
+    sub = storage.child("sub")
+    for name, call in PREFIX_CALLS.items():
+        for prefix in BAD_PREFIXES:
+            _assert_refused(storage, lambda: call(storage, prefix), prefix)
+            _assert_refused(sub, lambda: call(sub, prefix), prefix)
+    assert [i.key for i in storage.walk("")] == ["sub/keep"]
+
+
+def test_a_child_view_cannot_reach_outside_its_prefix(storage):
+    storage.put("secret", b"outside the child")
+    storage.put("run/a/k", b"inside")
+    sub = storage.child("run/a")
+    for key in ("../../secret", "../a/k", "/secret", "x/../../../secret"):
+        for call in KEY_CALLS.values():
+            with pytest.raises(FormatError):
+                call(sub, key)
+    for prefix in ("../", "../..", "../../"):
+        for call in PREFIX_CALLS.values():
+            with pytest.raises(FormatError):
+                call(sub, prefix)
+    assert storage.read("secret") == b"outside the child"
+    assert {i.key for i in storage.walk("")} == {"secret", "run/a/k"}
+
+
+def test_valid_keys_and_prefixes_are_accepted(storage):
+    for key in ("k", "a/b/c", "a/c..", "x.y", "..a", "a..", "a/.b/...", ".hidden", "sp ace/ü-ñ", "a:b@c"):
+        storage.put(key, key.encode())
+        assert storage.read(key) == key.encode() and storage.exists(key)
+    assert storage.list("") == sorted(storage.list(""))
+    assert storage.list("a") == storage.list("a/") == [".b/", "b/", "c.."]
+    assert {i.key for i in storage.walk("a/")} == {"a/b/c", "a/c..", "a/.b/..."}
+    assert storage.child("a/").list() == storage.child("a").list("") == [".b/", "b/", "c.."]
+    storage.delete_prefix("a/")
+    assert not storage.exists("a/b/c")
+
+
+def test_walk_reports_regular_objects_as_kind_file(storage):
+    _populate(storage)
+    infos = list(storage.walk(""))
+    assert infos and all(i.kind == "file" for i in infos)
+    assert ObjectInfo("k", 1, 2.0) == ObjectInfo("k", 1, 2.0, "file")  # positional construction still works
 
 
 # ---------------------------------------------------------------------------- coalesced loads

@@ -26,6 +26,7 @@ from ..errors import (
     CommitTimeoutError,
     FormatError,
     ObjectNotFoundError,
+    ObjectTooLargeError,
 )
 from ..storage import Storage
 
@@ -79,11 +80,12 @@ def write_failure_vote(storage: Storage, attempt: str, step, world_size: int, ra
 
 
 def read_capped(storage: Storage, key: str, cap: int, what: str) -> bytes:
-    """A small stored document, refused unread when it is larger than ``cap``."""
-    size = storage.stat(key).size
-    if size > cap:
-        raise FormatError(f"{storage.describe(key)}: {what} holds {size} bytes, more than the cap of {cap}")
-    return storage.read(key, 0, size)
+    """A small stored document, refused unread when it is larger than ``cap`` (one
+    request on an object store)."""
+    try:
+        return storage.read(key, limit=cap)
+    except ObjectTooLargeError as e:
+        raise FormatError(f"{what} is larger than the cap of {cap} bytes: {e}") from e
 
 
 def read_votes(storage: Storage, attempt: str) -> dict[int, fmt.Vote]:

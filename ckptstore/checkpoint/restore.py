@@ -26,7 +26,7 @@ from ..errors import (
 from ..storage import Storage
 from .commit import generations, read_manifest
 from .flatten import GLOBAL, parse_skeleton_key, region_byte_offset
-from .reader import BlobRead, check_extents, plan_reads, read_blobs  # noqa: F401 (plan_reads: re-exported)
+from .reader import BlobRead, check_extents, read_blobs
 
 
 def latest_manifest(storage: Storage) -> fmt.Manifest:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from .base import AppendWriter, ObjectInfo, Storage
+from .base import AppendWriter, ObjectInfo, Storage, check_key, redact_url
 from .local import LocalStorage
 from .memory import MemoryStorage
 
@@ -30,10 +30,10 @@ def open_storage(url: str | os.PathLike, **options) -> Storage:
 
         bucket, _, prefix = url[len("s3://"):].partition("/")
         if not bucket:
-            raise ValueError(f"no bucket in {url!r} (expected s3://bucket/prefix)")
+            raise ValueError(f"no bucket in {redact_url(url)!r} (expected s3://bucket/prefix)")
         return S3Storage(bucket, prefix, **options)
     if options:
-        raise TypeError(f"storage options {sorted(options)} apply to s3:// URLs only, not {os.fspath(url)!r}")
+        raise TypeError(f"storage options {sorted(options)} apply to s3:// URLs only, not {redact_url(os.fspath(url))!r}")
     if isinstance(url, str) and url.startswith("memory://"):
         name, _, prefix = url[len("memory://"):].partition("/")
         store = MemoryStorage.named(name)
@@ -42,8 +42,9 @@ def open_storage(url: str | os.PathLike, **options) -> Storage:
         url = url[len("file://"):]
     if is_url(url):
         scheme = url.split("://", 1)[0]
-        raise ValueError(f"unsupported URL scheme {scheme!r} in {url!r}")
+        raise ValueError(f"unsupported URL scheme {scheme!r} in {redact_url(url)!r}")
     return LocalStorage(url)
 
 
-__all__ = ["AppendWriter", "LocalStorage", "MemoryStorage", "ObjectInfo", "Storage", "open_storage", "is_url"]
+__all__ = ["AppendWriter", "LocalStorage", "MemoryStorage", "ObjectInfo", "Storage", "check_key", "is_url",
+           "open_storage", "redact_url"]

@@ -17,6 +17,17 @@ conformance suite (tests/test_storage_conformance.py) checks for every backend:
 - ``walk`` yields every object under a prefix, recursively, with size and mtime.
 - ``delete`` of a missing key is not an error.
 - Missing keys raise :class:`ObjectNotFoundError` (a ``FileNotFoundError``).
+- Every key and prefix is untrusted input: each method checks it with :func:`check_key`
+  before touching anything, and a bad one raises :class:`~ckptstore.errors.FormatError`
+  (a ``ValueError``) naming the store and the key. A key is a relative, normalised,
+  '/'-separated name: not absolute, no empty, '.' or '..' part, no backslash, no NUL. A
+  prefix is a key with at most one trailing '/', or "" for the root. ``walk`` and ``list``
+  leave out stored names that are not valid keys (written by other tools): no method
+  could address them.
+- No method follows a symlink below the root (the local backend: see storage/local.py);
+  ``walk`` reports what is not a regular object in ``ObjectInfo.kind``, and reading one
+  raises :class:`~ckptstore.errors.NotRegularObjectError`.
+- Messages carry no secrets: URLs in them pass through :func:`redact_url`.
 
 Read coalescing (a hint to loaders, not part of the contract): a load merges the reads
 of small blobs that lie close together in one file into one ``readinto`` and splits
@@ -35,8 +46,11 @@ on disk and on an object store:
 from __future__ import annotations
 
 import abc
+import re
 from dataclasses import dataclass
 from typing import Iterator
+
+from ..errors import FormatError
 
 
 @dataclass(frozen=True)
@@ -44,6 +58,54 @@ class ObjectInfo:
     key: str
     size: int
     mtime: float  # seconds since the epoch
+    # "file": a regular object. Local disk only, never descended into or followed, size 0:
+    # "symlink" (a symbolic link) and "other" (FIFO, socket, device). S3 and memory: "file".
+    kind: str = "file"
+
+
+def check_key(key: str, what: str = "key", prefix: bool = False) -> str:
+    """``key`` when it is a valid key (``prefix=True``: a valid prefix), else raise
+    :class:`~ckptstore.errors.FormatError` naming ``what`` and the key.
+
+    A key is relative and normalised, '/'-separated: not absolute, no empty, '.' or '..'
+    part, no backslash, no NUL. A prefix may also end in one '/', and "" is the root.
+    Returns the key unchanged; a prefix without its trailing '/'. ``what`` names the key
+    in the message; backends pass their store's location (``"<describe()>: key"``).
+    """
+    if not isinstance(key, str):
+        raise FormatError(f"{what} {key!r}: not a string")
+    name = key[:-1] if prefix and key.endswith("/") else key
+    if prefix and not key:
+        return ""
+    reason = None
+    if key.startswith("/"):
+        reason = "absolute"
+    elif not name:
+        reason = "empty"
+    elif "\0" in name:
+        reason = "a NUL"
+    elif "\\" in name:
+        reason = "a backslash"
+    else:
+        for part in name.split("/"):
+            if part in ("", ".", ".."):
+                reason = f"a {part!r} part" if part else "an empty part"
+                break
+    if reason is not None:
+        raise FormatError(f"{what} {key!r} is invalid ({reason}): keys are relative, normalised, "
+                          "'/'-separated names")
+    return name
+
+
+# scheme://userinfo@ : userinfo runs to the last '@' before the host's end (a '/', '?',
+# '#', whitespace or a quote), so an unencoded '@' in a password is removed with it.
+_USERINFO = re.compile(r"""([A-Za-z][A-Za-z0-9+.\-]*://)[^/?#\s'"<>]*@""")
+
+
+def redact_url(url: str) -> str:
+    """``url`` without userinfo (``user:password@``); everything else is kept. Also works
+    on a text that contains URLs (an error message): each loses its userinfo."""
+    return _USERINFO.sub(r"\1", url)
 
 
 class AppendWriter(abc.ABC):
@@ -72,6 +134,13 @@ class Storage(abc.ABC):
     read_coalesce_gap: int = 0
     read_coalesce_limit: int = 0  # 0: every blob is a read of its own
 
+    def _check(self, key: str, prefix: bool = False) -> str:
+        """``check_key`` naming this store in the message (built only for a bad key)."""
+        try:
+            return check_key(key, "key", prefix)
+        except FormatError:
+            return check_key(key, f"{self.describe()}: {'prefix' if prefix else 'key'}", prefix)
+
     @abc.abstractmethod
     def child(self, prefix: str) -> "Storage":
         """The same store rooted at ``prefix`` below this root."""
@@ -85,9 +154,14 @@ class Storage(abc.ABC):
     @abc.abstractmethod
     def readinto(self, key: str, offset: int, out: memoryview, on_piece=None) -> None: ...
 
-    def read(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
+    def read(self, key: str, offset: int = 0, length: int | None = None, *, limit: int | None = None) -> bytes:
+        """``length`` bytes from ``offset`` (None: to the end). With ``limit``, a read to
+        the end refuses an object holding more than ``limit`` bytes from ``offset`` with
+        :class:`ObjectTooLargeError`, before it allocates or transfers them."""
+        self._check(key)
         if length is None:
             length = self.stat(key).size - offset
+            _check_limit(self, key, length, limit)
         buf = bytearray(length)
         self.readinto(key, offset, memoryview(buf))
         return bytes(buf)
@@ -104,6 +178,7 @@ class Storage(abc.ABC):
     def exists(self, key: str) -> bool:
         from ..errors import ObjectNotFoundError
 
+        self._check(key)
         try:
             self.stat(key)
             return True
@@ -115,6 +190,7 @@ class Storage(abc.ABC):
 
     def delete_prefix(self, prefix: str) -> None:
         """Delete every object under ``prefix`` (a key ending in '/')."""
+        self._check(prefix, prefix=True)
         for info in list(self.walk(prefix)):
             self.delete(info.key)
 
@@ -129,3 +205,10 @@ class Storage(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
+
+
+def _check_limit(storage: "Storage", key: str, size: int, limit: int | None) -> None:
+    if limit is not None and size > limit:
+        from ..errors import ObjectTooLargeError
+
+        raise ObjectTooLargeError(f"{storage.describe(key)}: holds {size} bytes, more than the limit of {limit}")

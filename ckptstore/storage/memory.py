@@ -1,4 +1,7 @@
-"""In-memory backend: for tests, and the staging area of single-stream containers."""
+"""In-memory backend: for tests, and the staging area of single-stream containers.
+
+Keys and prefixes are checked like on every backend (``check_key`` in storage/base.py),
+so a key that would be refused on disk or S3 is refused here too."""
 
 from __future__ import annotations
 
@@ -50,17 +53,17 @@ class MemoryStorage(Storage):
         return f"{self._prefix}/{key}" if key else self._prefix
 
     def child(self, prefix: str) -> "MemoryStorage":
-        return MemoryStorage(self._objects, self._k(prefix.strip("/")), self._name)
+        return MemoryStorage(self._objects, self._k(self._check(prefix, prefix=True)), self._name)
 
     def put(self, key: str, data, *, if_absent: bool = False) -> None:
-        k = self._k(key)
+        k = self._k(self._check(key))
         with self._lock:
             if if_absent and k in self._objects:
                 raise AlreadyExistsError(f"{self.describe(key)}: already exists")
             self._objects[k] = [bytes(data), time.time()]
 
     def open_append(self, key: str) -> AppendWriter:
-        k = self._k(key)
+        k = self._k(self._check(key))
         with self._lock:
             if k in self._objects:
                 raise AlreadyExistsError(f"{self.describe(key)}: already exists")
@@ -79,6 +82,7 @@ class MemoryStorage(Storage):
             on_piece(out)
 
     def _get(self, key: str) -> bytes:
+        self._check(key)
         with self._lock:
             try:
                 return self._objects[self._k(key)][0]
@@ -86,7 +90,7 @@ class MemoryStorage(Storage):
                 raise ObjectNotFoundError(f"{self.describe(key)}: not found") from None
 
     def list(self, prefix: str = "") -> list[str]:
-        base = self._k(prefix.strip("/"))
+        base = self._k(self._check(prefix, prefix=True))
         base = f"{base}/" if base else ""
         names = set()
         with self._lock:
@@ -99,15 +103,15 @@ class MemoryStorage(Storage):
         return sorted(names)
 
     def walk(self, prefix: str = "") -> Iterator[ObjectInfo]:
-        base = self._k(prefix.strip("/"))
+        base = self._k(self._check(prefix, prefix=True))  # checked now, not at the first next()
         base = f"{base}/" if base else ""
         mine = f"{self._prefix}/" if self._prefix else ""
         with self._lock:
             items = [(k, v) for k, v in self._objects.items() if k.startswith(base)]
-        for k, (data, mtime) in sorted(items):
-            yield ObjectInfo(k[len(mine):], len(data), mtime)
+        return iter([ObjectInfo(k[len(mine):], len(data), mtime) for k, (data, mtime) in sorted(items)])
 
     def stat(self, key: str) -> ObjectInfo:
+        self._check(key)
         with self._lock:
             try:
                 data, mtime = self._objects[self._k(key)]
@@ -116,6 +120,7 @@ class MemoryStorage(Storage):
         return ObjectInfo(key, len(data), mtime)
 
     def delete(self, key: str) -> None:
+        self._check(key)
         with self._lock:
             self._objects.pop(self._k(key), None)
 

@@ -22,6 +22,13 @@ setting; keyword arguments override it. How the pieces work (see docs/s3.md):
 * **readinto** issues ranged GETs, several concurrently for large ranges; a range past
   the end of an object raises :class:`TruncatedObjectError` (a short read). Loads merge
   the reads of small neighbouring blobs into one GET (``read_coalesce_*``).
+* **Keys** are checked (``check_key``) before any request, so the full key (prefix +
+  '/' + key) always lies under the store's prefix; listed objects whose names are not
+  valid keys (``a//b``, ``./x``, written by other tools) are left out of ``list`` and
+  ``walk`` (``delete_prefix`` still deletes them).
+* **No secrets in messages**: an endpoint URL with userinfo (``http://user:password@host``)
+  is redacted (``redact_url``) in ``describe()``, ``url``, ``repr`` and the text of every
+  error the backend raises or translates, botocore's own (which echo the endpoint) too.
 """
 
 from __future__ import annotations
@@ -57,7 +64,7 @@ from ..errors import (
     TransientStorageError,
     TruncatedObjectError,
 )
-from .base import AppendWriter, ObjectInfo, Storage
+from .base import AppendWriter, ObjectInfo, Storage, _check_limit, check_key, redact_url
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -151,6 +158,51 @@ def _byte_view(out) -> memoryview:
     return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
 
 
+def _secrets_of(url: str | None) -> tuple[str, ...]:
+    """The userinfo of an endpoint URL and its password, raw and percent-decoded: texts
+    an error message may echo (replaced by *** where redact_url's pattern misses them)."""
+    if not url:
+        return ()
+    from urllib.parse import unquote, urlsplit
+
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return ()
+    userinfo = parts.netloc.rpartition("@")[0] if "@" in parts.netloc else ""
+    found = {userinfo, unquote(userinfo)}
+    if parts.password:
+        found |= {parts.password, unquote(parts.password)}
+    return tuple(sorted((x for x in found if len(x) >= 3), key=len, reverse=True))
+
+
+def _redact(text: str, secrets: tuple[str, ...]) -> str:
+    text = redact_url(text)
+    for secret in secrets:
+        text = text.replace(secret, "***")
+    return text
+
+
+def _scrub_exception(e: BaseException, redact) -> None:
+    """Redact, in place, the text of ``e`` and the exceptions chained to it (botocore's
+    connection errors carry the endpoint URL, password included, in their message and
+    kwargs), so a logged traceback does not show it either."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        try:
+            if any(isinstance(a, str) and redact(a) != a for a in e.args):
+                e.args = tuple(redact(a) if isinstance(a, str) else a for a in e.args)
+            kwargs = getattr(e, "kwargs", None)
+            if isinstance(kwargs, dict):
+                for k, v in list(kwargs.items()):
+                    if isinstance(v, str):
+                        kwargs[k] = redact(v)
+        except Exception:  # an exception type that refuses: its text stays, ours is redacted
+            pass
+        e = e.__cause__ or e.__context__
+
+
 def _backoff(failure: int) -> None:
     """Jittered exponential backoff for our one hand-made retry loop (body streaming)."""
     time.sleep(random.random() * min(0.5 * 2 ** (failure - 1), 20.0))
@@ -164,6 +216,9 @@ class _Shared:
                  coalesce=(0, 0, 0)):
         self.bucket = bucket
         self.client = client
+        endpoint = getattr(getattr(client, "meta", None), "endpoint_url", None)
+        self.secrets = _secrets_of(endpoint if isinstance(endpoint, str) else None)
+        self.endpoint = self.redact(endpoint) if isinstance(endpoint, str) else None
         self.part_size = part_size
         self.max_concurrency = max_concurrency
         self.max_attempts = max_attempts
@@ -172,6 +227,9 @@ class _Shared:
         self.coalesce_blob, self.coalesce_gap, self.coalesce_limit = coalesce
         self._pool: DaemonThreadPool | None = None
         self._lock = threading.Lock()
+
+    def redact(self, text: str) -> str:
+        return _redact(text, self.secrets)
 
     def pool(self) -> DaemonThreadPool:
         with self._lock:
@@ -212,11 +270,14 @@ class S3Storage(Storage):
                  read_part_size: int | None = None, read_coalesce_blob: int = DEFAULT_COALESCE_BLOB,
                  read_coalesce_gap: int = DEFAULT_COALESCE_GAP, read_coalesce_limit: int | None = None,
                  _parts_per_tier: int = MAX_PARTS // 10, _shared: _Shared | None = None):
+        if bucket and "@" in bucket:  # s3://user:password@bucket: never echoed back
+            raise ValueError(f"invalid S3 bucket name {'***@' + bucket.rpartition('@')[2]!r}: credentials do "
+                             "not belong in an s3:// URL (boto3's configuration provides them)")
         if not bucket or "/" in bucket:
             raise ValueError(f"invalid S3 bucket name {bucket!r}")
         self.bucket = bucket
         self.prefix = prefix.strip("/")
-        self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
+        self.url = redact_url(f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}")
         if _shared is not None:
             self._shared = _shared
             return
@@ -248,8 +309,13 @@ class S3Storage(Storage):
                 max_pool_connections=max(32, 3 * int(max_concurrency)),
                 user_agent_extra="ckptstore",
             )
-            with _sessions_lock:  # boto3 sessions are not thread-safe
-                client = session.client("s3", endpoint_url=endpoint_url, region_name=region_name, config=config)
+            try:
+                with _sessions_lock:  # boto3 sessions are not thread-safe
+                    client = session.client("s3", endpoint_url=endpoint_url, region_name=region_name, config=config)
+            except ValueError as e:  # botocore's "Invalid endpoint: <url>"
+                secrets = _secrets_of(endpoint_url)
+                _scrub_exception(e, lambda text: _redact(text, secrets))
+                raise ValueError(_redact(str(e), secrets)) from None
         elif max_attempts is None:
             max_attempts = client.meta.config.retries.get("total_max_attempts") or DEFAULT_MAX_ATTEMPTS
         self._shared = _Shared(bucket, client, part_size, int(max_concurrency), int(max_attempts),
@@ -277,20 +343,38 @@ class S3Storage(Storage):
     def read_coalesce_limit(self) -> int:
         return self._shared.coalesce_limit
 
+    def _join(self, name: str) -> str:
+        """prefix/name, unchecked (for messages and checked names)."""
+        return f"{self.prefix}/{name}" if self.prefix and name else (name or self.prefix)
+
     def _k(self, key: str) -> str:
-        key = key.strip("/")
-        return f"{self.prefix}/{key}" if self.prefix and key else (key or self.prefix)
+        """The full S3 key of a checked ``key``: always below the store's prefix."""
+        return self._join(self._check(key))
 
     def _dir(self, prefix: str) -> str:
-        """The S3 prefix that lists what lies below ``prefix`` (ends in '/', or '')."""
-        p = self._k(prefix.strip("/"))
+        """The S3 prefix that lists what lies below a checked ``prefix`` (ends in '/', or '')."""
+        p = self._join(self._check(prefix, prefix=True))
         return f"{p}/" if p else ""
 
     def _rel(self, full_key: str) -> str:
         return full_key[len(self.prefix) + 1:] if self.prefix else full_key
 
+    def _listed(self, full_key: str) -> str | None:
+        """The key of a listed object relative to this root; None when it is not a valid
+        key (no method could address it)."""
+        rel = self._rel(full_key)
+        try:
+            return check_key(rel)
+        except ValueError:
+            return None
+
     def describe(self, key: str = "") -> str:
-        return f"s3://{self.bucket}/{self._k(key)}" if (key or self.prefix) else f"s3://{self.bucket}"
+        where = f"s3://{self.bucket}/{self._join(key.strip('/'))}" if (key or self.prefix) else f"s3://{self.bucket}"
+        return self._shared.redact(where) if hasattr(self, "_shared") else redact_url(where)
+
+    def __repr__(self) -> str:
+        endpoint = self._shared.endpoint
+        return f"S3Storage({self.url!r}" + (f", endpoint_url={endpoint!r})" if endpoint else ")")
 
     def part_size_for(self, part_number: int) -> int:
         """Size of part ``part_number`` (1-based) of an appended object: ``part_size``
@@ -304,6 +388,12 @@ class S3Storage(Storage):
         """A storage error naming the URL, classed as the interface wants it."""
         if isinstance(e, CkptStoreError):
             return e
+        _scrub_exception(e, self._shared.redact)
+        err = self._translate_text(e, key)
+        err.args = tuple(self._shared.redact(a) if isinstance(a, str) else a for a in err.args)
+        return err
+
+    def _translate_text(self, e: BaseException, key: str) -> CkptStoreError:
         where = self.describe(key)
         if isinstance(e, bexc.ClientError):
             code, msg, status, tries = _client_error(e)
@@ -340,13 +430,14 @@ class S3Storage(Storage):
 
     # -- interface
     def child(self, prefix: str) -> "S3Storage":
-        return S3Storage(self.bucket, self._k(prefix.strip("/")), _shared=self._shared)
+        return S3Storage(self.bucket, self._join(self._check(prefix, prefix=True)), _shared=self._shared)
 
     def put(self, key: str, data, *, if_absent: bool = False) -> None:
+        full = self._k(key)
         body = _as_bytes(data)
         extra = {"IfNoneMatch": "*"} if if_absent else {}
         try:
-            self.client.put_object(Bucket=self.bucket, Key=self._k(key), Body=body, **extra)
+            self.client.put_object(Bucket=self.bucket, Key=full, Body=body, **extra)
             return
         except Exception as e:
             cause, err = e, self._translate(e, key)
@@ -379,11 +470,13 @@ class S3Storage(Storage):
         return None
 
     def open_append(self, key: str) -> AppendWriter:
+        self._check(key)
         if self.exists(key):
             raise AlreadyExistsError(f"{self.describe(key)}: already exists")
         return _S3AppendWriter(self, key)
 
     def readinto(self, key: str, offset: int, out, on_piece=None) -> None:
+        self._check(key)
         out = _byte_view(out)
         n = out.nbytes
         if n == 0:
@@ -422,12 +515,12 @@ class S3Storage(Storage):
 
     def _get_into(self, key: str, offset: int, out: memoryview, on_piece=None) -> None:
         """One ranged GET into ``out``; re-requests the remainder when the body breaks."""
-        where, n = self.describe(key), out.nbytes
+        where, n, full = self.describe(key), out.nbytes, self._k(key)
         pos, failures = 0, 0
         while pos < n:
             start = offset + pos
             try:
-                resp = self.client.get_object(Bucket=self.bucket, Key=self._k(key), Range=f"bytes={start}-{offset + n - 1}")
+                resp = self.client.get_object(Bucket=self.bucket, Key=full, Range=f"bytes={start}-{offset + n - 1}")
             except bexc.ClientError as e:
                 code, _msg, status, _tries = _client_error(e)
                 if code == "InvalidRange" or status == 416:
@@ -462,23 +555,27 @@ class S3Storage(Storage):
             except _STREAM_ERRORS as e:
                 failures += 1
                 if failures >= self._shared.max_attempts:
-                    raise TransientStorageError(
+                    _scrub_exception(e, self._shared.redact)
+                    raise TransientStorageError(self._shared.redact(
                         f"{where}: reading {n} bytes at offset {offset} failed {failures} times "
-                        f"mid-stream: {type(e).__name__}: {e}") from e
+                        f"mid-stream: {type(e).__name__}: {e}")) from e
                 _backoff(failures)
             finally:
                 body.close()
 
-    def read(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
+    def read(self, key: str, offset: int = 0, length: int | None = None, *, limit: int | None = None) -> bytes:
         if length is not None:
             buf = bytearray(length)
             self.readinto(key, offset, memoryview(buf))
             return bytes(buf)
-        where, failures = self.describe(key), 0
-        extra = {"Range": f"bytes={offset}-"} if offset else {}
+        where, failures, full = self.describe(key), 0, self._k(key)
+        # With a limit, one byte more than it is asked for: the answer's ContentRange
+        # gives the object's size, so a too large one is refused in the same request.
+        ranged = f"bytes={offset}-{offset + limit}" if limit is not None else (f"bytes={offset}-" if offset else None)
+        extra = {"Range": ranged} if ranged else {}
         while True:  # one GET for the whole object (manifests, votes): no HEAD first
             try:
-                resp = self.client.get_object(Bucket=self.bucket, Key=self._k(key), **extra)
+                resp = self.client.get_object(Bucket=self.bucket, Key=full, **extra)
             except bexc.ClientError as e:
                 code, _msg, status, _tries = _client_error(e)
                 if code == "InvalidRange" or status == 416:
@@ -490,11 +587,17 @@ class S3Storage(Storage):
             except Exception as e:
                 raise self._translate(e, key) from e
             try:
+                if limit is not None:
+                    total = (resp.get("ContentRange") or "").rpartition("/")[2]
+                    size = int(total) - offset if total.isdigit() else resp["ContentLength"]
+                    _check_limit(self, key, size, limit)
                 return resp["Body"].read()  # botocore checks the length it got
             except _STREAM_ERRORS as e:  # see _get_into
                 failures += 1
                 if failures >= self._shared.max_attempts:
-                    raise TransientStorageError(f"{where}: reading failed {failures} times mid-stream: {e}") from e
+                    _scrub_exception(e, self._shared.redact)
+                    raise TransientStorageError(
+                        self._shared.redact(f"{where}: reading failed {failures} times mid-stream: {e}")) from e
                 _backoff(failures)
             finally:
                 resp["Body"].close()
@@ -508,42 +611,48 @@ class S3Storage(Storage):
             for page in pages:
                 for obj in page.get("Contents", ()):
                     name = obj["Key"][len(base):]
-                    if name:  # "" is a console-made folder marker
+                    if name and self._listed(obj["Key"]) is not None:  # "": a console-made folder marker
                         names.add(name)
                 for cp in page.get("CommonPrefixes", ()):
                     name = cp["Prefix"][len(base):]
-                    if name.strip("/"):
+                    if name.strip("/") and self._listed(cp["Prefix"][:-1]) is not None:
                         names.add(name)
         return sorted(names)
 
     def walk(self, prefix: str = "") -> Iterator[ObjectInfo]:
-        base = self._dir(prefix)
+        base = self._dir(prefix)  # checked now, not at the first next()
+        return self._walk(prefix, base)
+
+    def _walk(self, prefix: str, base: str) -> Iterator[ObjectInfo]:
         with self._errors(prefix):
             pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=base)
             for page in pages:
                 for obj in page.get("Contents", ()):
-                    if obj["Key"].endswith("/"):
+                    key = self._listed(obj["Key"])  # folder markers ("a/") included
+                    if key is None:
                         continue
-                    yield ObjectInfo(self._rel(obj["Key"]), int(obj["Size"]), obj["LastModified"].timestamp())
+                    yield ObjectInfo(key, int(obj["Size"]), obj["LastModified"].timestamp())
 
     def stat(self, key: str) -> ObjectInfo:
+        full = self._k(key)
         with self._errors(key):
-            resp = self.client.head_object(Bucket=self.bucket, Key=self._k(key))
+            resp = self.client.head_object(Bucket=self.bucket, Key=full)
         return ObjectInfo(key, int(resp["ContentLength"]), resp["LastModified"].timestamp())
 
     def delete(self, key: str) -> None:
+        full = self._k(key)
         with self._errors(key):
             try:
-                self.client.delete_object(Bucket=self.bucket, Key=self._k(key))
+                self.client.delete_object(Bucket=self.bucket, Key=full)
             except bexc.ClientError as e:
                 if _client_error(e)[0] not in _NOT_FOUND:
                     raise
 
     def delete_prefix(self, prefix: str) -> None:
         """Every object under ``prefix``, in batched DeleteObjects (1,000 keys each)."""
-        keys = []
-        with self._errors(prefix):  # every key, folder markers included
-            pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self._dir(prefix))
+        keys, base = [], self._dir(prefix)
+        with self._errors(prefix):  # every key, folder markers and invalid names included
+            pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=base)
             for page in pages:
                 keys += [obj["Key"] for obj in page.get("Contents", ())]
         for i in range(0, len(keys), _DELETE_BATCH):
@@ -554,8 +663,9 @@ class S3Storage(Storage):
             errors = [e for e in resp.get("Errors", ()) if e.get("Code") not in _NOT_FOUND]
             if errors:
                 first = errors[0]
-                raise StorageError(f"s3://{self.bucket}/{first.get('Key')}: delete failed "
-                                   f"({first.get('Code')}: {first.get('Message')}); {len(errors)} key(s) not deleted")
+                raise StorageError(self._shared.redact(
+                    f"s3://{self.bucket}/{first.get('Key')}: delete failed "
+                    f"({first.get('Code')}: {first.get('Message')}); {len(errors)} key(s) not deleted"))
 
     def abort_stale_uploads(self, older_than: float, dry_run: bool = False) -> list[str]:
         """Abort multipart uploads under this root started ``older_than`` seconds ago or
