@@ -7,10 +7,13 @@ Pure data: frozen dataclasses with JSON in and out. No I/O happens here; see
 from __future__ import annotations
 
 import datetime as _dt
+import functools
+import gc
 import json
 import math
 import os
 import re
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -37,6 +40,7 @@ from .names import (  # noqa: E402
     is_attempt_id,
     manifest_name,
     new_attempt_id,
+    parse_data_file,
     parse_manifest_name,
     parse_step_dir_name,
     step_dir_name,
@@ -44,6 +48,18 @@ from .names import (  # noqa: E402
 )
 
 _DIGEST_RE = re.compile(r"[0-9a-f]{32}")
+
+
+@functools.lru_cache(maxsize=4096)
+def _data_file_attempt(name) -> str | None:
+    """The attempt of a valid data file name, else None (memoised: every blob of a rank
+    names the same file)."""
+    try:
+        check_relative_name(name)
+    except (FormatError, TypeError):
+        return None
+    parsed = parse_data_file(name)
+    return parsed[0] if parsed else None
 
 # ---------------------------------------------------------------------------- size caps
 # Claims a reader checks before it allocates or loops on them (docs/format.md, "Size
@@ -73,6 +89,31 @@ def _time(v: Any, what: str) -> str:
     except (ValueError, OverflowError, OSError) as e:
         raise FormatError(f"{what} {v[:64]!r} is not an ISO 8601 time") from e
     return v
+
+
+class _GcPaused:
+    """Pause the cyclic garbage collector while a large document is parsed: its
+    hundreds of thousands of new, acyclic dicts and lists otherwise trigger collections
+    of the whole heap (measured: half of a 10,000-tensor manifest's parse time in a
+    process holding torch). Nested and concurrent uses are counted; the collector's
+    previous state comes back when the last one ends."""
+
+    _lock = threading.Lock()
+    _depth = 0
+    _was_enabled = False
+
+    def __enter__(self):
+        with self._lock:
+            if _GcPaused._depth == 0:
+                _GcPaused._was_enabled = gc.isenabled()
+                gc.disable()
+            _GcPaused._depth += 1
+
+    def __exit__(self, *exc):
+        with self._lock:
+            _GcPaused._depth -= 1
+            if _GcPaused._depth == 0 and _GcPaused._was_enabled:
+                gc.enable()
 
 
 def loads_json(data: bytes, what: str) -> Any:
@@ -116,17 +157,21 @@ def itemsize(dtype_str: str) -> int:
 
 
 # ---------------------------------------------------------------------------- helpers
-def _expect(obj: Any, kind: type | tuple, what: str) -> Any:
+# Hot on large manifests (every chunk record passes here): error texts are built as
+# ``what + field`` only when a check fails, never on the way through.
+def _expect(obj: Any, kind: type | tuple, what: str, field: str = "") -> Any:
     if kind is int and isinstance(obj, bool):
-        raise FormatError(f"{what} must be an int, got {obj!r}")
+        raise FormatError(f"{what}{field} must be an int, got {obj!r}")
     if not isinstance(obj, kind):
-        raise FormatError(f"{what} has the wrong type: {type(obj).__name__}")
+        raise FormatError(f"{what}{field} has the wrong type: {type(obj).__name__}")
     return obj
 
 
-def _fields(d: Any, required: set[str], optional: set[str], what: str) -> dict:
+def _fields(d: Any, required: set[str] | frozenset, optional: set[str], what: str) -> dict:
     """Check a JSON object has exactly the known fields (I4: unknown fields are errors)."""
     _expect(d, dict, what)
+    if not optional and d.keys() == required:
+        return d
     missing = required - d.keys()
     unknown = d.keys() - required - optional
     if missing:
@@ -136,24 +181,28 @@ def _fields(d: Any, required: set[str], optional: set[str], what: str) -> dict:
     return d
 
 
-def _int_list(v: Any, what: str, max_len: int = MAX_NDIM) -> tuple[int, ...]:
-    _expect(v, list, what)
+def _int_list(v: Any, what: str, field: str = "", max_len: int = MAX_NDIM) -> tuple[int, ...]:
+    _expect(v, list, what, field)
     if len(v) > max_len:
-        raise FormatError(f"{what} has {len(v)} entries, at most {max_len} are allowed")
+        raise FormatError(f"{what}{field} has {len(v)} entries, at most {max_len} are allowed")
     for x in v:
-        if not 0 <= _expect(x, int, what) <= MAX_BYTES:
-            raise FormatError(f"{what} holds {x}, outside 0 .. 2**62")
+        if not 0 <= _expect(x, int, what, field) <= MAX_BYTES:
+            raise FormatError(f"{what}{field} holds {x}, outside 0 .. 2**62")
     return tuple(v)
 
 
-def _int(v: Any, what: str, low: int = 0, high: int = MAX_BYTES) -> int:
-    if not low <= _expect(v, int, what) <= high:
-        raise FormatError(f"{what} is {v}, outside {low} .. {high}")
+def _int(v: Any, what: str, low: int = 0, high: int = MAX_BYTES, field: str = "") -> int:
+    if type(v) is not int:
+        _expect(v, int, what, field)
+    if not low <= v <= high:
+        raise FormatError(f"{what}{field} is {v}, outside {low} .. {high}")
     return v
 
 
 def _codec_chain(codec: Any, what: str) -> tuple[dict, ...]:
     """The only chains version 1 knows, with exactly their parameters (I4)."""
+    if codec == []:
+        return ()
     _expect(codec, list, what)
     for c in codec:
         _expect(c, dict, f"{what}[]")
@@ -182,7 +231,8 @@ class Blob:
     codec: tuple[Mapping[str, Any], ...]  # applied in order on write, reversed on read
     xxh3_128: str  # hex digest of the raw bytes
 
-    _FIELDS = {"file", "offset", "length", "raw_length", "codec", "xxh3_128"}
+    _FIELDS = frozenset({"file", "offset", "length", "raw_length", "codec", "xxh3_128"})
+    _CHUNK_FIELDS = _FIELDS | {"offsets", "sizes"}
 
     def to_json(self) -> dict:
         return {
@@ -195,22 +245,25 @@ class Blob:
         }
 
     @classmethod
-    def from_json(cls, d: dict, what: str, attempt: str, extra: set[str] = frozenset()) -> "Blob":
+    def from_json(cls, d: dict, what: str, attempt: str, fields: frozenset = _FIELDS) -> "Blob":
         """Parse and bound one blob record; ``attempt`` is the only attempt its file may lie in."""
-        _fields(d, cls._FIELDS | extra, set(), what)
+        _fields(d, fields, set(), what)
         codec = _codec_chain(d["codec"], f"{what}.codec")
-        digest = _expect(d["xxh3_128"], str, f"{what}.xxh3_128")
-        if not _DIGEST_RE.fullmatch(digest):
+        digest = d["xxh3_128"]
+        if type(digest) is not str or not _DIGEST_RE.fullmatch(digest):
             raise FormatError(f"{what}.xxh3_128 is not a 32-digit hex digest")
-        length = _int(d["length"], f"{what}.length")
-        raw_length = _int(d["raw_length"], f"{what}.raw_length")
+        length = _int(d["length"], what, field=".length")
+        raw_length = _int(d["raw_length"], what, field=".raw_length")
         if not codec and raw_length != length:
             raise FormatError(f"{what}: a raw blob's raw_length {raw_length} != its length {length}")
         if codec and raw_length > length * ZSTD_MAX_RATIO:
             raise FormatError(f"{what}: {length} zstd bytes cannot decode to raw_length {raw_length}")
+        file = d["file"]
+        if _data_file_attempt(file) != attempt:
+            check_data_file(file, attempt, f"{what}.file")  # raises, naming what is wrong
         return cls(
-            file=check_data_file(d["file"], attempt, f"{what}.file"),
-            offset=_int(d["offset"], f"{what}.offset"),
+            file=file,
+            offset=_int(d["offset"], what, field=".offset"),
             length=length,
             raw_length=raw_length,
             codec=codec,
@@ -232,8 +285,8 @@ class Chunk:
     @classmethod
     def from_json(cls, d: dict, what: str, attempt: str) -> "Chunk":
         _expect(d, dict, what)
-        blob = Blob.from_json(d, what, attempt, extra={"offsets", "sizes"})
-        return cls(_int_list(d["offsets"], f"{what}.offsets"), _int_list(d["sizes"], f"{what}.sizes"), blob)
+        blob = Blob.from_json(d, what, attempt, Blob._CHUNK_FIELDS)
+        return cls(_int_list(d["offsets"], what, ".offsets"), _int_list(d["sizes"], what, ".sizes"), blob)
 
 
 @dataclass(frozen=True)
@@ -410,7 +463,8 @@ class Vote:
 
     @classmethod
     def from_bytes(cls, data: bytes, what: str = "vote") -> "Vote":
-        return cls.from_json(loads_json(data, what))
+        with _GcPaused():
+            return cls.from_json(loads_json(data, what))
 
 
 _MANIFEST_FIELDS = {
@@ -498,7 +552,8 @@ class Manifest:
         if len(data) > MAX_MANIFEST_BYTES:
             raise FormatError(f"manifest holds {len(data)} bytes, more than the cap of {MAX_MANIFEST_BYTES} "
                               "(CKPTSTORE_MAX_MANIFEST_BYTES)")
-        return cls.from_json(loads_json(data, "manifest"))
+        with _GcPaused():
+            return cls.from_json(loads_json(data, "manifest"))
 
     # -- summaries
     def blobs(self):
