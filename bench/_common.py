@@ -7,6 +7,7 @@ The scripts run as ``python bench/<name>.py``, so this directory is on ``sys.pat
 
 from __future__ import annotations
 
+import datetime as _dt
 import json
 import os
 import platform
@@ -118,3 +119,29 @@ def write_json(path: str, result, indent: int = 2) -> None:
     with open(path, "w") as f:
         json.dump(result, f, indent=indent)
     print(f"wrote {path}")
+
+
+def machine_info(bench_dir: str, **extra) -> dict:
+    """The machine a run came from: CPU, cores, memory, versions, kernel and the disk of
+    ``bench_dir``; ``extra`` adds the script's own facts (library versions, threads)."""
+    import ckptstore
+    from ckptstore import native
+
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        ram = None
+    return {
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "cpu_model": cpu_model(),
+        "logical_cores": os.cpu_count(),
+        "affinity_cores": len(os.sched_getaffinity(0)),
+        "ram_bytes": ram,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "ckptstore": ckptstore.__version__,
+        "ckptstore_native": bool(native.NATIVE),
+        **extra,
+        "kernel": platform.release(),
+        "disk": {"dir": bench_dir, **mount_of(bench_dir, options=False)},
+    }

@@ -51,7 +51,6 @@ import argparse
 import datetime as _dt
 import json
 import os
-import platform
 import resource
 import shutil
 import statistics
@@ -65,7 +64,7 @@ warnings.filterwarnings("ignore", message=".*using the slower pure-Python/torch 
 
 import torch  # noqa: E402
 import zstandard  # noqa: E402
-from _common import Contention, cpu_model, mount_of, write_json  # noqa: E402
+from _common import Contention, machine_info, write_json  # noqa: E402
 
 import ckptstore  # noqa: E402
 from ckptstore import format as fmt  # noqa: E402
@@ -264,30 +263,6 @@ def build_tib_claim(work: str) -> dict:
     return {"dir": loc, "claimed_bytes": TiB, "file_bytes": os.path.getsize(os.path.join(loc, info["file"]))}
 
 
-# ---------------------------------------------------------------------------- machine
-def machine_info(bench_dir: str) -> dict:
-    from ckptstore import native
-
-    try:
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        ram = None
-    return {
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "cpu_model": cpu_model(),
-        "logical_cores": os.cpu_count(),
-        "affinity_cores": len(os.sched_getaffinity(0)),
-        "ram_bytes": ram,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "zstandard": zstandard.__version__,
-        "ckptstore": ckptstore.__version__,
-        "ckptstore_native": bool(native.NATIVE),
-        "kernel": platform.release(),
-        "disk": {"dir": bench_dir, **mount_of(bench_dir, options=False)},
-    }
-
-
 # ---------------------------------------------------------------------------- main
 def _short(outcome: str) -> str:
     """The outcome without the location and blob prefix of ckptstore's messages."""
@@ -324,7 +299,7 @@ def main(argv=None) -> int:
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     out_path = args.out or os.path.join(HERE, "results", f"hostile-{stamp}.json")
     work = tempfile.mkdtemp(prefix="ckptstore-bench-hostile-", dir=args.dir)
-    info = machine_info(work)
+    info = machine_info(work, zstandard=zstandard.__version__)
     contention = Contention()
     results: dict = {"machine": info, "repeats": args.repeats, "cover_repeats": args.cover_repeats}
     rows: list[dict] = []

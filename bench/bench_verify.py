@@ -32,9 +32,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -49,7 +47,7 @@ import xxhash
 
 warnings.filterwarnings("ignore", message=".*using the slower pure-Python/torch fallback.*")
 
-from _common import Contention, cpu_model, drop_caches, mount_of, write_json  # noqa: E402
+from _common import Contention, drop_caches, machine_info, write_json  # noqa: E402
 
 import ckptstore  # noqa: E402
 from ckptstore.checkpoint.restore import latest_manifest  # noqa: E402
@@ -86,31 +84,6 @@ def build_state(size_bytes: int, seed: int = 0) -> dict:
                        "exp_avg_sq": torch.zeros(shape) if frozen else
                        torch.randn(shape, generator=g).mul_(scale).square_().add_(1e-12)}
     return {"model": model, "optim": {"state": optim, "param_groups": [{"lr": 3e-4, "params": list(model)}]}}
-
-
-# ---------------------------------------------------------------------------- machine
-def machine_info(bench_dir: str, threads: int) -> dict:
-    from ckptstore import native
-
-    try:
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        ram = None
-    return {
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "cpu_model": cpu_model(),
-        "logical_cores": os.cpu_count(),
-        "affinity_cores": len(os.sched_getaffinity(0)),
-        "ram_bytes": ram,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "xxhash": xxhash.VERSION,
-        "ckptstore": ckptstore.__version__,
-        "ckptstore_native": bool(native.NATIVE),
-        "reader_threads": threads,
-        "kernel": platform.release(),
-        "disk": {"dir": bench_dir, **mount_of(bench_dir, options=False)},
-    }
 
 
 # ---------------------------------------------------------------------------- the contenders
@@ -164,7 +137,7 @@ def main(argv=None) -> int:
 
     threads = runtime().readers.max_workers
     work = tempfile.mkdtemp(prefix="ckptstore-bench-verify-", dir=args.dir)
-    info = machine_info(work, threads)
+    info = machine_info(work, xxhash=xxhash.VERSION, reader_threads=threads)
     contention = Contention()
     results: dict = {"machine": info, "size_gib": args.size_gib, "repeats": args.repeats, "cold": False,
                      "chunk_bytes": DEFAULT_CHUNK_BYTES, "checkpoints": {}}

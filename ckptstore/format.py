@@ -26,7 +26,7 @@ FORMAT_VERSION = 1
 
 # ---------------------------------------------------------------------------- names
 # Stored names live in ``names``; re-exported here for the callers that know them as format's.
-from .names import (  # noqa: E402
+from .names import (  # noqa: E402, F401 (re-exported: callers know these as format's)
     ATTEMPTS_DIR,
     MAX_GENERATION,
     MAX_STEP,

@@ -139,6 +139,11 @@ def attempt_leaf_kind(leaf: str) -> str | None:
     return None
 
 
+def temp_name(final: str) -> str:
+    """A fresh temporary name beside ``final`` (the last path part), for a put in progress."""
+    return f"{final}{TMP_MARK}{uuid.uuid4().hex[:8]}"
+
+
 def is_temp_name(leaf: str) -> bool:
     """A temporary file left by an interrupted put (local disk)."""
     return _TMP_RE.fullmatch(leaf) is not None

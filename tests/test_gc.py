@@ -483,14 +483,9 @@ def test_I4_I7_gc_never_deletes_the_data_of_a_manifest_it_cannot_read(tmp_path):
     assert files_below(loc) == before, "gc deleted files a manifest names"
 
 
-def test_I7_commit_never_publishes_files_gc_removed_while_it_waited(tmp_path, zygote):
-    """Rank 0 of a 2-rank save has written its data and vote and waits for rank 1. An
-    operator's gc with a grace period shorter than that wait removes rank 0's files as
-    debris. When rank 1 then votes, the commit must fail, not publish a checkpoint whose
-    files are gone (a visible, broken, newest checkpoint)."""
-    root = str(tmp_path / "store")
-    build_store(root, steps=(0,))
-    where = os.path.join(root, fmt.step_dir_name(1))
+def rank0_waiting_for_rank1(where: str, attempt: str, step: int):
+    """Rank 0 of a 2-rank save of ``state(1)``, returned once its data and vote are
+    written and it waits in the commit for rank 1 (the "rank1" child role)."""
     voted = threading.Event()
 
     class Observed(LocalStorage):
@@ -499,10 +494,22 @@ def test_I7_commit_never_publishes_files_gc_removed_while_it_waited(tmp_path, zy
             if key.endswith("/vote-r00000.json"):
                 voted.set()
 
-    attempt = fmt.new_attempt_id()
-    fut = start_save(state(1), Observed(where), rt=runtime(), attempt=attempt, step=1, rank=0, world_size=2,
+    fut = start_save(state(1), Observed(where), rt=runtime(), attempt=attempt, step=step, rank=0, world_size=2,
                      metrics=None, options=SaveOptions(commit_timeout=HANG_GUARD_S))
     assert voted.wait(HANG_GUARD_S)
+    return fut
+
+
+def test_I7_commit_never_publishes_files_gc_removed_while_it_waited(tmp_path, zygote):
+    """Rank 0 of a 2-rank save has written its data and vote and waits for rank 1. An
+    operator's gc with a grace period shorter than that wait removes rank 0's files as
+    debris. When rank 1 then votes, the commit must fail, not publish a checkpoint whose
+    files are gone (a visible, broken, newest checkpoint)."""
+    root = str(tmp_path / "store")
+    build_store(root, steps=(0,))
+    where = os.path.join(root, fmt.step_dir_name(1))
+    attempt = fmt.new_attempt_id()
+    fut = rank0_waiting_for_rank1(where, attempt, step=1)
     age_files(where, 2 * HOUR)  # rank 1 is two hours late (within a long commit timeout)
     assert cli("gc", root, "--grace", "1h").exit_code == 0
     child = zygote.run(THIS, "rank1", where, attempt)
@@ -523,18 +530,8 @@ def test_I7_a_checkpoint_committed_between_plan_and_execution_is_never_deleted(t
     build_store(root, steps=(0,) if when == "attempt" else (1, 5))
     step = 1  # the step the "rank1" child saves
     where = os.path.join(root, fmt.step_dir_name(step))
-    voted = threading.Event()
-
-    class Observed(LocalStorage):
-        def put(self, key, data, *, if_absent=False):
-            super().put(key, data, if_absent=if_absent)
-            if key.endswith("/vote-r00000.json"):
-                voted.set()
-
     attempt = fmt.new_attempt_id()
-    fut = start_save(state(1), Observed(where), rt=runtime(), attempt=attempt, step=step, rank=0, world_size=2,
-                     metrics=None, options=SaveOptions(commit_timeout=HANG_GUARD_S))
-    assert voted.wait(HANG_GUARD_S)
+    fut = rank0_waiting_for_rank1(where, attempt, step=step)
     policy = Retention(last=1)
     planned = gc_mod.plan(LocalStorage(root), policy, grace=0)
     doomed = {(d.kind, d.location) for d in planned.deletions}

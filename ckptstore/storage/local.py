@@ -45,7 +45,6 @@ import errno
 import os
 import stat as _stat
 import threading
-import uuid
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -58,9 +57,9 @@ from ..errors import (
     StoragePermissionError,
     TruncatedObjectError,
 )
+from ..names import TMP_MARK, temp_name
 from .base import AppendWriter, ObjectInfo, Storage, _check_limit
 
-_TMP_MARK = ".tmp-"
 READ_PIECE = 4 << 20  # read (and hash) in pieces that stay in the CPU cache
 WRITEBACK_MIN = 1 << 20
 # Read coalescing (see storage/base.py). A read of its own costs a reader-pool job, an
@@ -303,7 +302,7 @@ class LocalStorage(Storage):
     def put(self, key: str, data, *, if_absent: bool = False) -> None:
         parts = self._parts(key)
         name = parts[-1]
-        tmp = f"{name}{_TMP_MARK}{uuid.uuid4().hex[:8]}"
+        tmp = temp_name(name)
         with os_errors(self.describe(key)):
             dfd = self._parent(parts, key)
             try:
@@ -411,7 +410,7 @@ class LocalStorage(Storage):
             os.close(fd)
         out = []
         for e in entries:
-            if _TMP_MARK in e.name or not _valid_name(e.name):
+            if TMP_MARK in e.name or not _valid_name(e.name):
                 continue
             out.append(e.name + "/" if e.is_dir(follow_symlinks=False) else e.name)
         return sorted(out)
