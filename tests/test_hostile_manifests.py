@@ -476,3 +476,20 @@ def test_I6_retiring_never_deletes_the_new_generations_files_an_old_manifest_nam
     assert commit_mod.generations(LocalStorage(loc)) == [2]
     assert ckptstore.load(loc)["step"] == 2
     assert ckptstore.verify(loc) == []
+
+
+def test_I7_temp_file_inside_a_committed_attempt_goes_after_the_grace_the_attempt_stays(tmp_path):
+    from cliutil import age_files
+
+    root = str(tmp_path / "s")
+    store = _store(root, steps=(1,))
+    attempt_dir = os.path.join(root, names.step_dir_name(1), names.attempt_dir(store.manifest(1).attempt))
+    debris = os.path.join(attempt_dir, "vote-r00001.json.tmp-0a1b2c3d")
+    with open(debris, "wb") as f:
+        f.write(b"{")
+    assert cli("gc", root, "--grace", "1h").exit_code == 0
+    assert os.path.exists(debris)  # young: a put may still be in progress
+    age_files(root, 7200)
+    assert cli("gc", root, "--grace", "1h").exit_code == 0
+    assert not os.path.exists(debris)
+    assert ckptstore.verify(os.path.join(root, names.step_dir_name(1))) == [] and store.load(1)["step"] == 1

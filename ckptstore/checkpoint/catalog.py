@@ -72,12 +72,15 @@ def scan_location(storage: Storage, name: str) -> Location:
     loc = Location(name, storage, gens, manifest, error, pinned=PIN_NAME in entries)
     for info in storage.walk(""):
         parts = info.key.split("/")
-        if getattr(info, "kind", "file") != "file":
+        if info.kind != "file":
             loc.foreign.append(info.key)
             continue
+        if names.is_temp_name(parts[-1]) and (len(parts) == 1 or parts[0] == names.ATTEMPTS_DIR):
+            # an interrupted put (a manifest, a vote, a heartbeat): gc's after the grace,
+            # even inside an attempt a manifest references
+            loc.temp_files.append((info.key, info.mtime))
+            continue
         if len(parts) == 1:
-            if names.is_temp_name(parts[0]):
-                loc.temp_files.append((info.key, info.mtime))
             continue  # manifests, pin, and what else the location holds at its top
         if parts[0] != names.ATTEMPTS_DIR:
             continue  # not ours to judge: a nested location or the user's files
