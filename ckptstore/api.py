@@ -168,12 +168,20 @@ class WorldSizeChangedWarning(UserWarning):
     """Loading a checkpoint saved on another number of ranks."""
 
 
+RELOADS = 3  # how often a load starts again when what it read was retired under it
+
+
 def _load_storage(storage: Storage, map_location, weights_only: bool, rank: int | None, pickle_load_args,
                   template=None, group=None, pickle_module=None):
-    """(object, LoadInfo) of the visible checkpoint at ``storage``."""
+    """(object, LoadInfo) of the visible checkpoint at ``storage``.
+
+    The one retry rule of a load (format.md, read order step 5): when reading fails and
+    the manifest being read is gone, a newer generation (or retention) retired it under
+    the load, so start again from the listing; any other failure is the checkpoint's
+    own and is raised as it is."""
     # restore's default unpickler is pickle's: name only another module
     custom = {} if pickle_module in (None, pickle) else {"pickle_module": pickle_module}
-    for attempt in range(3):
+    for tries in range(RELOADS):
         manifest = latest_manifest(storage)
         info = _load_info(storage, manifest, rank, group)
         try:
@@ -182,9 +190,8 @@ def _load_storage(storage: Storage, map_location, weights_only: bool, rank: int 
             if template is not None:
                 obj = fill_template(template, obj, manifest, storage, runtime().readers)
             return obj, info
-        except Exception:
-            # A newer generation may have retired this one while we read it: retry then.
-            if attempt == 2 or latest_manifest(storage).generation == manifest.generation:
+        except CkptStoreError:
+            if tries == RELOADS - 1 or storage.exists(names.manifest_name(manifest.generation)):
                 raise
 
 
@@ -312,15 +319,16 @@ class Store:
         checkpoint's global (sharded) tensors come back whole. ``return_info=True``
         returns ``(state, LoadInfo)``.
         """
-        for attempt in range(5):
+        for tries in range(RELOADS):
             chosen = self._resolve(step)
             try:
                 obj, info = _load_storage(self.location(chosen), map_location, weights_only, rank, None,
                                           template, self.process_group)
                 return (obj, info) if return_info else obj
             except CkptStoreError:
-                # Retention may have removed it while we read a newer one: take the new latest.
-                if step is not None or attempt == 4 or chosen in self.steps():
+                # The same rule one level up: retention removed the latest step while we
+                # read it (its manifest is gone), so the latest is another step now.
+                if step is not None or tries == RELOADS - 1 or chosen in self.steps():
                     raise
 
 

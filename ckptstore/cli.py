@@ -15,7 +15,7 @@ import time
 
 import click
 
-from . import __version__
+from ._version import __version__
 from .checkpoint import gc as gc_mod
 from .checkpoint.catalog import Location, is_location, scan_location, scan_store
 from .checkpoint.retention import KeepBest, Retention, parse_duration

@@ -183,7 +183,7 @@ def test_ls_all_shows_an_attempt_left_by_a_killed_save(tmp_path):
         "            os.kill(os.getpid(), signal.SIGKILL)\n"
         "where = DieAfterVote(os.path.join(sys.argv[1], fmt.step_dir_name(3)))\n"
         "start_save({'w': torch.ones(1000)}, where, rt=runtime(), attempt=fmt.new_attempt_id(), step=3,\n"
-        "           rank=0, world_size=1, metrics=None, options=SaveOptions()).result()\n"
+        "           rank=0, world_size=2, metrics=None, options=SaveOptions()).result()\n"
     )
     p = subprocess.run([sys.executable, "-c", code, root], env=cli_env(), capture_output=True, text=True, timeout=180)
     assert p.returncode == -9, p.stderr

@@ -213,7 +213,7 @@ def test_cli_gc_flags(tmp_path, flags, expected):
     assert {k["name"] for k in report["kept"]} == {fmt.step_dir_name(s) for s in expected}
     gone = set(LOSS) - expected
     assert sorted(d["location"] for d in report["deleted"]) == [fmt.step_dir_name(s) for s in sorted(gone)]
-    assert all(d["kind"] == "checkpoint" and d["objects"] == 3 and d["bytes"] > 0 for d in report["deleted"])
+    assert all(d["kind"] == "checkpoint" and d["objects"] == 2 and d["bytes"] > 0 for d in report["deleted"])  # manifest, data file
     assert report["bytes"] == sum(d["bytes"] for d in report["deleted"]) and report["dry_run"] is False
     assert assert_visible_whole(root) == sorted(expected)
     for s in gone:

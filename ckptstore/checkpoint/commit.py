@@ -15,7 +15,7 @@ import json
 import time
 import warnings
 
-from .. import __version__
+from .._version import __version__
 from .. import format as fmt
 from .. import names
 from ..errors import (

@@ -101,7 +101,8 @@ def start_save(obj, storage: Storage, *, rt: Runtime, attempt: str, step: int | 
             vote = fmt.Vote(attempt, step, world_size, rank, ok=True,
                             state=fmt.RankState(rank, written.skeleton, tensors),
                             shards=shards, replicas=written.replicas)
-            write_vote(storage, vote)
+            if world_size > 1:  # a one-rank save's committer is its only voter: no file to write and fsync
+                write_vote(storage, vote)
             if rank == 0:
                 manifest = commit(storage, vote, world_size, created_at, dict(metrics or {}), options.commit_timeout)
             else:
