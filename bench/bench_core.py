@@ -271,7 +271,7 @@ def run_probe(name: str, size_bytes: int, bench_dir: str) -> dict:
     out["peak_extra_bytes"] = mem.stop()
     out["retained_after_bytes"] = mem.rss_extra()
     if name.startswith("ckptstore"):
-        from ckptstore.pipeline import runtime
+        from ckptstore.runtime import runtime
 
         out["pool_stats"] = runtime().pool.stats()
     return out

@@ -52,7 +52,7 @@ from _common import cpu_model, write_json  # noqa: E402
 
 import ckptstore  # noqa: E402
 from ckptstore import native  # noqa: E402
-from ckptstore.pipeline import runtime  # noqa: E402
+from ckptstore.runtime import runtime  # noqa: E402
 from ckptstore.staging import StagingCopier, StagingPool  # noqa: E402
 
 MiB, GiB = 1 << 20, 1 << 30

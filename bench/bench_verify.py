@@ -52,7 +52,7 @@ from _common import Contention, drop_caches, machine_info, write_json  # noqa: E
 import ckptstore  # noqa: E402
 from ckptstore.checkpoint.restore import latest_manifest  # noqa: E402
 from ckptstore.checkpoint.snapshot import DEFAULT_CHUNK_BYTES  # noqa: E402
-from ckptstore.pipeline import runtime  # noqa: E402
+from ckptstore.runtime import runtime  # noqa: E402
 from ckptstore.storage import LocalStorage  # noqa: E402
 
 GB = 1e9

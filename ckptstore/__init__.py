@@ -12,13 +12,15 @@ Managed, for training loops::
     state = store.load()            # latest committed step
 """
 
-__version__ = "0.1.0"
+from ._version import __version__  # noqa: E402 (one source: _version.py, read by the build too)
 
 from . import errors  # noqa: E402
 from .api import LoadInfo, Store, WorldSizeChangedWarning, load, save, wait  # noqa: E402
 from .checkpoint.save import SaveFuture  # noqa: E402
 from .checkpoint.verify import verify  # noqa: E402
 from .errors import *  # noqa: E402,F401,F403
-from .pipeline import configure  # noqa: E402
+from .config import Config, ConfigError  # noqa: E402
+from .runtime import configure  # noqa: E402
 
-__all__ = ["LoadInfo", "Store", "SaveFuture", "WorldSizeChangedWarning", "configure", "errors", "load", "save", "verify", "wait", "__version__"]
+__all__ = ["Config", "ConfigError", "LoadInfo", "Store", "SaveFuture", "WorldSizeChangedWarning", "configure", "errors",
+           "load", "save", "verify", "wait", "__version__"]

@@ -1,4 +1,4 @@
-"""Thread pools for ckptstore's background work (used by the pipeline and storage)."""
+"""Thread pools for ckptstore's background work (owned by the runtime, used by storage too)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ class DaemonThreadPool:
     ``ThreadPoolExecutor`` threads are joined before atexit handlers run, which would
     make interpreter exit wait, unbounded, for a write or upload in flight, or refuse
     its next part; ckptstore bounds that wait itself (``ckptstore.lifecycle``). Threads
-    start on demand, up to ``max_workers``. The pipeline uses it for its workers, and
+    start on demand, up to ``max_workers``. The runtime uses it for its workers, and
     s3transfer takes it as ``executor_cls``.
     """
 

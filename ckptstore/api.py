@@ -35,10 +35,10 @@ from .errors import (
     CheckpointNotFoundError,
     CkptStoreError,
     CommitError,
+    FormatError,
     NotACheckpointError,
-    ObjectNotFoundError,
 )
-from .pipeline import runtime
+from .runtime import runtime
 from .storage import MemoryStorage, Storage, is_url, open_storage
 
 wait = lifecycle.wait
@@ -144,6 +144,8 @@ def load(f, map_location=None, pickle_module: Any = None, *, weights_only: bool 
             return torch.load(path, **torch_kw, **pickle_load_args)
         if not os.path.exists(path):
             raise CheckpointNotFoundError(f"{path}: no such file or directory")
+        if not os.path.isdir(path):
+            raise NotACheckpointError(f"{path}: neither a regular file nor a directory (a FIFO, socket or device)")
     storage = open_storage(f, **(storage_options or {}))
     return _load_storage(storage, map_location, weights_only, rank, pickle_load_args, pickle_module=pickle_module)[0]
 
@@ -172,7 +174,7 @@ RELOADS = 3  # how often a load starts again when what it read was retired under
 
 
 def _load_storage(storage: Storage, map_location, weights_only: bool, rank: int | None, pickle_load_args,
-                  template=None, group=None, pickle_module=None):
+                  template=None, group=None, pickle_module=None, step: int | None = None):
     """(object, LoadInfo) of the visible checkpoint at ``storage``.
 
     The one retry rule of a load (format.md, read order step 5): when reading fails and
@@ -183,6 +185,9 @@ def _load_storage(storage: Storage, map_location, weights_only: bool, rank: int 
     custom = {} if pickle_module in (None, pickle) else {"pickle_module": pickle_module}
     for tries in range(RELOADS):
         manifest = latest_manifest(storage)
+        if None not in (step, manifest.step) and manifest.step != step:
+            raise FormatError(f"{storage.describe()}: the manifest says step {manifest.step}, its directory "
+                              f"step {step}")
         info = _load_info(storage, manifest, rank, group)
         try:
             obj = restore(storage, manifest, info.rank_state_of, map_location, weights_only,
@@ -280,16 +285,12 @@ class Store:
         self.location(step).delete(PIN_NAME)
 
     def pinned(self) -> list[int]:
-        return [s for s in self.steps() if self.location(s).exists(PIN_NAME)]
+        return [s for s in self.steps() if PIN_NAME in self.location(s).list("")]  # as gc and ls see pins
 
     def steps(self) -> list[int]:
         """Committed steps, ascending."""
         found = []
-        try:
-            entries = self.storage.list("")
-        except ObjectNotFoundError:
-            return []
-        for name in entries:
+        for name in self.storage.list(""):
             step = names.parse_step_dir_name(name.rstrip("/"))
             if step is not None and name.endswith("/") and generations(self.location(step)):
                 found.append(step)
@@ -323,7 +324,7 @@ class Store:
             chosen = self._resolve(step)
             try:
                 obj, info = _load_storage(self.location(chosen), map_location, weights_only, rank, None,
-                                          template, self.process_group)
+                                          template, self.process_group, step=chosen)
                 return (obj, info) if return_info else obj
             except CkptStoreError:
                 # The same rule one level up: retention removed the latest step while we

@@ -21,7 +21,7 @@ from .checkpoint.catalog import Location, is_location, scan_location, scan_store
 from .checkpoint.retention import KeepBest, Retention, parse_duration
 from .checkpoint.verify import Problem, verify_manifest
 from .errors import CkptStoreError
-from .storage import Storage, open_storage
+from .storage import Storage, is_url, open_storage
 
 EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2
 
@@ -31,14 +31,37 @@ def _fail(message: str, code: int) -> None:
     sys.exit(code)
 
 
-def _open(url: str) -> Storage:
+def _open(url: str, containers: bool = True) -> Storage:
+    """The store at ``url``. A local file holding a single-file container (what
+    ``ckptstore.save`` writes over an existing plain file) opens as a read-only
+    in-memory store that ls and verify read like any checkpoint; gc has nothing to
+    collect in one (``containers=False``: a usage error)."""
+    if not is_url(url) and os.path.isfile(url):
+        return _open_container(url, containers)
     try:
         storage = open_storage(url)
         storage.list("")
     except (CkptStoreError, ValueError, OSError) as e:
         _fail(f"cannot open {url}: {e}", EXIT_USAGE)
-    if hasattr(storage, "is_dir") and not storage.is_dir():
+    if not storage.is_dir():
         _fail(f"cannot open {url}: no such directory", EXIT_USAGE)
+    return storage
+
+
+def _open_container(path: str, allowed: bool) -> Storage:
+    from .checkpoint.container import MAGIC, read_container
+
+    try:
+        with open(path, "rb") as f:
+            if f.read(len(MAGIC)) != MAGIC:
+                _fail(f"cannot open {path}: a file that is not a ckptstore container "
+                      "(a torch.save file? ckptstore.load reads those)", EXIT_USAGE)
+            if not allowed:
+                _fail(f"{path}: a single-file checkpoint: nothing for gc to collect", EXIT_USAGE)
+            storage = read_container(f, MAGIC)
+    except (CkptStoreError, OSError) as e:
+        _fail(f"cannot open {path}: {e}", EXIT_PROBLEM if isinstance(e, CkptStoreError) else EXIT_USAGE)
+    storage.url = os.path.abspath(path)  # messages name the file, not a memory store
     return storage
 
 
@@ -123,7 +146,7 @@ def ls(url: str, as_json: bool, show_all: bool) -> None:
     for r in records:
         metrics = ", ".join(f"{k}={v}" for k, v in r["metrics"].items())
         rows.append([r["name"], "" if r["step"] is None else str(r["step"]),
-                     (r["committed_at"] or "uncommitted")[:19].replace("T", " "),
+                     ("UNREADABLE" if r.get("error") else (r["committed_at"] or "uncommitted")[:19].replace("T", " ")),
                      "" if r["world_size"] is None else str(r["world_size"]),
                      _human_bytes(r["bytes"]), _human_bytes(r["raw_bytes"]),
                      ("pinned " if r["pinned"] else "") + metrics
@@ -224,7 +247,7 @@ def gc(url, keep_last, keep_every, keep_within, keep_best, grace, dry_run, as_js
     committed one are always kept. Without any --keep option no committed checkpoint is
     deleted. Manifests go before their files, so an interrupted gc is safe to re-run.
     """
-    storage = _open(url)
+    storage = _open(url, containers=False)
     policy = Retention(last=keep_last, every=keep_every, within=keep_within, best=keep_best)
     try:
         p = gc_mod.plan(storage, policy, grace)
@@ -267,7 +290,6 @@ def consolidate(src: str, dst: str, as_torch: bool, rank: int, weights_only: boo
     import torch
 
     from . import api
-    from .storage import is_url
 
     if (not is_url(dst) and os.path.exists(dst)) or (is_url(dst) and open_storage(dst).list("")):
         _fail(f"{dst}: already exists; consolidate never replaces a checkpoint", EXIT_USAGE)
@@ -300,7 +322,7 @@ def doctor_report() -> dict:
     import zstandard
 
     from . import native
-    from .pipeline import runtime
+    from .runtime import runtime
 
     cuda = torch.cuda.is_available()
     backends = ["local", "memory"]
@@ -313,7 +335,7 @@ def doctor_report() -> dict:
     return {
         "ckptstore": __version__,
         "native": native.NATIVE,
-        "native_reason": native._WHY_NOT or None,
+        "native_reason": native.WHY_NOT or None,
         "hardware_threads": native.hardware_threads(),
         "python": platform.python_version(),
         "torch": torch.__version__,

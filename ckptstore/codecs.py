@@ -10,7 +10,9 @@ reading applies their inverses in reverse. An empty list means raw bytes. Known 
 
 ``encode`` picks per chunk: it trial-compresses a small sample with and without the
 shuffle and keeps compression only when it saves enough to pay for the CPU it costs on
-write and, above all, on every read.
+write and, above all, on every read. A :class:`CodecMemo`, owned by the caller (the
+process runtime holds one), lets it reuse that decision for the same chunk in later
+saves; this module keeps no state between calls but per-thread zstd contexts.
 """
 
 from __future__ import annotations
@@ -102,30 +104,65 @@ def _apply(chain: list[dict], data: memoryview, level: int) -> memoryview | byte
     return _compressor(level).compress(data)
 
 
-# Decisions of earlier saves, by (tensor key, chunk offsets, size, element size): the same
-# tensor of the next checkpoint almost always compresses as well as it did, so the trial
-# runs again only every RETRY_AFTER saves.
-_decisions: dict[tuple, list] = {}
-RETRY_AFTER = 16
+class CodecMemo:
+    """What ``encode`` decided for a chunk in earlier saves, so that "auto" need not
+    trial-compress the same chunk every time: the same tensor of the next checkpoint
+    almost always compresses as well as it did, so the trial runs again only every
+    ``retry_after`` uses of a decision.
+
+    Keys are ``(hint, size, element size, policy)``; the hint is whatever the caller
+    names a chunk by (opaque here). The caller owns the memo and its lifetime (the
+    process runtime holds one: ``ckptstore.runtime.Runtime.codec_memo``). Thread-safe.
+    """
+
+    RETRY_AFTER = 16
+    MAX_ENTRIES = 1_000_000
+
+    def __init__(self, retry_after: int = RETRY_AFTER, max_entries: int = MAX_ENTRIES):
+        self.retry_after = retry_after
+        self.max_entries = max_entries
+        self._decisions: dict[tuple, list] = {}  # key -> [chain or None, uses]
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._decisions)
+
+    def recall(self, key: tuple) -> tuple[bool, list[dict] | None]:
+        """(True, chain) when a decision for ``key`` may be reused (None: store raw);
+        (False, None) when the trial must run (none yet, or due for a retry)."""
+        with self._lock:
+            entry = self._decisions.get(key)
+            if entry is None or entry[1] >= self.retry_after:
+                return False, None
+            entry[1] += 1
+            return True, entry[0]
+
+    def remember(self, key: tuple, chain: list[dict] | None) -> None:
+        with self._lock:
+            if len(self._decisions) > self.max_entries:
+                self._decisions.clear()
+            self._decisions[key] = [chain, 0]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._decisions.clear()
 
 
 def encode(data: memoryview, elementsize: int, policy: CompressionPolicy,
-           hint: tuple | None = None) -> tuple[list[dict], Any]:
+           hint: tuple | None = None, memo: CodecMemo | None = None) -> tuple[list[dict], Any]:
     """Encode raw chunk bytes; returns (codec records, stored bytes-like).
 
-    ``hint`` names the chunk (tensor key, offsets) so "auto" can reuse the decision it
-    made for the same chunk in an earlier save instead of trial-compressing again.
+    With a ``memo`` and a ``hint`` naming the chunk (any hashable: the pipeline passes
+    scope, tensor key and offsets), "auto" reuses the decision it made for the same
+    chunk in an earlier save instead of trial-compressing again.
     """
     n = len(data)
     if policy.mode == "none" or n == 0:
         return [], data
     limit = policy.max_ratio if policy.mode == "auto" else 1.0
-    memo_key = (hint, n, elementsize, policy) if hint is not None else None
-    memo = _decisions.get(memo_key) if memo_key is not None else None
-    if memo is not None and memo[1] < RETRY_AFTER:
-        memo[1] += 1
-        best_chain = memo[0]
-    else:
+    memo_key = (hint, n, elementsize, policy) if hint is not None and memo is not None else None
+    known, best_chain = memo.recall(memo_key) if memo_key is not None else (False, None)
+    if not known:
         best_chain, best_ratio = None, 1.0
         sample = _sample(data)
         for filters in _candidates(elementsize):
@@ -135,9 +172,7 @@ def encode(data: memoryview, elementsize: int, policy: CompressionPolicy,
         if best_ratio > limit:
             best_chain = None
         if memo_key is not None:
-            if len(_decisions) > 1_000_000:
-                _decisions.clear()
-            _decisions[memo_key] = [best_chain, 0]
+            memo.remember(memo_key, best_chain)
     if best_chain is None:
         return [], data
     out = _apply(best_chain, data, policy.level)
@@ -173,17 +208,24 @@ def decode_into(chain: list[Mapping[str, Any]], stored, out: memoryview, what: s
                               torch.frombuffer(target, dtype=torch.uint8), size)
 
 
+def check_stated_size(chain: list[Mapping[str, Any]], stored, raw_length: int, what: str) -> None:
+    """Refuse, before anything is allocated for the decoded bytes, stored bytes whose
+    zstd frame does not state exactly ``raw_length`` as its content size."""
+    if chain and chain[-1].get("id") == "zstd":
+        try:
+            claimed = zstandard.frame_content_size(stored)
+        except zstandard.ZstdError as e:
+            raise FormatError(f"{what}: zstd frame is corrupt: {e}") from e
+        if claimed != raw_length:
+            told = "no size" if claimed < 0 else f"{claimed} bytes"
+            raise FormatError(f"{what}: zstd frame states {told}, the manifest {raw_length}")
+
+
 STREAM_DECODE_BYTES = 1 << 20  # above this, decode into the destination (saves a copy)
 
 
 def _zstd_into(stored, out: memoryview, what: str) -> None:
-    try:
-        claimed = zstandard.frame_content_size(stored)
-    except zstandard.ZstdError as e:
-        raise FormatError(f"{what}: zstd frame is corrupt: {e}") from e
-    if claimed != len(out):
-        told = "no size" if claimed < 0 else f"{claimed} bytes"
-        raise FormatError(f"{what}: zstd frame states {told}, the manifest {len(out)}")
+    check_stated_size([{"id": "zstd"}], stored, len(out), what)
     try:
         if len(out) <= STREAM_DECODE_BYTES:
             raw = _decompressor().decompress(stored, max_output_size=len(out))

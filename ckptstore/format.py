@@ -11,7 +11,6 @@ import functools
 import gc
 import json
 import math
-import os
 import re
 import threading
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ from typing import Any, Mapping
 
 import torch
 
+from .config import config
 from .errors import FormatError, UnsupportedVersionError
 
 FORMAT_NAME = "ckptstore"
@@ -67,10 +67,18 @@ def _data_file_attempt(name) -> str | None:
 MAX_NDIM = 64
 MAX_BYTES = 1 << 62  # any offset, length, tensor size or element count
 ZSTD_MAX_RATIO = 32768  # a zstd block is >= 4 bytes (RLE) and decodes to <= 128 KiB
-MAX_MANIFEST_BYTES = int(os.environ.get("CKPTSTORE_MAX_MANIFEST_BYTES", 256 << 20))
-MAX_VOTE_BYTES = MAX_MANIFEST_BYTES
+def max_manifest_bytes() -> int:
+    """The cap on a manifest's (and a vote's) size: ``config().max_manifest_bytes``
+    (``CKPTSTORE_MAX_MANIFEST_BYTES``, 256 MiB by default)."""
+    return config().max_manifest_bytes
+
+
 MAX_MARKER_BYTES = 64 << 10  # abort markers, pins, heartbeats
-_CORNER_DIMS = 16  # exact-cover check by corners up to this many split dimensions
+# The exact-cover check sorts 2**k corner rows per chunk, k = the dimensions chunks
+# split (1 or 2 in practice, at most 3 for FSDP over TP): both bounds keep a hostile
+# manifest's cost per tensor near what an honest one of its size costs.
+_CORNER_DIMS = 5
+_MAX_CORNERS = 1 << 21  # corner rows per tensor (about 50 MiB of int64 at k = 3)
 
 
 def utc_now() -> str:
@@ -146,8 +154,9 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def dtype_from_name(name: str) -> torch.dtype:
+    """The dtype of its canonical stored name (``float32``, never an alias like ``float``)."""
     dt = getattr(torch, name, None) if isinstance(name, str) else None
-    if not isinstance(dt, torch.dtype):
+    if not isinstance(dt, torch.dtype) or dtype_name(dt) != name:
         raise FormatError(f"unknown dtype {name!r}")
     return dt
 
@@ -545,12 +554,14 @@ class Manifest:
         validate_ranks(m.ranks, m.world_size)
         for key, entry in m.tensors.items():
             validate_coverage(entry, f"global tensor {key!r}")
+        validate_extents(m.blobs())
         return m
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "Manifest":
-        if len(data) > MAX_MANIFEST_BYTES:
-            raise FormatError(f"manifest holds {len(data)} bytes, more than the cap of {MAX_MANIFEST_BYTES} "
+        cap = max_manifest_bytes()
+        if len(data) > cap:
+            raise FormatError(f"manifest holds {len(data)} bytes, more than the cap of {cap} "
                               "(CKPTSTORE_MAX_MANIFEST_BYTES)")
         with _GcPaused():
             return cls.from_json(loads_json(data, "manifest"))
@@ -590,6 +601,18 @@ def validate_ranks(ranks: tuple[RankState, ...], world_size: int) -> None:
             validate_coverage(entry, f"rank {r.rank} tensor {key!r}")
 
 
+def validate_extents(blobs) -> None:
+    """No two blobs share stored bytes: each byte of a data file belongs to one blob, so
+    what a manifest can make a reader allocate is bounded by its files' real sizes
+    (raw blobs 1x, zstd at most ZSTD_MAX_RATIO x). ``blobs``: (rank, key, blob)."""
+    spans = sorted((b.file, b.offset, b.offset + b.length, rank, key) for rank, key, b in blobs if b.length)
+    for (f1, _, end1, r1, k1), (f2, start2, _, r2, k2) in zip(spans, spans[1:]):
+        if f1 == f2 and start2 < end1:
+            a = "skeleton" if k1 is None else repr(k1)
+            b = "skeleton" if k2 is None else repr(k2)
+            raise FormatError(f"blobs of {a} (rank {r1}) and {b} (rank {r2}) overlap in {f1} at byte {start2}")
+
+
 def validate_coverage(entry: TensorEntry, what: str) -> None:
     """Chunks lie inside the tensor, do not overlap, and add up to it; lengths agree.
 
@@ -617,9 +640,6 @@ def validate_coverage(entry: TensorEntry, what: str) -> None:
     _check_exact_cover(shape, boxes, what)
 
 
-_MAX_CORNERS = 1 << 24
-
-
 def _check_exact_cover(shape: tuple[int, ...], boxes: list, what: str) -> None:
     """Non-empty boxes inside ``shape`` cover it exactly once, by signed corner counts.
 
@@ -635,8 +655,8 @@ def _check_exact_cover(shape: tuple[int, ...], boxes: list, what: str) -> None:
 
     k, n = len(split), len(boxes)
     if k > _CORNER_DIMS or n << k > _MAX_CORNERS:
-        raise FormatError(f"{what}: {n} chunks split {k} dimensions, more than a reader checks "
-                          f"({_MAX_CORNERS} corners)")
+        raise FormatError(f"{what}: {n} chunks split {k} dimensions; a reader checks at most "
+                          f"{_CORNER_DIMS} split dimensions and {_MAX_CORNERS} chunk corners per tensor")
     lo = np.array([[c.offsets[d] for d in split] for c in boxes], dtype=np.int64).reshape(n, k)
     hi = lo + np.array([[c.sizes[d] for d in split] for c in boxes], dtype=np.int64).reshape(n, k)
     corners, signs = [], []

@@ -11,6 +11,7 @@ import threading
 import time
 
 from .checkpoint.save import SaveFuture
+from .config import config
 from .errors import CkptStoreError
 
 _lock = threading.Lock()
@@ -20,8 +21,9 @@ _hooks_installed = False
 
 
 def exit_timeout() -> float:
-    """Seconds to wait at exit or SIGTERM; CKPTSTORE_EXIT_TIMEOUT overrides (default 300)."""
-    return float(os.environ.get("CKPTSTORE_EXIT_TIMEOUT", "300"))
+    """Seconds to wait at exit or SIGTERM: ``config().exit_timeout``
+    (CKPTSTORE_EXIT_TIMEOUT, default 300), read when the wait begins."""
+    return config().exit_timeout
 
 
 def track(future: SaveFuture) -> SaveFuture:
@@ -101,7 +103,7 @@ def _install_hooks() -> None:
     atexit.register(lambda: drain(exit_timeout()))
     if threading.current_thread() is not threading.main_thread():
         return
-    if os.environ.get("CKPTSTORE_HANDLE_SIGTERM", "1") == "0":
+    if not config().handle_sigterm:  # CKPTSTORE_HANDLE_SIGTERM=0
         return
     previous = signal.getsignal(signal.SIGTERM)
 

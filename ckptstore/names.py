@@ -35,7 +35,7 @@ _ATTEMPT_RE = re.compile(r"[0-9]{8}T[0-9]{6}-[0-9a-f]{12}")
 _DATA_RE = re.compile(r"data-r([0-9]{5})-s([0-9]{2})\.bin")
 _VOTE_RE = re.compile(r"vote-r([0-9]{5})\.json")
 _HEARTBEAT_RE = re.compile(r"heartbeat-r([0-9]{5})")
-_TMP_RE = re.compile(r".+\.tmp-[0-9a-f]{8}")
+_TMP_RE = re.compile(r"(.+)\.tmp-[0-9a-f]{8}")
 
 
 # ---------------------------------------------------------------------------- manifests
@@ -145,8 +145,14 @@ def temp_name(final: str) -> str:
 
 
 def is_temp_name(leaf: str) -> bool:
-    """A temporary file left by an interrupted put (local disk)."""
-    return _TMP_RE.fullmatch(leaf) is not None
+    """A temporary file left by an interrupted put (local disk) of a name ckptstore
+    writes: a manifest, a pin, or a file of an attempt. Anyone else's ``x.tmp-...`` is not."""
+    m = _TMP_RE.fullmatch(leaf)
+    if m is None:
+        return False
+    final = m.group(1)
+    return (parse_manifest_name(final) is not None or final == PIN_NAME
+            or (attempt_leaf_kind(final) not in (None, "temp")))
 
 
 # ---------------------------------------------------------------------------- any stored file name

@@ -4,70 +4,28 @@ The caller's thread fills staging buffers and hands each one to a :class:`RankWr
 which hashes the raw bytes, encodes them, returns the buffer to the pool as soon as
 its bytes are no longer needed, and appends the stored bytes to the rank's data file.
 zstandard, xxhash and file I/O release the GIL, so the workers run while training
-runs. One process-wide :class:`Runtime` owns the workers, the commit thread and the
-staging pool, and so one memory budget covers every save in flight.
+runs. The process-wide :class:`~ckptstore.runtime.Runtime` (re-exported here with
+``runtime`` and ``configure``) owns the workers, the commit thread, the staging pool
+and the codec memo, and so one memory budget covers every save in flight.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 
 from . import format as fmt
-from ._threads import DaemonThreadPool
 from .codecs import CompressionPolicy, encode
 from .errors import CkptStoreError, StorageError
 from .hashing import digest
-from .staging import StagingBuffer, StagingPool
+from .runtime import Runtime, configure, runtime  # runtime, configure: re-exported
+from .scopes import Scope
+from .staging import StagingBuffer
 from .storage import AppendWriter, Storage
 
-
-def _default_workers() -> int:
-    env = os.environ.get("CKPTSTORE_WORKERS")
-    return int(env) if env else max(2, min(8, os.cpu_count() or 2))
-
-
-class Runtime:
-    """Process-wide executors and staging pool, created on first use."""
-
-    def __init__(self, workers: int | None = None, staging_bytes: int | None = None):
-        n = workers or _default_workers()
-        self.workers = DaemonThreadPool(n, "ckptstore-io")
-        # Reads wait on I/O (disk, network) more than on CPU: more readers than cores pays.
-        self.readers = DaemonThreadPool(max(n, 8), "ckptstore-read")
-        # One commit thread: a process's saves commit in the order they were made, so a
-        # later save of the same path always gets the later generation.
-        self.committer = DaemonThreadPool(1, "ckptstore-commit")
-        self.pool = StagingPool(staging_bytes)
-
-    def shutdown(self) -> None:
-        for ex in (self.workers, self.readers, self.committer):
-            ex.shutdown(wait=False)  # threads finish what they hold, then end
-
-
-_runtime: Runtime | None = None
-_runtime_lock = threading.Lock()
-
-
-def runtime() -> Runtime:
-    global _runtime
-    with _runtime_lock:
-        if _runtime is None:
-            _runtime = Runtime()
-        return _runtime
-
-
-def configure(*, workers: int | None = None, staging_bytes: int | None = None) -> Runtime:
-    """Replace the process runtime (only while no save is in flight)."""
-    global _runtime
-    with _runtime_lock:
-        if _runtime is not None:
-            _runtime.shutdown()  # threads finish what they hold, then end
-        _runtime = Runtime(workers, staging_bytes)
-        return _runtime
+__all__ = ["RankWriter", "Runtime", "Written", "configure", "runtime"]
 
 
 @dataclass(frozen=True)
@@ -95,20 +53,20 @@ class RankWriter:
         self._open_lock = threading.Lock()
         self._futures: list[Future] = []
         self._pending: list[tuple] = []
-        self._chunks: dict[tuple[str, str], list[fmt.Chunk]] = {}
+        self._chunks: dict[tuple[Scope, str], list[fmt.Chunk]] = {}
         self._replicas: list[fmt.ReplicaHash] = []
         self._skeleton: fmt.Blob | None = None
         self._error: BaseException | None = None
         self._lock = threading.Lock()
-        self.stored_bytes = 0
 
     # -- feeding (caller's thread)
     def submit_chunk(self, key: str, offsets: tuple, sizes: tuple, itemsize: int, buf: StagingBuffer,
-                     scope: str = "l", write: bool = True) -> None:
+                     scope: Scope = Scope.LOCAL, write: bool = True) -> None:
         """Hand over a filled staging buffer; the writer returns it to the pool.
 
-        ``scope`` "l" is a rank-local tensor, "g" a global one. ``write=False`` only
-        hashes: a replica that another rank writes, checked against it at commit.
+        ``scope``: a rank-local tensor (``Scope.LOCAL``) or a global one
+        (``Scope.GLOBAL``). ``write=False`` only hashes: a replica that another rank
+        writes, checked against it at commit.
         """
         self._pending.append((self._chunk_task, (key, offsets, sizes, itemsize, buf, scope, write), buf))
 
@@ -147,7 +105,7 @@ class RankWriter:
     def _store(self, raw: memoryview, itemsize: int, release=None, hint=None) -> fmt.Blob:
         """Hash, encode and append one blob; calls ``release`` once ``raw`` is not needed."""
         raw_hash = digest(raw)
-        chain, stored = encode(raw, itemsize, self.policy, hint)
+        chain, stored = encode(raw, itemsize, self.policy, hint, self.rt.codec_memo)
         if release is not None and stored is not raw:
             release()  # the encoded copy is all we still need
             release = None
@@ -156,11 +114,9 @@ class RankWriter:
         finally:
             if release is not None:
                 release()
-        with self._lock:
-            self.stored_bytes += len(stored)
         return fmt.Blob(self.file, offset, len(stored), len(raw), tuple(chain), raw_hash)
 
-    def _chunk_task(self, key, offsets, sizes, itemsize, buf: StagingBuffer, scope: str, write: bool) -> None:
+    def _chunk_task(self, key, offsets, sizes, itemsize, buf: StagingBuffer, scope: Scope, write: bool) -> None:
         released = False
 
         def release():
@@ -217,8 +173,8 @@ class RankWriter:
         assert self._skeleton is not None
         for chunks in self._chunks.values():
             chunks.sort(key=lambda c: c.offsets)
-        local = {k: v for (scope, k), v in self._chunks.items() if scope == "l"}
-        shards = {k: v for (scope, k), v in self._chunks.items() if scope == "g"}
+        local = {k: v for (scope, k), v in self._chunks.items() if scope == Scope.LOCAL}
+        shards = {k: v for (scope, k), v in self._chunks.items() if scope == Scope.GLOBAL}
         return Written(self._skeleton, local, shards, tuple(sorted(self._replicas, key=lambda r: (r.key, r.offsets))))
 
     def abort(self) -> None:

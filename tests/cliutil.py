@@ -18,7 +18,7 @@ from ckptstore import format as fmt
 from ckptstore.checkpoint.save import SaveOptions, start_save
 from ckptstore.cli import main
 from ckptstore.errors import CommitTimeoutError
-from ckptstore.pipeline import runtime
+from ckptstore.runtime import runtime
 
 PKG_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(ckptstore.__file__)))
 

@@ -174,7 +174,7 @@ def test_ls_all_shows_an_attempt_left_by_a_killed_save(tmp_path):
         "import os, signal, sys, torch\n"
         "from ckptstore import format as fmt\n"
         "from ckptstore.checkpoint.save import SaveOptions, start_save\n"
-        "from ckptstore.pipeline import runtime\n"
+        "from ckptstore.runtime import runtime\n"
         "from ckptstore.storage import LocalStorage\n"
         "class DieAfterVote(LocalStorage):\n"
         "    def put(self, key, data, *, if_absent=False):\n"

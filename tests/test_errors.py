@@ -29,7 +29,7 @@ from ckptstore.errors import (
     StoragePermissionError,
     UnsupportedVersionError,
 )
-from ckptstore.pipeline import runtime
+from ckptstore.runtime import runtime
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -390,7 +390,7 @@ def test_background_error_surfaces_on_wait_while_in_flight(tmp_path):
     held by a task that returns only once wait() starts waiting on the save's future
     (a profile hook on this thread sees wait() call SaveFuture.exception)."""
     from ckptstore.checkpoint.save import SaveFuture
-    from ckptstore.pipeline import runtime
+    from ckptstore.runtime import runtime
 
     bad = _unwritable_path(tmp_path)
     drain_earlier_failures()

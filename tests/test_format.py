@@ -3,6 +3,8 @@ file-name rules (I4), versioning and unknown fields (I4), unknown codecs, names 
 
 from __future__ import annotations
 
+import dataclasses
+
 import copy
 import json
 import os
@@ -36,6 +38,22 @@ def entry(shape, chunks, dtype: str = "float32") -> fmt.TensorEntry:
     return fmt.TensorEntry(dtype, tuple(shape), tuple(chunks))
 
 
+def laid_out(state: fmt.RankState, file: str) -> fmt.RankState:
+    """``state`` with its blobs back to back in ``file``, as a writer lays them out (blobs
+    never share stored bytes)."""
+    at = 0
+
+    def place(b: fmt.Blob) -> fmt.Blob:
+        nonlocal at
+        b = dataclasses.replace(b, file=file, offset=at)
+        at += b.length
+        return b
+
+    tensors = {k: dataclasses.replace(e, chunks=tuple(dataclasses.replace(c, blob=place(c.blob)) for c in e.chunks))
+               for k, e in state.tensors.items()}
+    return fmt.RankState(state.rank, place(state.skeleton), tensors)
+
+
 def sample_manifest() -> fmt.Manifest:
     ranks = []
     for r in range(2):
@@ -46,7 +64,7 @@ def sample_manifest() -> fmt.Manifest:
         }
         zstd = ({"id": "shuffle", "elementsize": 4}, {"id": "zstd", "level": 1})
         skel = fmt.Blob(fmt.data_file_name(ATTEMPT, r, 0), 0, 77, 300, zstd, DIGEST)
-        ranks.append(fmt.RankState(r, skel, tensors))
+        ranks.append(laid_out(fmt.RankState(r, skel, tensors), fmt.data_file_name(ATTEMPT, r, 0)))
     return fmt.Manifest(
         generation=3, attempt=ATTEMPT, step=1200, world_size=2, created_at=fmt.utc_now(),
         committed_at=fmt.utc_now(), ranks=tuple(ranks), metrics={"loss": 0.25, "tokens": 10**12},

@@ -42,7 +42,7 @@ from ckptstore.checkpoint.save import SaveOptions, start_save
 from ckptstore.checkpoint.verify import verify_manifest
 from ckptstore.cli import main
 from ckptstore.errors import NotCommittedError
-from ckptstore.pipeline import runtime
+from ckptstore.runtime import runtime
 from ckptstore.storage import LocalStorage
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -673,7 +673,7 @@ def test_I7_gc_sigkilled_at_random_moments_then_rerun(tmp_path, zygote, kill_tem
     young_dir = os.path.join(fmt.step_dir_name(11), "attempts", young)
     policy, grace = Retention(last=2), HOUR
     total = sum(len(d.keys) for d in gc_mod.plan(LocalStorage(template), policy, grace).deletions)
-    assert total > 30
+    assert total > 20  # manifests, data files and votes of 2-rank debris (one-rank saves write no vote)
     rng = random.Random(SEED)
     for trial in range(KILL_TRIALS):
         root = str(tmp_path / f"trial-{trial}")

@@ -24,7 +24,7 @@ import torch
 
 import ckptstore
 from ckptstore import native
-from ckptstore.staging import StagingCopier, StagingPool
+from ckptstore.staging import StagingCopier, StagingPool, stage_to_host
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -125,7 +125,7 @@ def test_every_alignment_of_source_and_destination(backend):
         copies.append((s, so, host.tensor[pos:pos + n], n))
         expect.append((pos, so, n))
         pos += n
-    h = native.stage_to_host(copies, backend=backend)
+    h = stage_to_host(copies, backend=backend)
     h.wait()
     ref = src.cpu()
     for pos, so, n in expect:
@@ -180,9 +180,9 @@ def test_copies_wait_for_the_producer_stream(backend, explicit_stream):
             t.fill_(i + 7)
         copies = [(t, 0, b.tensor, t.numel()) for t, b in zip(tensors, bufs)]
         if explicit_stream:
-            h = native.stage_to_host(copies, stream=producer, backend=backend)
+            h = stage_to_host(copies, stream=producer, backend=backend)
         else:
-            h = native.stage_to_host(copies, backend=backend)  # the current stream: producer
+            h = stage_to_host(copies, backend=backend)  # the current stream: producer
     h.wait()
     for i, b in enumerate(bufs):
         assert int(b.tensor.min()) == int(b.tensor.max()) == i + 7, i
@@ -298,8 +298,8 @@ def test_stream_dict_entry_on_another_device_is_rejected(backend):
     dev = src.device.index
     wrong = types.SimpleNamespace(device=torch.device("cuda", dev + 1), cuda_stream=0)
     with pytest.raises(ValueError, match=rf"stream\[{dev}\] is on cuda:{dev + 1}, copies on cuda:{dev}"):
-        native.stage_to_host([(src, 0, dst, 1000)], stream={dev: wrong}, backend=backend)
-    h = native.stage_to_host([(src, 0, dst, 1000)], stream={dev: torch.cuda.current_stream(dev)},
+        stage_to_host([(src, 0, dst, 1000)], stream={dev: wrong}, backend=backend)
+    h = stage_to_host([(src, 0, dst, 1000)], stream={dev: torch.cuda.current_stream(dev)},
                              backend=backend)
     h.wait()
     assert torch.equal(dst, src.cpu())
@@ -346,7 +346,7 @@ def test_two_devices_in_one_call_keep_the_current_device(backend):
     a, b = dev_bytes(5 * MiB + 3, 1, "cuda:0"), dev_bytes(70_000, 2, "cuda:1")
     pool = pinned_pool(64 * MiB, backend)
     ba, bb = pool.acquire(a.numel()), pool.acquire(b.numel())
-    h = native.stage_to_host([(a, 0, ba.tensor, a.numel()), (b, 0, bb.tensor, b.numel())], backend=backend)
+    h = stage_to_host([(a, 0, ba.tensor, a.numel()), (b, 0, bb.tensor, b.numel())], backend=backend)
     h.wait()
     assert torch.cuda.current_device() == 0
     assert torch.equal(ba.tensor, a.cpu()) and torch.equal(bb.tensor, b.cpu())

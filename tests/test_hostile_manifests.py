@@ -394,8 +394,9 @@ def test_claimed_lengths_beyond_the_file_are_refused_before_allocating(tmp_path)
 
     def change(d):
         e = d["ranks"][0]["tensors"]["w"]
-        e["shape"] = [1 << 38]
-        e["chunks"][0].update(sizes=[1 << 38], length=1 << 40, raw_length=1 << 40)
+        end = os.path.getsize(os.path.join(loc, e["chunks"][0]["file"]))
+        e["shape"] = [1 << 38]  # its blob now starts where the file ends: no other blob's bytes
+        e["chunks"][0].update(sizes=[1 << 38], offset=end, length=1 << 40, raw_length=1 << 40)
 
     _edit(loc, change)
     outcome, grew = _peak_mib(f"ckptstore.load({loc!r})")
@@ -406,9 +407,13 @@ def test_claimed_lengths_beyond_the_file_are_refused_before_allocating(tmp_path)
 def test_manifest_over_the_size_cap_is_refused_unread(tmp_path, monkeypatch):
     loc = str(tmp_path / "c")
     ckptstore.save(_state(1), loc).result()
-    monkeypatch.setattr(fmt, "MAX_MANIFEST_BYTES", 100)
-    with pytest.raises(FormatError, match="larger than the cap"):
-        ckptstore.load(loc)
+    ckptstore.configure(max_manifest_bytes=100)
+    try:
+        with pytest.raises(FormatError, match="larger than the cap"):
+            ckptstore.load(loc)
+    finally:
+        ckptstore.configure()
+    assert ckptstore.load(loc)["step"] == 1
 
 
 # ---------------------------------------------------------------------------- special files (5)
@@ -493,3 +498,191 @@ def test_I7_temp_file_inside_a_committed_attempt_goes_after_the_grace_the_attemp
     assert cli("gc", root, "--grace", "1h").exit_code == 0
     assert not os.path.exists(debris)
     assert ckptstore.verify(os.path.join(root, names.step_dir_name(1))) == [] and store.load(1)["step"] == 1
+
+
+def test_I4_blobs_sharing_stored_bytes_are_refused(tmp_path):
+    """Four tensors pointing at one small zstd frame that honestly holds much more would
+    make a load allocate a multiple of what the files hold: refused at parse time."""
+    loc = str(tmp_path / "c")
+    ckptstore.save({f"t{i}": torch.zeros(4096) for i in range(4)}, loc, compression="zstd").result()
+
+    def change(d):
+        chunks = [e["chunks"][0] for e in d["ranks"][0]["tensors"].values()]
+        for c in chunks[1:]:
+            c.update({k: chunks[0][k] for k in ("offset", "length", "codec", "xxh3_128")})
+
+    _edit(loc, change)
+    with pytest.raises(FormatError, match="overlap"):
+        ckptstore.load(loc)
+    assert cli("verify", loc).exit_code == 1
+
+
+def test_I5_chunks_splitting_many_dimensions_are_refused_without_building_their_corners():
+    """256 chunks of a [2]*16 tensor that together split all 16 dimensions: checking them
+    by corners would sort 2**16 rows per chunk (gigabytes): refused by the bound first."""
+    shape = [2] * 16
+    boxes = []
+    for i in range(256):
+        low = i < 128  # half the chunks split dims 0-7, half dims 8-15
+        off = [((i % 128) >> b) & 1 for b in range(8)]
+        offsets = off + [0] * 8 if low else [0] * 8 + off
+        sizes = [1] * 8 + [2] * 8 if low else [2] * 8 + [1] * 8
+        boxes.append((offsets, sizes))
+    with pytest.raises(FormatError, match="split 16 dimensions"):
+        fmt.validate_coverage(_entry(shape, boxes), "t")
+
+
+def test_I7_gc_deletes_only_what_ckptstore_wrote_inside_an_attempt(tmp_path):
+    """Foreign entries planted inside an attempt gc removes (a symlink, a FIFO, a
+    subdirectory, an unknown name, a user's x.tmp-... file) stay, and are reported."""
+    from cliutil import age_files
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "victim").write_text("keep")
+    root = str(tmp_path / "s")
+    store = _store(root, steps=(1, 2))
+    attempt = os.path.join(root, names.step_dir_name(1), names.attempt_dir(store.manifest(1).attempt))
+    os.symlink(outside / "victim", os.path.join(attempt, "link"))
+    os.mkfifo(os.path.join(attempt, "fifo"))
+    os.makedirs(os.path.join(attempt, "sub"))
+    open(os.path.join(attempt, "sub", "keep.txt"), "w").write("mine")
+    open(os.path.join(attempt, "notes.txt"), "w").write("mine")
+    open(os.path.join(attempt, "y.tmp-0badf00d"), "w").write("mine")
+    age_files(root, 7200)
+    result = cli("gc", "--json", root, "--keep-last", "1", "--grace", "1h")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert [d["location"] for d in report["deleted"]] == [names.step_dir_name(1)]
+    left = sorted(os.listdir(attempt))
+    assert left == ["fifo", "link", "notes.txt", "sub", "y.tmp-0badf00d"]
+    assert open(os.path.join(attempt, "sub", "keep.txt")).read() == "mine"
+    assert (outside / "victim").read_text() == "keep"
+    assert {k.rsplit("/", 1)[-1] for k in report["foreign"]} >= {"fifo", "link", "notes.txt", "keep.txt",
+                                                                  "y.tmp-0badf00d"}
+    assert store.steps() == [2] and store.load(2)["step"] == 2
+
+
+def test_a_deep_directory_tree_costs_neither_stack_nor_the_tools(tmp_path):
+    root = str(tmp_path / "s")
+    _store(root, steps=(1,))
+    deep = os.path.join(root, names.step_dir_name(1), "attempts")
+    for _ in range(1500):
+        deep = os.path.join(deep, "d")
+        os.mkdir(deep)
+    for cmd in (["ls", "--all", "--json"], ["verify"], ["gc", "--grace", "0"]):
+        result = cli(*cmd, root)
+        assert result.exit_code == 0, (cmd, result.output[-500:])
+    assert ckptstore.Store(root).load(1)["step"] == 1
+
+
+def test_a_compressed_skeleton_that_lies_about_its_size_costs_no_memory(tmp_path):
+    loc = str(tmp_path / "c")
+    ckptstore.save({"w": torch.zeros(4096)}, loc, compression="zstd").result()
+    d = json.load(open(_manifest_path(loc)))
+    skel = d["ranks"][0]["skeleton"]
+    with open(os.path.join(loc, skel["file"]), "r+b") as f:
+        f.seek(0, 2)
+        end = f.tell()
+        f.write(os.urandom(32 << 10))
+    skel.update(offset=end, length=32 << 10, raw_length=1 << 30, codec=[{"id": "zstd", "level": 1}])
+    with open(_manifest_path(loc), "w") as f:
+        json.dump(d, f)
+    for call in (f"ckptstore.load({loc!r})", f"assert ckptstore.verify({loc!r})"):
+        outcome, grew = _peak_mib(call)
+        assert outcome.startswith("IntegrityError") or outcome == "ok", outcome
+        assert grew < 200, (call, grew)
+
+
+def _plant_skeleton(loc: str, data: bytes) -> None:
+    """Make ``data`` the (raw, correctly hashed) skeleton of the checkpoint at ``loc``."""
+    from ckptstore.hashing import digest
+
+    d = json.load(open(_manifest_path(loc)))
+    skel = d["ranks"][0]["skeleton"]
+    with open(os.path.join(loc, skel["file"]), "r+b") as f:
+        f.seek(0, 2)
+        end = f.tell()
+        f.write(data)
+    skel.update(offset=end, length=len(data), raw_length=len(data), codec=[], xxh3_128=digest(data))
+    with open(_manifest_path(loc), "w") as f:
+        json.dump(d, f)
+
+
+def _pickled_persistent_id(pid) -> bytes:
+    import io
+    import pickle
+
+    marker = object()
+
+    class Pickler(pickle.Pickler):
+        def persistent_id(self, o):
+            return pid if o is marker else None
+
+    buf = io.BytesIO()
+    Pickler(buf, protocol=2).dump({"w": marker})
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("skeleton", [
+    _pickled_persistent_id(("storage", 5, "l:w", "cpu", 4096)),
+    _pickled_persistent_id(("storage", torch.FloatStorage, ["l:w"], "cpu", 4096)),
+    _pickled_persistent_id(("storage", torch.FloatStorage, "l:w", 7, 4096)),
+    _pickled_persistent_id(("storage", torch.FloatStorage, "l:w", "cpu", None)),
+    _pickled_persistent_id(("storage", torch.FloatStorage, "l:w", "cpu", -1)),
+    b"",
+    b"\x80\x02}q\x00",
+], ids=["int type", "list ref", "int location", "no numel", "negative numel", "empty", "truncated"])
+def test_hostile_skeletons_are_format_errors(tmp_path, skeleton):
+    loc = str(tmp_path / "c")
+    ckptstore.save({"w": torch.zeros(1024)}, loc, compression="none").result()
+    _plant_skeleton(loc, skeleton)
+    with pytest.raises(FormatError) as ei:
+        ckptstore.load(loc)
+    assert loc in str(ei.value) and "skeleton" in str(ei.value)
+
+
+def test_cli_reads_a_single_file_container(tmp_path):
+    path = tmp_path / "model.pt"
+    path.write_bytes(b"")  # an existing plain file: save replaces it with a container
+    ckptstore.save(_state(1), str(path)).result()
+    listing = json.loads(cli("ls", "--json", str(path)).stdout)
+    assert [(r["committed"], r["url"]) for r in listing] == [(True, str(path))]
+    assert cli("verify", str(path)).exit_code == 0
+    data = bytearray(path.read_bytes())
+    data[len(data) // 3] ^= 0xFF
+    path.write_bytes(bytes(data))
+    assert cli("verify", str(path)).exit_code == 1
+    assert cli("gc", str(path)).exit_code == 2
+
+
+def test_dtype_aliases_and_a_step_that_disagrees_with_its_directory_are_refused(tmp_path):
+    root = str(tmp_path / "s")
+    store = _store(root, steps=(1, 2))
+    _edit(os.path.join(root, names.step_dir_name(1)), lambda d: d.update(step=7))
+    with pytest.raises(FormatError, match="says step 7"):
+        store.load(1)
+    listing = json.loads(cli("ls", "--json", root).stdout)
+    assert [("error" in r) for r in listing if r["name"] == names.step_dir_name(1)] == [True]
+    _edit(os.path.join(root, names.step_dir_name(2)),
+          lambda d: next(iter(d["ranks"][0]["tensors"].values())).update(dtype="float"))
+    with pytest.raises(FormatError, match="unknown dtype 'float'"):
+        store.load(2)
+
+
+def test_load_of_a_fifo_path_says_what_it_is(tmp_path):
+    from ckptstore.errors import NotACheckpointError
+
+    path = str(tmp_path / "pipe")
+    os.mkfifo(path)
+    with pytest.raises(NotACheckpointError, match="FIFO"):
+        ckptstore.load(path)
+
+
+def test_s3_root_prefix_obeys_the_key_grammar():
+    pytest.importorskip("boto3")
+    from ckptstore.storage import open_storage
+
+    for bad in ("s3://bucket/a/../victim", "s3://bucket/a//b", "s3://bucket/./x"):
+        with pytest.raises(FormatError):
+            open_storage(bad, endpoint_url="http://127.0.0.1:9")

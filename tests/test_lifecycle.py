@@ -14,7 +14,7 @@ import torch
 
 import ckptstore
 from ckptstore.format import Manifest
-from ckptstore.pipeline import runtime
+from ckptstore.runtime import runtime
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from procs.harness import Child, close_zygotes, release_fifos, start_zygotes  # noqa: E402

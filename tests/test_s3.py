@@ -47,7 +47,7 @@ from ckptstore.errors import (  # noqa: E402
     TransientStorageError,
     TruncatedObjectError,
 )
-from ckptstore.pipeline import Runtime, runtime  # noqa: E402
+from ckptstore.runtime import Runtime, runtime  # noqa: E402
 from ckptstore.storage import open_storage  # noqa: E402
 from ckptstore.storage.s3 import DEFAULT_COALESCE_BLOB, DEFAULT_COALESCE_GAP, S3Storage  # noqa: E402
 
@@ -161,6 +161,7 @@ def test_open_storage_routes_s3_urls_and_passes_options(tmp_path):
 def test_client_settings_come_from_boto3_configuration_and_kwargs_override(s3env, monkeypatch):
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "4")
     monkeypatch.setenv("AWS_RETRY_MODE", "adaptive")
+    ckptstore.configure()  # the process config reads the environment (docs/configuration.md)
     st = S3Storage("cfg-bucket")
     assert st.client.meta.endpoint_url == s3env  # AWS_ENDPOINT_URL, no ckptstore setting
     assert st.client.meta.config.retries == {"mode": "adaptive", "total_max_attempts": 4}
@@ -171,6 +172,7 @@ def test_client_settings_come_from_boto3_configuration_and_kwargs_override(s3env
     assert (st.client.meta.config.connect_timeout, st.client.meta.config.read_timeout) == (3, 7)
     monkeypatch.delenv("AWS_MAX_ATTEMPTS")
     monkeypatch.delenv("AWS_RETRY_MODE")
+    ckptstore.configure()
     assert S3Storage("cfg-bucket").client.meta.config.retries == {"mode": "standard", "total_max_attempts": 10}
 
 

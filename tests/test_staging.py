@@ -1,7 +1,8 @@
-"""ckptstore.staging: the staging pool (native slabs and the torch fallback behave the
-same through the StagingPool interface), the native slab allocator itself (exact
-sizes, reuse, growth up to the capacity, coalescing, back-pressure), the
-StagingCopier, and save/load round trips of awkward tensors staged through the pool.
+"""ckptstore.staging: the staging pool (native slabs and the torch fallback, two classes
+behind the StagingPool protocol, behave the same), the native slab allocator itself
+(exact sizes, reuse, growth up to the capacity, coalescing, back-pressure), the
+StagingCopier, stage_to_host's error paths (fake CUDA objects, no GPU), and save/load
+round trips of awkward tensors staged through the pool.
 Tests of the native backend skip when the extension is not built."""
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ import torch
 
 import ckptstore
 from ckptstore import native, staging
-from ckptstore.pipeline import runtime
-from ckptstore.staging import StagingCopier, StagingPool
+from ckptstore.runtime import runtime
+from ckptstore.staging import cuda as staging_cuda
+from ckptstore.staging import NativeStagingPool, StagingCopier, StagingPool, TorchStagingPool, stage_to_host
 
-needs_native = pytest.mark.skipif(not native.NATIVE, reason=f"native path off: {native._WHY_NOT}")
+needs_native = pytest.mark.skipif(not native.NATIVE, reason=f"native path off: {native.WHY_NOT}")
 BACKENDS = [pytest.param("native", marks=needs_native), "torch"]
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -468,18 +470,46 @@ def staging_backend(request):
 
 
 def test_default_backend_and_its_environment_override(monkeypatch):
+    """CKPTSTORE_STAGING_POOL is read into the process config (on first use and by
+    every configure()); StagingPool(backend=None) follows the config."""
     monkeypatch.delenv("CKPTSTORE_STAGING_POOL", raising=False)
-    assert staging.DEFAULT_BACKEND == "auto"
-    # without pinning, "auto" takes the native pool whenever the extension is built
-    assert StagingPool(MiB, pin_memory=False).backend == ("native" if native.NATIVE else "torch")
-    monkeypatch.setenv("CKPTSTORE_STAGING_POOL", "torch")
-    assert StagingPool(MiB, pin_memory=False).backend == "torch"
-    monkeypatch.setenv("CKPTSTORE_STAGING_POOL", "auto")
-    assert StagingPool(MiB, pin_memory=False).backend == ("native" if native.NATIVE else "torch")
-    assert StagingPool(MiB, pin_memory=False, backend="torch").backend == "torch"  # explicit wins
-    monkeypatch.setenv("CKPTSTORE_STAGING_POOL", "bogus")
-    with pytest.raises(ValueError):
-        StagingPool(MiB)
+    try:
+        ckptstore.configure()
+        assert staging.DEFAULT_BACKEND == "auto" == ckptstore.Config().staging_pool
+        # without pinning, "auto" takes the native pool whenever the extension is built
+        assert StagingPool(MiB, pin_memory=False).backend == ("native" if native.NATIVE else "torch")
+        monkeypatch.setenv("CKPTSTORE_STAGING_POOL", "torch")
+        ckptstore.configure()
+        assert StagingPool(MiB, pin_memory=False).backend == "torch"
+        monkeypatch.setenv("CKPTSTORE_STAGING_POOL", "auto")
+        ckptstore.configure()
+        assert StagingPool(MiB, pin_memory=False).backend == ("native" if native.NATIVE else "torch")
+        assert StagingPool(MiB, pin_memory=False, backend="torch").backend == "torch"  # explicit wins
+        monkeypatch.setenv("CKPTSTORE_STAGING_POOL", "bogus")
+        with pytest.raises(ValueError, match="CKPTSTORE_STAGING_POOL='bogus'"):
+            ckptstore.configure()  # a ConfigError (a ValueError) naming the variable
+        with pytest.raises(ValueError):
+            StagingPool(MiB, backend="bogus")
+    finally:
+        monkeypatch.delenv("CKPTSTORE_STAGING_POOL", raising=False)
+        ckptstore.configure()
+
+
+def test_each_backend_is_its_own_class_behind_one_protocol():
+    pools = [StagingPool(MiB, pin_memory=False, backend="torch")]
+    assert type(pools[0]) is TorchStagingPool and not pools[0].lends_past_capacity
+    if native.NATIVE:
+        pools.append(StagingPool(MiB, pin_memory=False, backend="native"))
+        assert type(pools[1]) is NativeStagingPool and pools[1].lends_past_capacity
+        assert type(NativeStagingPool(MiB, pin_memory=False)) is NativeStagingPool
+    for pool in pools:
+        assert isinstance(pool, StagingPool) and pool.backend == pool.stats()["backend"]
+        buf = pool.acquire(1000)
+        assert (pool.in_use, buf.nbytes) == (1000, 1000)
+        pool.release(buf)
+        assert pool.in_use == 0
+    with pytest.raises(ValueError, match="not 'native'"):
+        TorchStagingPool(MiB, backend="native")
 
 
 @needs_native
@@ -602,17 +632,197 @@ def test_copier_batches_cpu_copies_and_hands_over_in_order():
 def test_stage_to_host_rejects_cpu_sources_and_bad_ranges():
     dst = torch.empty(16, dtype=torch.uint8)
     with pytest.raises(ValueError, match="CUDA"):
-        native.stage_to_host([(torch.ones(4).untyped_storage(), 0, dst, 16)])
+        stage_to_host([(torch.ones(4).untyped_storage(), 0, dst, 16)])
     with pytest.raises(TypeError):
-        native.stage_to_host([(b"abc", 0, dst, 3)])
+        stage_to_host([(b"abc", 0, dst, 3)])
     with pytest.raises(ValueError):
-        native.stage_to_host([], backend="tpu")
+        stage_to_host([], backend="tpu")
     if not native.cuda_available():
         with pytest.raises(RuntimeError):
-            native.stage_to_host([], backend="native")
-    h = native.stage_to_host([], backend="torch")  # nothing to copy: done at once
+            stage_to_host([], backend="native")
+    h = stage_to_host([], backend="torch")  # nothing to copy: done at once
     h.wait()
     assert (h.count, h.nbytes, h.done()) == (0, 0, True)
+
+
+# ---- stage_to_host / StageHandle error paths (fake CUDA objects, no GPU) ------------
+
+
+class _FakeBatch:
+    """Stands in for _C.CudaBatch: records its wait, optionally fails it."""
+
+    def __init__(self, log: list, name: str, fail: Exception | None = None, handle=None):
+        self.log, self.name, self.fail, self.handle = log, name, fail, handle
+        self.gathered = 0
+
+    def wait(self):
+        # The handle must still keep the tensors alive while any batch is waited.
+        self.log.append((self.name, self.handle is None or self.handle._keep is not None))
+        if self.fail is not None:
+            raise self.fail
+
+
+class _FakeEvent(_FakeBatch):
+    def synchronize(self):
+        self.wait()
+
+
+def test_stage_handle_wait_waits_everything_before_raising_the_first_error():
+    log: list = []
+    h = staging_cuda.StageHandle("native")
+    h._keep = [object()]
+    first, second = RuntimeError("device 0 failed"), RuntimeError("device 2 failed")
+    h._batches = [_FakeBatch(log, "b0", first, h), _FakeBatch(log, "b1", None, h),
+                  _FakeBatch(log, "b2", second, h)]
+    h._events = [_FakeEvent(log, "e0", None, h)]
+    with pytest.raises(RuntimeError) as info:
+        h.wait()
+    assert info.value is first
+    # every batch and event waited, each while the buffers were still kept alive
+    assert log == [("b0", True), ("b1", True), ("b2", True), ("e0", True)]
+    assert h._keep is None
+
+
+def test_stage_handle_wait_without_errors_drops_what_it_keeps():
+    log: list = []
+    h = staging_cuda.StageHandle("torch")
+    h._keep = [object()]
+    h._events = [_FakeEvent(log, "e0", None, h), _FakeEvent(log, "e1", None, h)]
+    h.wait()
+    assert log == [("e0", True), ("e1", True)] and h._keep is None
+
+
+class _FakeStorage:
+    def __init__(self, device: int, n: int):
+        self.device = torch.device("cuda", device)
+        self._n = n
+
+    def data_ptr(self) -> int:
+        return 0x10000 * (self.device.index + 1)
+
+    def nbytes(self) -> int:
+        return self._n
+
+
+class _FakeStream:
+    def __init__(self, device: int):
+        self.device = torch.device("cuda", device)
+        self.cuda_stream = 1000 + device
+
+
+@pytest.fixture
+def fake_native_cuda(monkeypatch):
+    """native with a fake _C whose CUDA path is 'available': native.cuda_stage returns
+    _FakeBatch objects (recorded in .batches) or raises for devices in .fail_on."""
+    log: list = []
+    fake = type("FakeC", (), {})()
+    fake.batches, fake.fail_on, fake.log = [], {}, log
+    fake.cuda_info = lambda: {"compiled": True, "available": True, "devices": 4, "runtime_version": 0,
+                              "driver_version": 0, "error": ""}
+
+    def cuda_stage(dev, stream, srcs, dsts, sizes, small_bytes, gather):
+        if dev in fake.fail_on:
+            raise fake.fail_on[dev]
+        b = _FakeBatch(log, f"dev{dev}")
+        fake.batches.append(b)
+        return b
+
+    fake.cuda_stage = cuda_stage
+    monkeypatch.setattr(native, "_C", fake)
+    monkeypatch.setattr(native, "NATIVE", True)
+    monkeypatch.setattr(staging_cuda, "_src_parts", lambda src, what: (src, 0, src.nbytes()))
+    return fake
+
+
+def _fake_copies(devices):
+    return [(_FakeStorage(d, 64), 0, torch.zeros(64, dtype=torch.uint8), 64) for d in devices]
+
+
+def test_stage_to_host_waits_queued_batches_when_a_later_device_fails(fake_native_cuda):
+    fake_native_cuda.fail_on = {2: RuntimeError("cuda_stage failed on device 2")}
+    streams = {d: _FakeStream(d) for d in (0, 1, 2)}
+    with pytest.raises(RuntimeError, match="device 2"):
+        stage_to_host(_fake_copies([0, 1, 2]), stream=streams, backend="native")
+    # the batches already queued for devices 0 and 1 were waited before the error surfaced
+    assert [b.name for b in fake_native_cuda.batches] == ["dev0", "dev1"]
+    assert [name for name, _ in fake_native_cuda.log] == ["dev0", "dev1"]
+
+
+def test_stage_to_host_rejects_a_stream_dict_entry_on_another_device(fake_native_cuda):
+    streams = {0: _FakeStream(0), 1: _FakeStream(3)}  # device 1's entry is on cuda:3
+    with pytest.raises(ValueError, match=r"stream\[1\] is on cuda:3, copies on cuda:1"):
+        stage_to_host(_fake_copies([0, 1]), stream=streams, backend="native")
+    assert [name for name, _ in fake_native_cuda.log] == ["dev0"]  # device 0's batch waited
+
+
+def test_stage_to_host_success_queues_one_batch_per_device(fake_native_cuda):
+    h = stage_to_host(_fake_copies([0, 1, 0]), stream={0: _FakeStream(0), 1: _FakeStream(1)},
+                      backend="native")
+    assert [b.name for b in fake_native_cuda.batches] == ["dev0", "dev1"]
+    assert (h.count, h.nbytes, fake_native_cuda.log) == (3, 192, [])
+    h.wait()
+    assert [name for name, _ in fake_native_cuda.log] == ["dev0", "dev1"] and h._keep is None
+
+
+def test_producer_stream_checks_the_device_of_every_stream():
+    s0, s1 = _FakeStream(0), _FakeStream(1)
+    assert staging_cuda._producer_stream(s0, 0) is s0
+    assert staging_cuda._producer_stream({0: s0, 1: s1}, 1) is s1
+    with pytest.raises(ValueError, match="stream is on cuda:1, copies on cuda:0"):
+        staging_cuda._producer_stream(s1, 0)
+    with pytest.raises(ValueError, match=r"stream\[0\] is on cuda:1, copies on cuda:0"):
+        staging_cuda._producer_stream({0: s1}, 0)
+
+
+
+class _CpuAsCuda:
+    """A CPU storage dressed as a CUDA one, for the copier's device path without a GPU."""
+
+    def __init__(self, storage: torch.UntypedStorage):
+        self.real = storage
+        self.device = torch.device("cuda", 0)
+
+
+def test_copier_device_batches_without_a_gpu(monkeypatch):
+    """The copier's CUDA path (stage_to_host replaced by CPU copies): one call per
+    batch_bytes, each batch handed over (in order) only once the next one is queued
+    or the copier finishes, and a failed launch returns the buffers of that batch."""
+    from ckptstore.staging import copier as copier_mod
+
+    calls = []
+
+    class Handle:
+        gathered = 0
+
+        def __init__(self, copies):
+            self.copies = copies
+
+        def wait(self):
+            for src, off, dst, n in self.copies:
+                dst[:n].copy_(torch.empty(0, dtype=torch.uint8).set_(src.real)[off:off + n])
+
+    def fake_stage_to_host(copies, *, stream=None, backend=None, small_bytes=0):
+        calls.append([n for _, _, _, n in copies])
+        if any(n == 13 for n in calls[-1]):
+            raise RuntimeError("launch failed")
+        return Handle(copies)
+
+    monkeypatch.setattr(copier_mod, "stage_to_host", fake_stage_to_host)
+    pool = StagingPool(MiB, pin_memory=False, backend="torch")
+    tensors = [pattern(1000 + k, k) for k in range(5)]
+    got = []
+    with StagingCopier(pool, batch_bytes=2000) as copier:
+        for k, t in enumerate(tensors):
+            copier.copy(_CpuAsCuda(t.untyped_storage()), 0, t.numel(),
+                        lambda buf, k=k: (got.append((k, bytes(buf.view))), pool.release(buf)))
+    assert calls == [[1000, 1001], [1002, 1003], [1004]] and copier.batches == 3
+    assert [k for k, _ in got] == list(range(5))
+    assert all(data == tensor_bytes(tensors[k]) for k, data in got)
+    assert pool.in_use == 0
+    with pytest.raises(RuntimeError, match="launch failed"):
+        with StagingCopier(pool, batch_bytes=1) as copier:
+            copier.copy(_CpuAsCuda(pattern(13, 0).untyped_storage()), 0, 13, lambda buf: pool.release(buf))
+    assert pool.in_use == 0
 
 
 # ---- save/load round trips through the pool ------------------------------------
@@ -687,7 +897,7 @@ def test_native_and_fallback_saves_load_identically(tmp_path, staging_backend):
     code = textwrap.dedent(f"""
         import json, sys, torch, ckptstore
         from ckptstore import native
-        from ckptstore.pipeline import runtime
+        from ckptstore.runtime import runtime
         state = torch.load({str(state_file)!r})
         ckptstore.save(state, {str(tmp_path / 'fallback')!r}, chunk_bytes=10_000).result()
         print(json.dumps({{"native": native.NATIVE, "backend": runtime().pool.backend}}))

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from .. import format as fmt
 from .. import names
-from ..errors import CkptStoreError, ObjectNotFoundError
+from ..errors import CkptStoreError
 from ..names import PIN_NAME
 from ..storage import Storage
 from .commit import read_capped, read_manifest
@@ -69,23 +69,30 @@ def scan_location(storage: Storage, name: str) -> Location:
             manifest = read_manifest(storage, gens[-1])
         except CkptStoreError as e:  # every parse failure is a FormatError naming the file
             error = str(e)
+        dir_step = names.parse_step_dir_name(name)
+        if manifest is not None and None not in (dir_step, manifest.step) and manifest.step != dir_step:
+            # retention orders by step: one that lies about it is unreadable, not misfiled
+            manifest, error = None, f"{storage.describe()}: the manifest says step {manifest.step}, its directory {dir_step}"
     loc = Location(name, storage, gens, manifest, error, pinned=PIN_NAME in entries)
     for info in storage.walk(""):
         parts = info.key.split("/")
         if info.kind != "file":
             loc.foreign.append(info.key)
             continue
-        if names.is_temp_name(parts[-1]) and (len(parts) == 1 or parts[0] == names.ATTEMPTS_DIR):
-            # an interrupted put (a manifest, a vote, a heartbeat): gc's after the grace,
-            # even inside an attempt a manifest references
-            loc.temp_files.append((info.key, info.mtime))
-            continue
         if len(parts) == 1:
+            if names.is_temp_name(parts[0]):  # an interrupted manifest or pin write
+                loc.temp_files.append((info.key, info.mtime))
             continue  # manifests, pin, and what else the location holds at its top
         if parts[0] != names.ATTEMPTS_DIR:
             continue  # not ours to judge: a nested location or the user's files
-        if len(parts) != 3 or not names.is_attempt_id(parts[1]):
+        kind = names.attempt_leaf_kind(parts[2]) if len(parts) == 3 and names.is_attempt_id(parts[1]) else None
+        if kind is None:
             loc.foreign.append(info.key)
+            continue
+        if kind == "temp":
+            # an interrupted vote or heartbeat write: gc's after the grace, even inside
+            # an attempt a manifest references
+            loc.temp_files.append((info.key, info.mtime))
             continue
         a = loc.attempts.get(parts[1])
         if a is None:
@@ -93,7 +100,6 @@ def scan_location(storage: Storage, name: str) -> Location:
         a.files += 1
         a.bytes += info.size
         a.newest_mtime = max(a.newest_mtime, info.mtime)
-        kind = names.attempt_leaf_kind(parts[2])
         if kind == "vote":
             a.voted.append(names.parse_vote_leaf(parts[2]))
         elif kind == "abort":
@@ -111,10 +117,7 @@ def is_location(storage: Storage) -> bool:
 def scan_store(storage: Storage) -> list[Location]:
     """Every checkpoint location at or directly below the root, committed ones first by
     step (then commit time), uncommitted ones last."""
-    try:
-        entries = storage.list("")
-    except ObjectNotFoundError:
-        return []
+    entries = storage.list("")  # a missing root: [] (the storage contract)
     found = []
     if is_location(storage):
         found.append(scan_location(storage, ""))

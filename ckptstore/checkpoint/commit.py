@@ -97,7 +97,7 @@ def read_votes(storage: Storage, attempt: str) -> dict[int, fmt.Vote]:
             continue
         key = f"{prefix}/{name}"
         try:
-            v = fmt.Vote.from_bytes(read_capped(storage, key, fmt.MAX_VOTE_BYTES, "vote"))
+            v = fmt.Vote.from_bytes(read_capped(storage, key, fmt.max_manifest_bytes(), "vote"))
         except (FormatError, ObjectNotFoundError) as e:
             raise FormatError(f"{storage.describe(key)}: unreadable vote: {e}") from e
         if (v.attempt, v.rank) != (attempt, rank):
@@ -118,7 +118,7 @@ def read_manifest(storage: Storage, generation: int) -> fmt.Manifest:
     that checkpoint, not the store."""
     name = names.manifest_name(generation)
     try:
-        m = fmt.Manifest.from_bytes(read_capped(storage, name, fmt.MAX_MANIFEST_BYTES, "manifest"))
+        m = fmt.Manifest.from_bytes(read_capped(storage, name, fmt.max_manifest_bytes(), "manifest"))
     except FormatError as e:
         raise type(e)(f"{storage.describe(name)}: {e}") from e
     if m.generation != generation:
@@ -246,6 +246,18 @@ def merge_shards(votes: list[fmt.Vote]) -> dict[str, fmt.TensorEntry]:
     return merged
 
 
+def attempt_files(storage: Storage, attempt: str):
+    """The files ckptstore wrote in ``attempt`` (data, votes, heartbeats, abort marker,
+    temporaries of those), as ObjectInfo: what deleting an attempt deletes. Anything else
+    in its directory (a symlink, a special file, a subdirectory, a foreign name) is not
+    ours and stays, reported by gc as foreign."""
+    prefix = names.attempt_dir(attempt) + "/"
+    for info in storage.walk(prefix):
+        leaf = info.key[len(prefix):]
+        if info.kind == "file" and "/" not in leaf and names.attempt_leaf_kind(leaf) is not None:
+            yield info
+
+
 def retire_generations(storage: Storage, below: int, live_attempt: str) -> None:
     """Delete generations older than ``below``: each manifest before its files (I7).
     The files of ``live_attempt`` (the new generation's) are never deleted, whatever an
@@ -260,7 +272,8 @@ def retire_generations(storage: Storage, below: int, live_attempt: str) -> None:
             attempt = None  # unreadable: drop the manifest, leave files to gc
         storage.delete(names.manifest_name(gen))
         if attempt is not None and attempt != live_attempt:  # parsed: the attempt passed the grammar
-            storage.delete_prefix(names.attempt_dir(attempt) + "/")
+            for info in list(attempt_files(storage, attempt)):
+                storage.delete(info.key)
 
 
 def abort(storage: Storage, attempt: str, reason) -> None:

@@ -24,6 +24,7 @@ from typing import Callable
 import torch
 
 from ..errors import SerializationError
+from ..scopes import Scope
 
 
 class UnserializableTensorError(SerializationError, RuntimeError):
@@ -31,18 +32,23 @@ class UnserializableTensorError(SerializationError, RuntimeError):
     dtypes): a RuntimeError, as torch.save raises, and a SerializationError."""
 
 
-LOCAL, GLOBAL = "l", "g"  # skeleton key scopes: this rank's own tensors, global tensors
+# Skeleton key scopes: this rank's own tensors, global tensors ("l", "g" when stored).
+LOCAL, GLOBAL = Scope.LOCAL, Scope.GLOBAL
 
 
-def skeleton_key(scope: str, key: str) -> str:
-    return f"{scope}:{key}"
+_SCOPES = {s.value: s for s in Scope}
 
 
-def parse_skeleton_key(text: str) -> tuple[str, str]:
+def skeleton_key(scope: Scope | str, key: str) -> str:
+    return f"{scope}:{key}"  # a Scope formats as its value
+
+
+def parse_skeleton_key(text: str) -> tuple[Scope, str]:
     scope, sep, key = text.partition(":")
-    if not sep or scope not in (LOCAL, GLOBAL):
+    member = _SCOPES.get(scope) if sep else None
+    if member is None:
         raise ValueError(f"bad tensor reference {text!r}")
-    return scope, key
+    return member, key
 
 
 @dataclass
@@ -54,7 +60,7 @@ class StorageRef:
     dtype: torch.dtype
     shape: tuple[int, ...]  # the entry's shape: the tensor's when it covers the storage exactly
     location: str
-    scope: str = LOCAL  # GLOBAL: declared replicated across ranks
+    scope: Scope = LOCAL  # GLOBAL: declared replicated across ranks
 
 
 @dataclass

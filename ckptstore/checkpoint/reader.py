@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import format as fmt
-from ..codecs import decode_into
+from ..codecs import check_stated_size, decode_into
 from ..errors import (
     CkptStoreError,
     FormatError,
@@ -34,13 +34,16 @@ def _where(blob: fmt.Blob, what: str) -> str:
     return f"{what} (file {blob.file}, offset {blob.offset}, {blob.length} bytes)"
 
 
-def verified(storage: Storage | None, blob: fmt.Blob, what: str, out: memoryview | None,
+def verified(storage: Storage | None, blob: fmt.Blob, what: str, out,
              stored: memoryview | None = None) -> memoryview:
     """The read-verify-decode step. Reads the blob (unless a merged read already
     fetched its ``stored`` bytes), decodes it into ``out`` (exactly ``raw_length``
     bytes) and checks its hash; returns the verified raw bytes: ``out``, or for a raw
     blob cut out of a merged read ``stored`` itself (``out`` may then be None: the
-    caller copies it only now that it matched)."""
+    caller copies it only now that it matched). ``out`` may be a function that
+    allocates it: a compressed blob's destination is then allocated only once its
+    stored bytes are read and its zstd frame states exactly ``raw_length``, so a
+    frame that lies costs nothing."""
     where = _where(blob, what)
     try:
         if blob.length != blob.raw_length and not blob.codec:
@@ -48,6 +51,7 @@ def verified(storage: Storage | None, blob: fmt.Blob, what: str, out: memoryview
         if not blob.codec and stored is not None:
             raw, actual = stored, digest(stored)
         elif not blob.codec:  # straight into place, hashed piece by piece while in cache
+            out = out() if callable(out) else out  # raw: no larger than the file holds
             hasher = Hasher()
             storage.readinto(blob.file, blob.offset, out, on_piece=hasher.update)
             raw, actual = out, hasher.hexdigest()
@@ -55,6 +59,8 @@ def verified(storage: Storage | None, blob: fmt.Blob, what: str, out: memoryview
             if stored is None:
                 stored = memoryview(bytearray(blob.length))
                 storage.readinto(blob.file, blob.offset, stored)
+            check_stated_size(blob.codec, stored, blob.raw_length, "stored bytes")
+            out = out() if callable(out) else out
             decode_into(blob.codec, stored, out, "stored bytes")
             raw, actual = out, digest(out)
     except ObjectNotFoundError as e:
@@ -130,19 +136,20 @@ class BlobRead:
 def plan_reads(storage: Storage, reads: Sequence[BlobRead]) -> list[list[int]]:
     """Group ``reads`` (by index) into the reads the storage will see.
 
-    Blobs of one file no larger than ``storage.read_coalesce_blob`` are merged, in
-    offset order, while the bytes between two neighbours are at most
-    ``storage.read_coalesce_gap`` and the merged range stays within
-    ``storage.read_coalesce_limit``: one request fetches them all into a temporary
-    buffer, which is split back per blob. Larger blobs are a read of their own, straight
-    into their destination (streamed, hashed as they arrive), as are all blobs of a
-    storage that does not coalesce (limit 0). Groups come back in the order of their
-    first read, so work and errors follow the caller's order."""
-    limit = int(getattr(storage, "read_coalesce_limit", 0) or 0)
+    Per ``storage.read_hints`` (:class:`~ckptstore.storage.ReadHints`): blobs of one
+    file no larger than ``blob`` are merged, in offset order, while the bytes between
+    two neighbours are at most ``gap`` and the merged range stays within ``limit``: one
+    request fetches them all into a temporary buffer, which is split back per blob.
+    Larger blobs are a read of their own, straight into their destination (streamed,
+    hashed as they arrive), as are all blobs of a storage that does not coalesce (limit
+    0). Groups come back in the order of their first read, so work and errors follow
+    the caller's order."""
+    hints = storage.read_hints
+    limit = hints.limit
     if limit <= 0 or len(reads) < 2:
         return [[i] for i in range(len(reads))]
-    gap = max(0, int(getattr(storage, "read_coalesce_gap", 0) or 0))
-    small = min(limit, int(getattr(storage, "read_coalesce_blob", 0) or 0))
+    gap = hints.gap
+    small = min(limit, hints.blob)
     order = sorted(range(len(reads)), key=lambda i: (reads[i].blob.file, reads[i].blob.offset, reads[i].blob.length))
     groups: list[list[int]] = []
     run: list[int] = []
@@ -194,11 +201,16 @@ def _deliver(storage: Storage, r: BlobRead, scratch, stored: memoryview | None =
     if r.out is not None:
         verified(storage, blob, r.what, r.out, stored)
     elif r.done is None:
-        verified(storage, blob, r.what, scratch(blob.raw_length), stored)
+        verified(storage, blob, r.what, lambda: scratch(blob.raw_length), stored)
     else:
-        tensor = torch.empty(blob.raw_length, dtype=torch.uint8)
-        verified(storage, blob, r.what, _view(tensor), stored)
-        r.done(tensor)
+        made: list[torch.Tensor] = []
+
+        def allocate() -> memoryview:
+            made.append(torch.empty(blob.raw_length, dtype=torch.uint8))
+            return _view(made[0])
+
+        verified(storage, blob, r.what, allocate, stored)
+        r.done(made[0])
 
 
 def _read_group(storage: Storage, reads: Sequence[BlobRead], group: list[int], scratch=_new_buffer):

@@ -42,22 +42,12 @@ def latest_manifest(storage: Storage) -> fmt.Manifest:
     names = storage.list("")
     where = storage.describe()
     if not names:
-        if getattr(storage, "is_dir", lambda: False)():
+        if storage.is_dir():
             raise NotACheckpointError(f"{where}: is an empty directory, not a ckptstore checkpoint")
         raise CheckpointNotFoundError(f"{where}: no checkpoint here (no such file or directory)")
     if f"{fmt.ATTEMPTS_DIR}/" in names:
         raise NotCommittedError(f"{where}: holds save attempts but no committed manifest")
     raise NotACheckpointError(f"{where}: exists but is not a ckptstore checkpoint (no manifest)")
-
-
-def read_tensors(storage: Storage, tensors: dict[str, fmt.TensorEntry], where: str,
-                 pool) -> dict[str, torch.UntypedStorage]:
-    """Read every chunk of every tensor into new CPU storages, all chunks in parallel
-    (small neighbours in one read, see :func:`plan_reads`)."""
-    reads: list[BlobRead] = []
-    out = _tensor_reads(tensors, where, reads)
-    read_blobs(storage, reads, pool)
-    return out
 
 
 def _tensor_reads(tensors: dict[str, fmt.TensorEntry], where: str,
@@ -71,7 +61,11 @@ def _tensor_reads(tensors: dict[str, fmt.TensorEntry], where: str,
     out: dict[str, torch.UntypedStorage] = {}
     for key, entry in tensors.items():
         size = fmt.itemsize(entry.dtype)
-        data = torch.empty(entry.nbytes, dtype=torch.uint8)
+        try:
+            data = torch.empty(entry.nbytes, dtype=torch.uint8)
+        except RuntimeError as e:  # the manifest's claim is within the format's bounds, not this machine's
+            raise MemoryError(f"{where}: tensor {key!r} needs {entry.nbytes} bytes, which cannot be "
+                              f"allocated here: {e}") from e
         view = memoryview(data.numpy()) if entry.nbytes else memoryview(bytearray())
         what = f"{where}: tensor {key!r}"
         for c in entry.chunks:
@@ -143,7 +137,7 @@ def restore(storage: Storage, manifest: fmt.Manifest, rank: int, map_location=No
             pickle_module=pickle):
     """Rebuild the object rank ``rank`` saved. Global tensors come back whole
     (consolidated) or, with ``globals_as_meta``, as meta tensors for a template to fill."""
-    from ..pipeline import runtime
+    from ..runtime import runtime
 
     pool = pool or runtime().readers
     where = storage.describe()
@@ -166,8 +160,8 @@ def restore(storage: Storage, manifest: fmt.Manifest, rank: int, map_location=No
     reads: list[BlobRead] = []
     raw = _tensor_reads(state.tensors, where, reads)
     raw_globals = {} if globals_as_meta else _tensor_reads(dict(manifest.tensors), where, reads)
-    skeleton = bytearray(state.skeleton.raw_length)
-    reads.append(BlobRead(state.skeleton, f"{where}: object skeleton of rank {rank}", memoryview(skeleton)))
+    skeleton: list[torch.Tensor] = []  # allocated only once its stored bytes passed their checks
+    reads.append(BlobRead(state.skeleton, f"{where}: object skeleton of rank {rank}", None, skeleton.append))
     read_blobs(storage, reads, pool, extents_checked=True)
 
     restore_location = torch.serialization._get_restore_location(map_location)
@@ -177,13 +171,16 @@ def restore(storage: Storage, manifest: fmt.Manifest, rank: int, map_location=No
         if not isinstance(pid, tuple) or len(pid) != 5 or pid[0] != "storage":
             raise FormatError(f"{where}: unexpected persistent id {pid!r} in the skeleton")
         storage_type, ref, location, numel = pid[1:]
+        dtype = torch.uint8 if storage_type is torch.UntypedStorage else getattr(storage_type, "dtype", None)
+        if (not isinstance(ref, str) or not isinstance(location, str) or not isinstance(dtype, torch.dtype)
+                or type(numel) is not int or numel < 0):
+            raise FormatError(f"{where}: malformed storage reference {str(pid)[:200]} in the skeleton")
         if ref in loaded:
             return loaded[ref]
         try:
             scope, key = parse_skeleton_key(ref)
         except (ValueError, AttributeError):
             raise FormatError(f"{where}: bad tensor reference {ref!r} in the skeleton") from None
-        dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
         if scope == GLOBAL and globals_as_meta:
             if key not in manifest.tensors:
                 raise FormatError(f"{where}: the skeleton names global tensor {key!r}, which the manifest lacks")
@@ -202,10 +199,11 @@ def restore(storage: Storage, manifest: fmt.Manifest, rank: int, map_location=No
         return typed
 
     args = {"encoding": "utf-8", **(pickle_load_args or {})}
+    stream = io.BytesIO(memoryview(skeleton[0].numpy()) if skeleton[0].numel() else b"")
     if weights_only:
-        unpickler = torch._weights_only_unpickler.Unpickler(io.BytesIO(skeleton), **args)
+        unpickler = torch._weights_only_unpickler.Unpickler(stream, **args)
     else:
-        unpickler = _full_unpickler(pickle_module)(io.BytesIO(skeleton), **args)
+        unpickler = _full_unpickler(pickle_module)(stream, **args)
     unpickler.persistent_load = persistent_load
     try:
         result = unpickler.load()
@@ -219,6 +217,15 @@ def restore(storage: Storage, manifest: fmt.Manifest, rank: int, map_location=No
                 "torch.serialization.add_safe_globals([...])."
             ) from e
         raise FormatError(f"{where}: cannot unpickle the object skeleton: {e}") from e
+    except EOFError as e:
+        raise FormatError(f"{where}: the object skeleton ends early: {e}") from e
+    except (TypeError, ValueError, AttributeError, IndexError, KeyError, OverflowError, RecursionError) as e:
+        if not weights_only:
+            raise  # the checkpoint's own classes ran (opted in): their errors are theirs
+        # The allow-list runs no code of the checkpoint's: these come from a malformed
+        # skeleton (rebuild functions given arguments of the wrong kind). RuntimeError
+        # stays as torch raises it (a map_location to a missing device, say).
+        raise FormatError(f"{where}: malformed object skeleton: {type(e).__name__}: {e}") from e
     _validate_sparse = getattr(torch._utils, "_validate_loaded_sparse_tensors", None)
     if _validate_sparse is not None:
         _validate_sparse()

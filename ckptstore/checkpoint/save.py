@@ -11,7 +11,8 @@ from typing import Any
 from .. import format as fmt
 from ..codecs import CompressionPolicy
 from ..errors import CkptStoreError
-from ..pipeline import RankWriter, Runtime
+from ..pipeline import RankWriter
+from ..runtime import Runtime
 from ..storage import Storage
 from .commit import abort, await_outcome, commit, write_failure_vote, write_vote
 from .snapshot import DEFAULT_CHUNK_BYTES, snapshot

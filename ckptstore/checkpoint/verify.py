@@ -4,6 +4,8 @@ size and, in full mode, every blob read, decoded and its xxh3-128 matched."""
 from __future__ import annotations
 
 import threading
+
+import torch
 from dataclasses import dataclass
 
 from .. import format as fmt
@@ -36,10 +38,13 @@ class Problem:
 def verify_manifest(storage: Storage, manifest: fmt.Manifest, quick: bool = False, pool=None,
                     on_blob=None) -> list[Problem]:
     """Every problem found; an empty list means the checkpoint is sound."""
-    from ..pipeline import runtime
+    from ..runtime import runtime
 
     where = storage.describe()
     problems: list[Problem] = []
+    if manifest.byteorder != "little":  # load refuses it: so must verify
+        problems.append(Problem(where, None, None, None, None, f"byteorder {manifest.byteorder!r}: "
+                                "this reader loads little-endian checkpoints only"))
     pool = pool or runtime().readers
     sizes = file_sizes(storage, manifest.files(), pool)
     reads: list[BlobRead] = []
@@ -64,12 +69,20 @@ def verify_manifest(storage: Storage, manifest: fmt.Manifest, quick: bool = Fals
 _scratch = threading.local()
 
 
+KEEP_SCRATCH = 64 << 20  # a reader thread keeps a scratch buffer up to this size between blobs
+
+
 def _buffer(n: int) -> memoryview:
-    """A reusable per-thread buffer: verify reads every blob but keeps none of them."""
+    """A per-thread scratch buffer (verify reads every blob but keeps none of them),
+    reused while it is at most KEEP_SCRATCH; uninitialised (torch.empty): only what a
+    decode writes is ever touched."""
     buf = getattr(_scratch, "buf", None)
-    if buf is None or len(buf) < n:
-        buf = _scratch.buf = bytearray(max(n, 1 << 20))
-    return memoryview(buf)[:n]
+    if buf is not None and len(buf) >= n:
+        return buf[:n]
+    fresh = memoryview(torch.empty(max(n, 1 << 20), dtype=torch.uint8).numpy())
+    if len(fresh) <= KEEP_SCRATCH:
+        _scratch.buf = fresh
+    return fresh[:n]
 
 
 def verify(location, quick: bool = False) -> list[Problem]:

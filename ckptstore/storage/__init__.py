@@ -1,14 +1,16 @@
-"""Byte stores: one small interface (``base``), backends for local disk and memory.
+"""Byte stores: one small interface (``base``: the contract, :class:`ReadHints`),
+backends for local disk (``local``), memory (``memory``) and S3 (the ``s3`` package,
+imported only for ``s3://`` URLs, as it needs boto3).
 
 ``open_storage(url)`` picks the backend from the URL: ``memory://NAME/...`` for the
-process-wide in-memory store, ``s3://`` once the S3 backend exists, else a local path.
+process-wide in-memory store, ``s3://bucket/prefix`` for S3, else a local path.
 """
 
 from __future__ import annotations
 
 import os
 
-from .base import AppendWriter, ObjectInfo, Storage, check_key, redact_url
+from .base import AppendWriter, ObjectInfo, ReadHints, Storage, check_key, redact_url
 from .local import LocalStorage
 from .memory import MemoryStorage
 
@@ -46,5 +48,5 @@ def open_storage(url: str | os.PathLike, **options) -> Storage:
     return LocalStorage(url)
 
 
-__all__ = ["AppendWriter", "LocalStorage", "MemoryStorage", "ObjectInfo", "Storage", "check_key", "is_url",
-           "open_storage", "redact_url"]
+__all__ = ["AppendWriter", "LocalStorage", "MemoryStorage", "ObjectInfo", "ReadHints", "Storage", "check_key",
+           "is_url", "open_storage", "redact_url"]

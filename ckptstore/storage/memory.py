@@ -10,7 +10,7 @@ import time
 from typing import Iterator
 
 from ..errors import AlreadyExistsError, ObjectNotFoundError, TruncatedObjectError
-from .base import AppendWriter, ObjectInfo, Storage
+from .base import AppendWriter, ObjectInfo, ReadHints, Storage
 
 class _Objects(dict):
     """key -> [bytes, mtime], with the lock every view of the store shares."""
@@ -28,10 +28,9 @@ class MemoryStorage(Storage):
     """Objects in a dict shared by every view of the same store."""
 
     # As on local disk (storage/local.py): a read is a slice copy, so what coalescing
-    # saves is the per-read job and call overhead.
-    read_coalesce_blob = 256 << 10
-    read_coalesce_gap = 0
-    read_coalesce_limit = 4 << 20
+    # saves is the per-read job and call overhead. is_dir: the default (anything stored
+    # under the root), as there are no directories here.
+    read_hints = ReadHints(256 << 10, 0, 4 << 20)
 
     def __init__(self, objects: _Objects | None = None, prefix: str = "", name: str = ""):
         self._objects = _Objects() if objects is None else objects

@@ -1,241 +1,52 @@
-"""Amazon S3 (and S3-compatible) backend, through boto3.
-
-Configuration comes from boto3's standard chain (``AWS_ENDPOINT_URL`` /
-``AWS_ENDPOINT_URL_S3``, ``AWS_PROFILE``, ``~/.aws/config``, environment credentials,
-instance roles), so MinIO, Ceph, R2 or a local test server need no ckptstore-specific
-setting; keyword arguments override it. How the pieces work (see docs/s3.md):
-
-* **Retries** are botocore's: ``Config(retries={"mode": "standard", "total_max_attempts":
-  N})`` with connect/read timeouts. Throttling, 5xx and connection faults are retried
-  with jittered exponential backoff; permanent errors (AccessDenied, NoSuchBucket, bad
-  credentials) are not retried and surface at once, naming the ``s3://`` URL. The only
-  loop of our own re-requests the rest of a ranged GET whose body broke mid-stream,
-  which botocore cannot retry because it has already returned the response.
-* **put** is one PutObject; ``if_absent=True`` adds ``If-None-Match: *`` (412 or 409 ->
-  :class:`AlreadyExistsError`), which makes manifests and votes create-only (I1).
-* **open_append** streams the object up while it is written: appends land, in arrival
-  order, in a bounded buffer that a blocking file-like reader hands to boto3's transfer
-  layer (``s3transfer.TransferManager.upload``), which sends it as a single PutObject
-  when small, else as a multipart upload with ``max_concurrency`` parts in flight, and
-  aborts the upload when it fails. Part sizes grow so that no object needs more than
-  S3's 10,000 parts.
-* **readinto** issues ranged GETs, several concurrently for large ranges; a range past
-  the end of an object raises :class:`TruncatedObjectError` (a short read). Loads merge
-  the reads of small neighbouring blobs into one GET (``read_coalesce_*``).
-* **Keys** are checked (``check_key``) before any request, so the full key (prefix +
-  '/' + key) always lies under the store's prefix; listed objects whose names are not
-  valid keys (``a//b``, ``./x``, written by other tools) are left out of ``list`` and
-  ``walk`` (``delete_prefix`` still deletes them).
-* **No secrets in messages**: an endpoint URL with userinfo (``http://user:password@host``)
-  is redacted (``redact_url``) in ``describe()``, ``url``, ``repr`` and the text of every
-  error the backend raises or translates, botocore's own (which echo the endpoint) too.
-"""
+"""The S3 store, :class:`S3Storage`: the byte-store contract (storage/base.py) over a
+boto3 client; how each method maps to requests is in the package docstring and
+docs/s3.md."""
 
 from __future__ import annotations
 
-import collections
-import http.client
-import os
-import random
-import threading
 import time
 from concurrent.futures import CancelledError
 from contextlib import contextmanager
 from typing import Iterator
 
-try:
-    import boto3
-    import botocore.session
-    from boto3.s3.transfer import TransferConfig
-    from botocore import exceptions as bexc
-    from botocore.config import Config
-    from s3transfer.manager import TransferManager
-    from urllib3.exceptions import HTTPError as _Urllib3HTTPError
-except ImportError as _e:  # pragma: no cover - depends on the environment
-    raise ImportError(f"s3:// URLs need boto3 (pip install 'ckptstore[s3]'): {_e}") from _e
+from botocore import exceptions as bexc
 
-from .._threads import DaemonThreadPool
-from ..errors import (
+from ...errors import (
     AlreadyExistsError,
     CkptStoreError,
     ObjectNotFoundError,
     StorageError,
-    StoragePermissionError,
     TransientStorageError,
     TruncatedObjectError,
 )
-from .base import AppendWriter, ObjectInfo, Storage, _check_limit, check_key, redact_url
+from ..base import AppendWriter, ObjectInfo, ReadHints, Storage, _check_limit, check_key, redact_url
+from .client import (
+    DEFAULT_COALESCE_BLOB,
+    DEFAULT_COALESCE_GAP,
+    DEFAULT_CONCURRENCY,
+    DEFAULT_CONNECT_TIMEOUT,
+    DEFAULT_MAX_ATTEMPTS,
+    DEFAULT_PART_SIZE,
+    DEFAULT_READ_PART_SIZE,
+    DEFAULT_READ_TIMEOUT,
+    MAX_PART_SIZE,
+    MAX_PARTS,
+    MIN_PART_SIZE,
+    MiB,
+    _Shared,
+    new_client,
+)
+from .errors import _NOT_FOUND, _STREAM_ERRORS, _backoff, _client_error, _scrub_exception, translate
+from .writer import _byte_view, _S3AppendWriter
 
-MiB = 1 << 20
-GiB = 1 << 30
-MIN_PART_SIZE = 5 * MiB  # S3: every part but the last
-MAX_PART_SIZE = 5 * GiB
-MAX_PARTS = 10_000
-DEFAULT_PART_SIZE = 16 * MiB
-DEFAULT_CONCURRENCY = 10
-DEFAULT_READ_PART_SIZE = 8 * MiB  # ranged GET size for large reads (boto3's download default)
-# Read coalescing (storage/base.py): a GET costs a round trip (10-50 ms to first byte on
-# S3) and a request charge, while one connection streams ~100 MB/s, so reading 64 KiB of
-# unneeded bytes (~1 ms) to save a GET is cheap; blobs below ~1 MiB take about as long
-# to request as to transfer, so they are merged; larger ones stream on their own straight
-# into their tensor. A merged read is at most read_part_size (one GET).
-DEFAULT_COALESCE_GAP = 64 * 1024
-DEFAULT_COALESCE_BLOB = 1 * MiB
-DEFAULT_MAX_ATTEMPTS = 10
-DEFAULT_RETRY_MODE = "standard"
-DEFAULT_CONNECT_TIMEOUT = 10.0
-DEFAULT_READ_TIMEOUT = 60.0
 _DELETE_BATCH = 1000  # DeleteObjects limit
 _READ_BLOCK = 4 * MiB  # bytes read off a response body at a time (and handed to on_piece)
-
-_NOT_FOUND = {"NoSuchKey", "404", "NotFound"}
-_PERMISSION = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AllAccessDisabled",
-               "InvalidToken", "ExpiredToken", "TokenRefreshRequired", "AccountProblem",
-               "InvalidSecurity", "403", "Forbidden"}
-_EXISTS = {"PreconditionFailed", "412", "ConditionalRequestConflict"}
-_TRANSIENT = {"SlowDown", "Throttling", "ThrottlingException", "ThrottledException", "RequestThrottled",
-              "RequestThrottledException", "RequestLimitExceeded", "TooManyRequestsException",
-              "BandwidthLimitExceeded", "PriorRequestNotComplete", "RequestTimeout",
-              "RequestTimeoutException", "InternalError", "ServiceUnavailable", "OperationAborted",
-              "503", "500", "502", "504"}
-_CONNECTION_ERRORS = (bexc.ConnectionError, bexc.HTTPClientError, _Urllib3HTTPError,
-                      http.client.HTTPException, ConnectionError, TimeoutError)
-# Failures while streaming a response body (after botocore handed us the response).
-_STREAM_ERRORS = (bexc.HTTPClientError, bexc.IncompleteReadError, bexc.ConnectionError,
-                  _Urllib3HTTPError, http.client.HTTPException, ConnectionError, TimeoutError)
-
-
-# ---------------------------------------------------------------------------- helpers
-_sessions: dict[str | None, tuple[boto3.session.Session, botocore.session.Session]] = {}
-_sessions_lock = threading.Lock()
-
-
-def boto3_session(profile_name: str | None = None) -> boto3.session.Session:
-    """The process-wide boto3 session (one per profile) that S3Storage clients come from.
-
-    Clients made from a warm session cost milliseconds instead of reloading the S3
-    model, and refreshing credentials (roles, SSO) are shared. Event hooks registered on
-    it (``boto3_session().events.register("before-send.s3", fn)``) see every request of
-    clients created afterwards. ``AWS_PROFILE`` is read when it is first created."""
-    return _sessions_for(profile_name)[0]
-
-
-def _sessions_for(profile_name: str | None):
-    with _sessions_lock:
-        pair = _sessions.get(profile_name)
-        if pair is None:
-            core = botocore.session.get_session()
-            pair = _sessions[profile_name] = (boto3.session.Session(botocore_session=core, profile_name=profile_name), core)
-        return pair
-
-
-def _configured(profile_name: str | None, env: str, name: str) -> str | None:
-    """A setting from the environment or the active profile (boto3's own precedence)."""
-    value = os.environ.get(env)
-    if value:
-        return value
-    try:
-        return _sessions_for(profile_name)[1].get_scoped_config().get(name)
-    except Exception:  # no such profile, unreadable config: boto3 reports it on first use
-        return None
-
-
-def _client_error(e: bexc.ClientError) -> tuple[str, str, int | None, int]:
-    err = e.response.get("Error") or {}
-    meta = e.response.get("ResponseMetadata") or {}
-    return (str(err.get("Code") or ""), str(err.get("Message") or ""), meta.get("HTTPStatusCode"),
-            int(meta.get("RetryAttempts") or 0) + 1)
 
 
 def _as_bytes(data) -> bytes:
     if isinstance(data, bytes):
         return data
     return bytes(memoryview(data).cast("B"))
-
-
-def _byte_view(out) -> memoryview:
-    mv = out if isinstance(out, memoryview) else memoryview(out)
-    return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
-
-
-def _secrets_of(url: str | None) -> tuple[str, ...]:
-    """The userinfo of an endpoint URL and its password, raw and percent-decoded: texts
-    an error message may echo (replaced by *** where redact_url's pattern misses them)."""
-    if not url:
-        return ()
-    from urllib.parse import unquote, urlsplit
-
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return ()
-    userinfo = parts.netloc.rpartition("@")[0] if "@" in parts.netloc else ""
-    found = {userinfo, unquote(userinfo)}
-    if parts.password:
-        found |= {parts.password, unquote(parts.password)}
-    return tuple(sorted((x for x in found if len(x) >= 3), key=len, reverse=True))
-
-
-def _redact(text: str, secrets: tuple[str, ...]) -> str:
-    text = redact_url(text)
-    for secret in secrets:
-        text = text.replace(secret, "***")
-    return text
-
-
-def _scrub_exception(e: BaseException, redact) -> None:
-    """Redact, in place, the text of ``e`` and the exceptions chained to it (botocore's
-    connection errors carry the endpoint URL, password included, in their message and
-    kwargs), so a logged traceback does not show it either."""
-    seen = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        try:
-            if any(isinstance(a, str) and redact(a) != a for a in e.args):
-                e.args = tuple(redact(a) if isinstance(a, str) else a for a in e.args)
-            kwargs = getattr(e, "kwargs", None)
-            if isinstance(kwargs, dict):
-                for k, v in list(kwargs.items()):
-                    if isinstance(v, str):
-                        kwargs[k] = redact(v)
-        except Exception:  # an exception type that refuses: its text stays, ours is redacted
-            pass
-        e = e.__cause__ or e.__context__
-
-
-def _backoff(failure: int) -> None:
-    """Jittered exponential backoff for our one hand-made retry loop (body streaming)."""
-    time.sleep(random.random() * min(0.5 * 2 ** (failure - 1), 20.0))
-
-
-# ---------------------------------------------------------------------------- the store
-class _Shared:
-    """What a store and all its children share: client, settings, read pool."""
-
-    def __init__(self, bucket, client, part_size, max_concurrency, max_attempts, read_part_size, parts_per_tier,
-                 coalesce=(0, 0, 0)):
-        self.bucket = bucket
-        self.client = client
-        endpoint = getattr(getattr(client, "meta", None), "endpoint_url", None)
-        self.secrets = _secrets_of(endpoint if isinstance(endpoint, str) else None)
-        self.endpoint = self.redact(endpoint) if isinstance(endpoint, str) else None
-        self.part_size = part_size
-        self.max_concurrency = max_concurrency
-        self.max_attempts = max_attempts
-        self.read_part_size = read_part_size
-        self.parts_per_tier = parts_per_tier
-        self.coalesce_blob, self.coalesce_gap, self.coalesce_limit = coalesce
-        self._pool: DaemonThreadPool | None = None
-        self._lock = threading.Lock()
-
-    def redact(self, text: str) -> str:
-        return _redact(text, self.secrets)
-
-    def pool(self) -> DaemonThreadPool:
-        with self._lock:
-            if self._pool is None:
-                self._pool = DaemonThreadPool(self.max_concurrency, "ckptstore-s3-read")
-            return self._pool
 
 
 class S3Storage(Storage):
@@ -255,8 +66,8 @@ class S3Storage(Storage):
     ``"adaptive"`` (default: ``AWS_RETRY_MODE`` or the profile's, else standard).
     ``connect_timeout`` / ``read_timeout``: seconds per attempt (10, 60).
 
-    Loads coalesce the GETs of small blobs close together in one object (storage/base.py):
-    ``read_coalesce_blob`` (default 1 MiB): only blobs at most this large are merged;
+    Loads coalesce the GETs of small blobs close together in one object (``read_hints``,
+    storage/base.py): ``read_coalesce_blob`` (default 1 MiB): only blobs at most this large are merged;
     ``read_coalesce_gap`` (64 KiB): the most unneeded bytes fetched between two of them;
     ``read_coalesce_limit`` (default ``read_part_size``): the largest merged GET, 0 to
     turn coalescing off.
@@ -276,7 +87,9 @@ class S3Storage(Storage):
         if not bucket or "/" in bucket:
             raise ValueError(f"invalid S3 bucket name {bucket!r}")
         self.bucket = bucket
-        self.prefix = prefix.strip("/")
+        # The root prefix obeys the key grammar too: "a/../victim" would be literal on
+        # AWS but normalised by some S3-compatible servers and proxies.
+        self.prefix = check_key(prefix.strip("/"), f"S3 prefix of bucket {bucket!r}", prefix=True) if prefix.strip("/") else ""
         self.url = redact_url(f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}")
         if _shared is not None:
             self._shared = _shared
@@ -291,35 +104,18 @@ class S3Storage(Storage):
                     read_part_size if read_coalesce_limit is None else int(read_coalesce_limit))
         if min(coalesce) < 0:
             raise ValueError(f"read_coalesce_blob, _gap and _limit must be >= 0, got {coalesce}")
+        hints = ReadHints(*coalesce)
         if retry_mode is not None and retry_mode not in ("standard", "adaptive", "legacy"):
             raise ValueError(f"retry_mode must be 'standard' or 'adaptive', got {retry_mode!r}")
         if client is None:
-            session = boto3_session(profile_name)
-            if max_attempts is None:
-                configured = _configured(profile_name, "AWS_MAX_ATTEMPTS", "max_attempts")
-                max_attempts = int(configured) if configured else DEFAULT_MAX_ATTEMPTS
-            if retry_mode is None:
-                retry_mode = _configured(profile_name, "AWS_RETRY_MODE", "retry_mode") or DEFAULT_RETRY_MODE
-            if int(max_attempts) < 1:
-                raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
-            config = Config(
-                retries={"mode": retry_mode, "total_max_attempts": int(max_attempts)},
-                connect_timeout=connect_timeout,
-                read_timeout=read_timeout,
-                max_pool_connections=max(32, 3 * int(max_concurrency)),
-                user_agent_extra="ckptstore",
-            )
-            try:
-                with _sessions_lock:  # boto3 sessions are not thread-safe
-                    client = session.client("s3", endpoint_url=endpoint_url, region_name=region_name, config=config)
-            except ValueError as e:  # botocore's "Invalid endpoint: <url>"
-                secrets = _secrets_of(endpoint_url)
-                _scrub_exception(e, lambda text: _redact(text, secrets))
-                raise ValueError(_redact(str(e), secrets)) from None
+            client, max_attempts = new_client(
+                profile_name=profile_name, endpoint_url=endpoint_url, region_name=region_name,
+                max_attempts=max_attempts, retry_mode=retry_mode, connect_timeout=connect_timeout,
+                read_timeout=read_timeout, max_concurrency=max_concurrency)
         elif max_attempts is None:
             max_attempts = client.meta.config.retries.get("total_max_attempts") or DEFAULT_MAX_ATTEMPTS
         self._shared = _Shared(bucket, client, part_size, int(max_concurrency), int(max_attempts),
-                               read_part_size, max(1, int(_parts_per_tier)), coalesce)
+                               read_part_size, max(1, int(_parts_per_tier)), hints)
 
     # -- helpers
     @property
@@ -332,16 +128,9 @@ class S3Storage(Storage):
         return self._shared.part_size
 
     @property
-    def read_coalesce_blob(self) -> int:
-        return self._shared.coalesce_blob
-
-    @property
-    def read_coalesce_gap(self) -> int:
-        return self._shared.coalesce_gap
-
-    @property
-    def read_coalesce_limit(self) -> int:
-        return self._shared.coalesce_limit
+    def read_hints(self) -> ReadHints:
+        """Read coalescing, from ``read_coalesce_blob`` / ``_gap`` / ``_limit``."""
+        return self._shared.read_hints
 
     def _join(self, name: str) -> str:
         """prefix/name, unchecked (for messages and checked names)."""
@@ -389,35 +178,9 @@ class S3Storage(Storage):
         if isinstance(e, CkptStoreError):
             return e
         _scrub_exception(e, self._shared.redact)
-        err = self._translate_text(e, key)
+        err = translate(e, self.describe(key), self.bucket, self._shared.max_attempts)
         err.args = tuple(self._shared.redact(a) if isinstance(a, str) else a for a in err.args)
         return err
-
-    def _translate_text(self, e: BaseException, key: str) -> CkptStoreError:
-        where = self.describe(key)
-        if isinstance(e, bexc.ClientError):
-            code, msg, status, tries = _client_error(e)
-            detail = f"{code or status}" + (f": {msg}" if msg and msg != code else "")
-            detail += f" ({e.operation_name}, HTTP {status}" + (f", {tries} attempts)" if tries > 1 else ")")
-            if code == "NoSuchBucket":
-                return StorageError(f"{where}: bucket {self.bucket!r} does not exist ({detail})")
-            if code in _NOT_FOUND:
-                return ObjectNotFoundError(f"{where}: not found ({detail})")
-            if code in _PERMISSION or status == 403:
-                return StoragePermissionError(f"{where}: access denied ({detail})")
-            if code in _EXISTS or status == 412:
-                return AlreadyExistsError(f"{where}: already exists ({detail})")
-            if code in _TRANSIENT or status == 429 or (status or 0) >= 500:
-                return TransientStorageError(f"{where}: {detail}; gave up after {tries} attempt(s)")
-            return StorageError(f"{where}: {detail}")
-        if isinstance(e, (bexc.NoCredentialsError, bexc.PartialCredentialsError, bexc.CredentialRetrievalError)):
-            return StoragePermissionError(f"{where}: no usable AWS credentials ({e})")
-        if isinstance(e, _CONNECTION_ERRORS):
-            return TransientStorageError(
-                f"{where}: {type(e).__name__}: {e}; gave up after up to {self._shared.max_attempts} attempts")
-        if isinstance(e, CancelledError):
-            return StorageError(f"{where}: upload cancelled")
-        return StorageError(f"{where}: {type(e).__name__}: {e}")
 
     @contextmanager
     def _errors(self, key: str = ""):
@@ -695,162 +458,3 @@ class S3Storage(Storage):
             resp = self.client.list_objects_v2(Bucket=self.bucket, Prefix=self._dir(""), MaxKeys=1)
         return not self.prefix or resp.get("KeyCount", 0) > 0
 
-
-# ---------------------------------------------------------------------------- appends
-class _Feed:
-    """The blocking, non-seekable file object s3transfer reads the appended bytes from."""
-
-    def __init__(self, writer: "_S3AppendWriter"):
-        self._writer = writer
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return False
-
-    def read(self, amount: int | None = -1) -> bytes:
-        return self._writer._take(amount)
-
-
-class _S3AppendWriter(AppendWriter):
-    """Streams appended bytes to S3 while they arrive.
-
-    ``append`` takes an offset and queues the bytes (a copy, unless they are an immutable
-    ``bytes``) under one lock, so offsets follow arrival order and the queue is the
-    object's byte order. s3transfer's
-    submission thread reads parts off the queue (``_take``); its request threads upload
-    up to ``max_concurrency`` parts at once. Memory stays bounded: ``append`` waits while
-    two parts' worth is queued, and s3transfer holds at most ``max_concurrency`` parts.
-    """
-
-    def __init__(self, storage: S3Storage, key: str):
-        self.key = key
-        self._s = storage
-        sh = storage._shared
-        self._cv = threading.Condition()
-        self._queue: collections.deque[memoryview] = collections.deque()
-        self._queued = 0
-        self._size = 0
-        self._parts = 0  # parts handed to s3transfer so far
-        self._eof = False
-        self._stop: BaseException | None = None  # raised to s3transfer (abort, too many parts)
-        self._closed = False
-        self._completed = False
-        self._future = None
-        config = TransferConfig(
-            multipart_threshold=sh.part_size,
-            multipart_chunksize=sh.part_size,
-            max_concurrency=sh.max_concurrency,
-            use_threads=True,
-        )
-        config.max_in_memory_upload_chunks = sh.max_concurrency  # parts held by s3transfer
-        self._manager = TransferManager(sh.client, config, executor_cls=DaemonThreadPool)
-        with self._cv:
-            self._future = self._manager.upload(_Feed(self), sh.bucket, storage._k(key))
-
-    # -- the producer side (any thread)
-    def append(self, data) -> int:
-        mv = _byte_view(data)
-        n = mv.nbytes
-        with self._cv:
-            while True:
-                if self._closed:
-                    raise StorageError(f"{self._s.describe(self.key)}: append after close or abort")
-                if self._stop is not None:
-                    raise StorageError(str(self._stop))
-                if self._future.done():
-                    break  # the upload failed: report it below, outside the lock
-                if self._queued < self._limit():
-                    offset = self._size
-                    self._size += n
-                    if n:  # bytes are immutable: keep them; anything else may be reused, copy it
-                        self._queue.append(mv if isinstance(data, bytes) else memoryview(bytes(mv)))
-                        self._queued += n
-                        self._cv.notify_all()
-                    return offset
-                self._cv.wait(0.05)  # back-pressure; also notices a failed upload
-        raise self._failure()
-
-    def _limit(self) -> int:
-        return 2 * self._s.part_size_for(self._parts + 1)
-
-    def _failure(self) -> CkptStoreError:
-        try:
-            self._future.result()
-        except BaseException as e:
-            return self._s._translate(e, self.key)
-        return StorageError(f"{self._s.describe(self.key)}: the upload ended before close")
-
-    # -- the consumer side (s3transfer's submission thread)
-    def _take(self, amount: int | None) -> bytes:
-        with self._cv:
-            if amount is None or amount < 0:
-                want = None  # everything up to close (the single-PutObject path)
-            else:
-                self._parts += 1
-                if self._parts > MAX_PARTS:
-                    self._stop = StorageError(
-                        f"{self._s.describe(self.key)}: object exceeds S3's {MAX_PARTS} parts; "
-                        "use a larger part_size")
-                # Returning more than asked is how parts grow: s3transfer sizes each part
-                # by the bytes read (checked by tests/test_s3.py::test_part_sizes_grow...).
-                want = max(amount, self._s.part_size_for(self._parts))
-            while True:
-                if self._stop is not None:
-                    raise self._stop
-                if self._eof or (want is not None and self._queued >= want):
-                    break
-                if self._future is not None and self._future.done():
-                    raise StorageError("upload failed")  # stop reading; the real error is on the future
-                self._cv.wait(0.05)
-            pieces, got = [], 0
-            while self._queue and (want is None or got < want):
-                head = self._queue.popleft()
-                if want is not None and got + len(head) > want:
-                    k = want - got
-                    self._queue.appendleft(head[k:])
-                    head = head[:k]
-                pieces.append(head)
-                got += len(head)
-            self._queued -= got
-            self._cv.notify_all()
-        return b"".join(pieces)
-
-    # -- finishing
-    def close(self) -> int:
-        with self._cv:
-            if self._closed:
-                raise StorageError(f"{self._s.describe(self.key)}: closed twice")
-            self._eof = True
-            self._closed = True
-            self._cv.notify_all()
-        try:
-            self._future.result()
-        except BaseException as e:
-            raise self._s._translate(e, self.key) from e
-        finally:
-            self._manager.shutdown()
-        self._completed = True
-        return self._size
-
-    def abort(self) -> None:
-        try:
-            with self._cv:
-                self._closed = True
-                if self._stop is None:
-                    self._stop = StorageError(f"{self._s.describe(self.key)}: upload aborted")
-                self._queue.clear()
-                self._queued = 0
-                self._cv.notify_all()
-            if not self._future.done():
-                self._future.cancel()  # s3transfer then aborts the multipart upload
-            try:
-                self._future.result()
-            except BaseException:
-                pass
-            self._manager.shutdown()
-            if self._completed:
-                self._s.delete(self.key)
-        except BaseException:
-            pass

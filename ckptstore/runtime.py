@@ -1,0 +1,89 @@
+"""The process runtime: the thread pools, the staging pool and the codec memo that every
+save, load and verify of the process shares, built from one :class:`~ckptstore.config.Config`.
+
+``runtime()`` returns it, created on first use; ``configure(...)`` replaces the process
+config and the runtime (only while no save is in flight). One runtime means one
+memory budget (the staging pool) for every save in flight.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from ._threads import DaemonThreadPool
+from .codecs import CodecMemo
+from .config import Config, set_config
+from .config import config as process_config
+from .staging import StagingPool
+
+__all__ = ["Runtime", "configure", "runtime"]
+
+
+class Runtime:
+    """Process-wide executors, staging pool and codec memo.
+
+    ``Runtime()`` follows the process config; ``workers`` / ``staging_bytes`` override
+    it for this runtime alone (tests, a second rank in one process); ``config`` gives
+    the whole config.
+    """
+
+    def __init__(self, workers: int | None = None, staging_bytes: int | None = None, *,
+                 config: Config | None = None):
+        cfg = config if config is not None else process_config()
+        changes = {k: v for k, v in (("workers", workers), ("staging_bytes", staging_bytes)) if v is not None}
+        self.config = cfg.replace(**changes) if changes else cfg
+        n = self.config.workers
+        self.workers = DaemonThreadPool(n, "ckptstore-io")
+        # Reads wait on I/O (disk, network) more than on CPU: more readers than cores pays.
+        self.readers = DaemonThreadPool(max(n, 8), "ckptstore-read")
+        # One commit thread: a process's saves commit in the order they were made, so a
+        # later save of the same path always gets the later generation.
+        self.committer = DaemonThreadPool(1, "ckptstore-commit")
+        self.pool = StagingPool(self.config.staging_bytes, backend=self.config.staging_pool)
+        # What "auto" compression decided per chunk in earlier saves (see codecs.CodecMemo).
+        self.codec_memo = CodecMemo()
+
+    def shutdown(self) -> None:
+        for ex in (self.workers, self.readers, self.committer):
+            ex.shutdown(wait=False)  # threads finish what they hold, then end
+
+
+_runtime: Runtime | None = None
+_runtime_lock = threading.Lock()
+
+
+def runtime() -> Runtime:
+    """The process runtime (created from the process config on first use)."""
+    global _runtime
+    with _runtime_lock:
+        if _runtime is None:
+            _runtime = Runtime()
+        return _runtime
+
+
+def configure(cfg: Config | None = None, /, **settings: Any) -> Runtime:
+    """Replace the process config and runtime (only while no save is in flight).
+
+    ``configure(workers=4, staging_bytes=1 << 30)``: settings are
+    :class:`~ckptstore.config.Config` fields; those not given (or None) come from the
+    environment, read again, else their defaults. So ``configure()`` resets everything
+    to the environment. ``configure(cfg)`` installs a whole config, e.g.
+    ``configure(config().replace(workers=4))`` to change one knob and keep the rest.
+    A bad value raises :class:`~ckptstore.config.ConfigError` naming it, and changes
+    nothing. ``disable_native`` is read when ``ckptstore`` is imported: changing it
+    later has no effect.
+    """
+    if cfg is not None and settings:
+        raise TypeError("configure() takes a Config or settings, not both")
+    new = cfg if cfg is not None else Config.from_env(**settings)
+    if not isinstance(new, Config):
+        raise TypeError(f"configure() expects a ckptstore Config, got {type(new).__name__}")
+    global _runtime
+    with _runtime_lock:
+        rt = Runtime(config=new)  # before anything changes: a failure leaves the old one
+        if _runtime is not None:
+            _runtime.shutdown()  # threads finish what they hold, then end
+        set_config(new)
+        _runtime = rt
+        return rt

@@ -1,0 +1,113 @@
+"""The native staging pool: slabs of host memory from the extension's ``HostPool``.
+
+Slabs are page-locked with ``cudaHostAlloc`` when CUDA is used, sub-allocated at exact
+sizes (64-byte aligned) with a best-fit, coalescing free list, ``max(request, 64 MiB)``
+each, capped by the capacity, and kept until :meth:`NativeStagingPool.trim`.
+
+Its capacity is a soft limit. Slab bytes never exceed it, and a request that fits by
+count but in no free hole (fragmentation) waits for releases too; but if none comes
+within ``overflow_after`` seconds (the caller may itself hold the buffers that block
+it), the pool lends ordinary memory beyond the capacity, freed on release (stats:
+``overflow_allocs``, ``overflow_bytes``). ``acquire(overflow_after=None)`` (what
+:class:`~ckptstore.staging.copier.StagingCopier` uses) never does.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from .. import native
+from .pool import DEFAULT_OVERFLOW_AFTER, StagingBuffer, StagingPool
+
+__all__ = ["NativeStagingPool"]
+
+
+class NativeStagingPool(StagingPool):
+    """Staging memory in native slabs; lends past ``capacity`` after ``overflow_after``."""
+
+    backend = "native"
+    lends_past_capacity = True
+
+    def _setup(self, slab_bytes: int) -> None:
+        if not native.NATIVE:
+            raise RuntimeError(f"StagingPool: the native backend is unavailable ({native.WHY_NOT})")
+        # Pinned slabs are portable and allocated under the allocating thread's current
+        # CUDA context; ``device`` is used only by a thread that has none. (No
+        # torch.cuda.current_device() here: it would initialise CUDA in every process
+        # that merely loads, and fix the device before set_device runs.)
+        self._slabs = native.HostPool(self.capacity, pinned=self.pin_memory, device=0, slab_bytes=slab_bytes)
+        self._cond = threading.Condition()
+        self._releases = 0  # bumped (under _cond) by every release: wakes waiters
+
+    # -- reporting
+    @property
+    def in_use(self) -> int:
+        return self._slabs.in_use
+
+    @property
+    def held(self) -> int:
+        s = self._slabs.stats()
+        return s["held"] + s["overflow_bytes"]
+
+    @property
+    def peak(self) -> int:
+        return self._slabs.stats()["peak"]
+
+    def stats(self) -> dict:
+        s = self._slabs.stats()
+        s["held"] += s["overflow_bytes"]
+        s["backend"] = "native"
+        return s
+
+    # -- lending
+    def acquire(self, nbytes: int, *, overflow_after: float | None = DEFAULT_OVERFLOW_AFTER) -> StagingBuffer:
+        """A buffer of exactly ``nbytes``; waits while in_use + nbytes > capacity.
+
+        When the request fits by count but in no free hole and the capacity leaves no
+        room for another slab (fragmentation), it waits for releases too. If no release
+        comes for ``overflow_after`` seconds, it lends ordinary memory beyond the
+        capacity instead, freed on release; ``overflow_after=None`` waits for as long as
+        it takes, for a caller that holds no buffer it has not handed to whoever
+        releases it (once nothing is lent, every request fits).
+        """
+        nbytes = self.check_size(nbytes)
+        slabs = self._slabs
+        while True:
+            seen = self._releases
+            block = slabs.try_alloc(nbytes)
+            if block is not None:
+                return _buffer(block)
+            fragmented = slabs.in_use + nbytes <= self.capacity
+            with self._cond:
+                if fragmented and overflow_after is not None:
+                    if self._cond.wait_for(lambda: self._releases != seen, overflow_after):
+                        continue
+                else:
+                    while self._releases == seen:  # no release since the failed try
+                        self._cond.wait()
+                    continue
+            block = slabs.try_alloc(nbytes, overflow=True)  # None if back-pressure meanwhile
+            if block is not None:
+                return _buffer(block)
+
+    def try_acquire(self, nbytes: int) -> StagingBuffer | None:
+        block = self._slabs.try_alloc(self.check_size(nbytes))
+        return None if block is None else _buffer(block)
+
+    def release(self, buf: StagingBuffer) -> None:
+        self._slabs.free(buf._block)  # ValueError if released twice
+        with self._cond:
+            self._releases += 1
+            self._cond.notify_all()
+
+    def trim(self) -> None:
+        """Free every slab that lends nothing."""
+        self._slabs.trim()
+
+
+def _buffer(block) -> StagingBuffer:
+    if block.nbytes == 0:  # torch.frombuffer refuses empty buffers
+        return StagingBuffer(torch.empty(0, dtype=torch.uint8), memoryview(bytearray()), block)
+    return StagingBuffer(torch.frombuffer(block, dtype=torch.uint8), memoryview(block), block)
