@@ -566,14 +566,19 @@ def test_I7_gc_deletes_only_what_ckptstore_wrote_inside_an_attempt(tmp_path):
 def test_a_deep_directory_tree_costs_neither_stack_nor_the_tools(tmp_path):
     root = str(tmp_path / "s")
     _store(root, steps=(1,))
-    deep = os.path.join(root, names.step_dir_name(1), "attempts")
-    for _ in range(1500):
-        deep = os.path.join(deep, "d")
-        os.mkdir(deep)
-    for cmd in (["ls", "--all", "--json"], ["verify"], ["gc", "--grace", "0"]):
-        result = cli(*cmd, root)
-        assert result.exit_code == 0, (cmd, result.output[-500:])
-    assert ckptstore.Store(root).load(1)["step"] == 1
+    top = os.path.join(root, names.step_dir_name(1), "attempts")
+    made = []
+    for _ in range(1500):  # deeper than Python's recursion limit
+        made.append(os.path.join(made[-1] if made else top, "d"))
+        os.mkdir(made[-1])
+    try:
+        for cmd in (["ls", "--all", "--json"], ["verify"], ["gc", "--grace", "0"]):
+            result = cli(*cmd, root)
+            assert result.exit_code == 0, (cmd, result.output[-500:])
+        assert ckptstore.Store(root).load(1)["step"] == 1
+    finally:
+        for d in reversed(made):  # bottom up: pytest's recursive cleanup could not
+            os.rmdir(d)
 
 
 def test_a_compressed_skeleton_that_lies_about_its_size_costs_no_memory(tmp_path):
