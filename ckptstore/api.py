@@ -208,7 +208,10 @@ def _load_info(storage: Storage, manifest: fmt.Manifest, rank: int | None, group
         raise ValueError(f"rank must be >= 0, got {rank}")
     saved = manifest.world_size
     info = LoadInfo(storage.describe(), manifest.step, manifest.generation, saved, world, rank % saved)
-    if saved > 1 and world != saved:
+    # Any change of a training checkpoint's world size warns (a Store step: 1 -> 2 ranks
+    # too); a drop-in checkpoint saved by one process and loaded by each rank of a job
+    # (pretrained weights, say) is a file load, not a resume: no warning.
+    if world != saved and (saved > 1 or manifest.step is not None):
         warnings.warn(
             f"{storage.describe()}: saved by {saved} ranks, loading on {world}: global (sharded) tensors "
             f"are resharded, rank-local state comes from saved rank {info.rank_state_of}; the effective "

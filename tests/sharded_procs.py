@@ -626,3 +626,17 @@ def tp_load(rank, world, events, roots):
         loaded = _load_into(root, model, opt, msd, osd, extras)
         res[name] = {"gathered": full_copy(loaded), "before": before, "placements": _placements({"model": loaded["model"]})}
     return res if rank == 0 else {}
+
+
+def load_one_rank_checkpoints(rank, world, events, store_root, dropin_path):
+    """Load a 1-rank Store checkpoint and a 1-rank drop-in checkpoint on every rank."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state, info = ckptstore.Store(store_root).load(return_info=True)
+    with warnings.catch_warnings(record=True) as caught_dropin:
+        warnings.simplefilter("always")
+        weights = ckptstore.load(dropin_path)
+    return {"step": state["step"], "resharded": info.resharded, "rank_state_of": info.rank_state_of,
+            "warnings": [w.category.__name__ for w in caught],
+            "dropin_warnings": [w.category.__name__ for w in caught_dropin],
+            "dropin_ok": bool(torch.equal(weights["w"], torch.arange(6.0)))}
