@@ -144,6 +144,17 @@ def temp_name(final: str) -> str:
     return f"{final}{TMP_MARK}{uuid.uuid4().hex[:8]}"
 
 
+def attempt_file_of(key: str) -> tuple[str, str] | None:
+    """(attempt, kind) when ``key`` (relative to its location) is a file ckptstore
+    writes in an attempt directory, kind as :func:`attempt_leaf_kind` says; else None
+    (a foreign name, or one nested deeper)."""
+    parts = key.split("/")
+    if len(parts) != 3 or parts[0] != ATTEMPTS_DIR or not is_attempt_id(parts[1]):
+        return None
+    kind = attempt_leaf_kind(parts[2])
+    return (parts[1], kind) if kind is not None else None
+
+
 def is_temp_name(leaf: str) -> bool:
     """A temporary file left by an interrupted put (local disk) of a name ckptstore
     writes: a manifest, a pin, or a file of an attempt. Anyone else's ``x.tmp-...`` is not."""

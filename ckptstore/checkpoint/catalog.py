@@ -44,6 +44,9 @@ class Location:
     # Entries ckptstore never writes (a symlink, a FIFO, a name outside the grammar):
     # reported, never followed, read or deleted.
     foreign: list[str] = field(default_factory=list)
+    # attempt -> every file ckptstore wrote in it, temporaries included (what deleting
+    # the attempt deletes: the same files commit.attempt_files finds)
+    attempt_files: dict[str, list] = field(default_factory=dict)
     pinned: bool = False
 
     @property
@@ -85,10 +88,12 @@ def scan_location(storage: Storage, name: str) -> Location:
             continue  # manifests, pin, and what else the location holds at its top
         if parts[0] != names.ATTEMPTS_DIR:
             continue  # not ours to judge: a nested location or the user's files
-        kind = names.attempt_leaf_kind(parts[2]) if len(parts) == 3 and names.is_attempt_id(parts[1]) else None
-        if kind is None:
+        ours = names.attempt_file_of(info.key)
+        if ours is None:
             loc.foreign.append(info.key)
             continue
+        kind = ours[1]
+        loc.attempt_files.setdefault(parts[1], []).append(info)
         if kind == "temp":
             # an interrupted vote or heartbeat write: gc's after the grace, even inside
             # an attempt a manifest references

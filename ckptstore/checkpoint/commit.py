@@ -251,10 +251,8 @@ def attempt_files(storage: Storage, attempt: str):
     temporaries of those), as ObjectInfo: what deleting an attempt deletes. Anything else
     in its directory (a symlink, a special file, a subdirectory, a foreign name) is not
     ours and stays, reported by gc as foreign."""
-    prefix = names.attempt_dir(attempt) + "/"
-    for info in storage.walk(prefix):
-        leaf = info.key[len(prefix):]
-        if info.kind == "file" and "/" not in leaf and names.attempt_leaf_kind(leaf) is not None:
+    for info in storage.walk(names.attempt_dir(attempt) + "/"):
+        if info.kind == "file" and names.attempt_file_of(info.key) is not None:
             yield info
 
 

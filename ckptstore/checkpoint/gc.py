@@ -22,7 +22,7 @@ from .. import names
 from ..errors import CkptStoreError, ObjectNotFoundError
 from ..storage import Storage
 from .catalog import Location, read_pin, scan_store
-from .commit import attempt_files, generations, read_manifest
+from .commit import generations, read_manifest
 from .retention import Candidate, Retention, select_kept
 
 DEFAULT_GRACE = 6 * 3600.0
@@ -68,7 +68,7 @@ class GcPlan:
 
 
 def _attempt_keys(loc: Location, attempt: str) -> tuple[list[str], int]:
-    infos = list(attempt_files(loc.storage, attempt))
+    infos = loc.attempt_files.get(attempt, [])  # from the location's one walk: no second listing
     return [i.key for i in infos], sum(i.size for i in infos)
 
 
