@@ -22,7 +22,7 @@ from . import format as fmt
 from . import lifecycle
 from . import names
 from .checkpoint.commit import generations, read_manifest, write_failure_vote
-from .checkpoint.container import MAGIC, read_container, replace_file, write_container
+from .checkpoint.container import MAGIC, read_container, read_container_file, replace_file, write_container
 from .checkpoint.group import agree_on_attempt, rank_and_world
 from .checkpoint.reshard import fill_template
 from .checkpoint.restore import latest_manifest, restore
@@ -136,11 +136,10 @@ def load(f, map_location=None, pickle_module: Any = None, *, weights_only: bool 
     if not is_url(f):
         path = os.fspath(f)
         if os.path.isfile(path):
-            with open(path, "rb") as fh:
-                if fh.read(len(MAGIC)) == MAGIC:
-                    fh.seek(0)
-                    return _load_storage(read_container(fh), map_location, weights_only, rank, pickle_load_args,
-                                         pickle_module=pickle_module)[0]
+            store = read_container_file(path)
+            if store is not None:
+                return _load_storage(store, map_location, weights_only, rank, pickle_load_args,
+                                     pickle_module=pickle_module)[0]
             return torch.load(path, **torch_kw, **pickle_load_args)
         if not os.path.exists(path):
             raise CheckpointNotFoundError(f"{path}: no such file or directory")

@@ -49,19 +49,17 @@ def _open(url: str, containers: bool = True) -> Storage:
 
 
 def _open_container(path: str, allowed: bool) -> Storage:
-    from .checkpoint.container import MAGIC, read_container
+    from .checkpoint.container import read_container_file
 
+    if not allowed:
+        _fail(f"{path}: a file (a single-file checkpoint holds nothing for gc to collect)", EXIT_USAGE)
     try:
-        with open(path, "rb") as f:
-            if f.read(len(MAGIC)) != MAGIC:
-                _fail(f"cannot open {path}: a file that is not a ckptstore container "
-                      "(a torch.save file? ckptstore.load reads those)", EXIT_USAGE)
-            if not allowed:
-                _fail(f"{path}: a single-file checkpoint: nothing for gc to collect", EXIT_USAGE)
-            storage = read_container(f, MAGIC)
+        storage = read_container_file(path)
     except (CkptStoreError, OSError) as e:
         _fail(f"cannot open {path}: {e}", EXIT_PROBLEM if isinstance(e, CkptStoreError) else EXIT_USAGE)
-    storage.url = os.path.abspath(path)  # messages name the file, not a memory store
+    if storage is None:
+        _fail(f"cannot open {path}: a file that is not a ckptstore container "
+              "(a torch.save file? ckptstore.load reads those)", EXIT_USAGE)
     return storage
 
 

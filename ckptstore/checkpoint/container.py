@@ -90,6 +90,18 @@ def _read_exact(f, n: int, what: str) -> bytes:
     return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
 
+def read_container_file(path) -> MemoryStorage | None:
+    """The container in the regular file ``path`` as a memory store whose messages name
+    the file, or None when the file is something else (a torch.save file, say)."""
+    with open(path, "rb") as f:
+        head = f.read(len(MAGIC))
+        if head != MAGIC:
+            return None
+        store = read_container(f, head)
+    store.url = os.path.abspath(path)
+    return store
+
+
 def read_container(f, head: bytes = b"") -> MemoryStorage:
     """Parse a container whose first bytes (``head``, up to 8) were already read."""
     magic = head + _read_exact(f, len(MAGIC) - len(head), "the header")

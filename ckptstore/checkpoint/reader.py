@@ -76,11 +76,6 @@ def verified(storage: Storage | None, blob: fmt.Blob, what: str, out,
     return raw
 
 
-def read_blob(storage: Storage, blob: fmt.Blob, out: memoryview, what: str) -> None:
-    """Read one blob into ``out`` (its raw length), decode it and check its hash."""
-    verified(storage, blob, out=out, what=what)
-
-
 # ---------------------------------------------------------------------------- extents
 def file_sizes(storage: Storage, names, pool=None) -> dict[str, int | None]:
     """The size of each file (None: missing or not a regular file), stat'ed in
