@@ -12,6 +12,7 @@ its own, so an error names the same blob it would alone.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from concurrent.futures import wait
 from dataclasses import dataclass
 
 import torch
@@ -243,7 +244,9 @@ def _read_group(storage: Storage, reads: Sequence[BlobRead], group: list[int], s
 def read_blobs(storage: Storage, reads: Sequence[BlobRead], pool, extents_checked: bool = False) -> None:
     """Read and check every blob of ``reads`` on ``pool``, neighbours coalesced
     (:func:`plan_reads`); raises the error of the first read, in the caller's order,
-    that failed. Extents are checked first unless the caller already did."""
+    that failed. Extents are checked first unless the caller already did. Returns or
+    raises only once no read of it is running: none writes into a caller's tensor,
+    or sends a request, after the load has failed."""
     if not extents_checked:
         check_extents(storage, ((r.blob, r.what) for r in reads), pool)
     jobs = [pool.submit(_read_group, storage, reads, g) for g in plan_reads(storage, reads)]
@@ -255,6 +258,7 @@ def read_blobs(storage: Storage, reads: Sequence[BlobRead], pool, extents_checke
     finally:
         for j in jobs:
             j.cancel()
+        wait(jobs)
 
 
 def check_blobs(storage: Storage, reads: Sequence[BlobRead], pool, scratch=_new_buffer,
