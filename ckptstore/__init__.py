@@ -10,6 +10,14 @@ Managed, for training loops::
     store = ckptstore.Store("runs/exp1")
     store.save(step, {"model": model.state_dict(), "optim": opt.state_dict()})
     state = store.load()            # latest committed step
+
+Fault-tolerant training loops (collective resume, preemption saves)::
+
+    ckpt = ckptstore.Checkpointer(store, model=model, optimizer=opt, state={"sched": sched}, every=100)
+    for step in range(ckpt.resume(), total_steps):
+        train_step()
+        if ckpt.step(step):
+            break
 """
 
 from ._version import __version__  # noqa: E402 (one source: _version.py, read by the build too)
@@ -21,6 +29,18 @@ from .checkpoint.verify import verify  # noqa: E402
 from .errors import *  # noqa: E402,F401,F403
 from .config import Config, ConfigError  # noqa: E402
 from .runtime import configure  # noqa: E402
+from .resume import (  # noqa: E402
+    CheckpointRejected,
+    CheckpointSkippedWarning,
+    NoLoadableCheckpointError,
+    ResumeError,
+    ResumeInfo,
+    SkippedStep,
+)
+from .rng import rng_state, set_rng_state  # noqa: E402
+from .training import Checkpointer  # noqa: E402
 
-__all__ = ["Config", "ConfigError", "LoadInfo", "Store", "SaveFuture", "WorldSizeChangedWarning", "configure", "errors",
-           "load", "save", "verify", "wait", "__version__"]
+__all__ = ["CheckpointRejected", "CheckpointSkippedWarning", "Checkpointer", "Config", "ConfigError", "LoadInfo",
+           "NoLoadableCheckpointError", "ResumeError", "ResumeInfo", "SkippedStep", "Store", "SaveFuture",
+           "WorldSizeChangedWarning", "configure", "errors", "load", "rng_state", "save", "set_rng_state", "verify",
+           "wait", "__version__"]

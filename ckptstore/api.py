@@ -8,12 +8,13 @@ blocking API is ``result()`` on the asynchronous one), every load through
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import json
 import os
 import pickle
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -22,6 +23,7 @@ from . import format as fmt
 from . import lifecycle
 from . import names
 from .checkpoint.commit import generations, read_manifest, write_failure_vote
+from .checkpoint.fencing import check_fence
 from .checkpoint.container import MAGIC, read_container, read_container_file, replace_file, write_container
 from .checkpoint.group import agree_on_attempt, rank_and_world
 from .checkpoint.reshard import fill_template
@@ -159,6 +161,7 @@ class LoadInfo:
     saved_world_size: int
     world_size: int
     rank_state_of: int  # the saved rank whose own (rank-local) object was loaded
+    manifest: fmt.Manifest | None = field(default=None, repr=False, compare=False)
 
     @property
     def resharded(self) -> bool:
@@ -206,7 +209,7 @@ def _load_info(storage: Storage, manifest: fmt.Manifest, rank: int | None, group
     if not 0 <= rank:
         raise ValueError(f"rank must be >= 0, got {rank}")
     saved = manifest.world_size
-    info = LoadInfo(storage.describe(), manifest.step, manifest.generation, saved, world, rank % saved)
+    info = LoadInfo(storage.describe(), manifest.step, manifest.generation, saved, world, rank % saved, manifest)
     # Any change of a training checkpoint's world size warns (a Store step: 1 -> 2 ranks
     # too); a drop-in checkpoint saved by one process and loaded by each rank of a job
     # (pretrained weights, say) is a file load, not a resume: no warning.
@@ -237,6 +240,9 @@ class Store:
         self.options = _options(compression, commit_timeout, chunk_bytes, 2)
         self.keep = keep
         self.grace = parse_duration(grace)
+        # This run's epoch (fencing): claimed by resume(); its saves record it, and their
+        # commit is refused once a newer run has claimed the store.
+        self.epoch: int | None = None
 
     def __repr__(self) -> str:
         return f"Store({self.url!r})"
@@ -263,7 +269,8 @@ class Store:
             write_failure_vote(self.location(step0), attempt, step0, world, rank, error)
             raise error
         after_commit = self._apply_retention if (self.keep is not None and rank == 0) else None
-        options = dataclasses.replace(self.options, replicated=tuple(replicated))
+        fence = None if self.epoch is None else functools.partial(check_fence, self.storage, self.epoch)
+        options = dataclasses.replace(self.options, replicated=tuple(replicated), epoch=self.epoch, fence=fence)
         future = start_save(state, where, rt=runtime(), attempt=attempt, step=step, rank=rank,
                             world_size=world, metrics=_check_metrics(metrics), options=options,
                             after_commit=after_commit)
@@ -333,6 +340,35 @@ class Store:
                 # read it (its manifest is gone), so the latest is another step now.
                 if step is not None or tries == RELOADS - 1 or chosen in self.steps():
                     raise
+
+
+    def resume(self, template=None, *, map_location=None, weights_only: bool = True,
+               validate=None, mark_skipped: bool = True, claim: bool = True):
+        """``(state, ResumeInfo)`` from the newest step every rank can use (collective).
+
+        Under torch.distributed every rank of ``process_group`` calls this. Each
+        committed step, newest first, is loaded on every rank (every byte's hash
+        checked; ``template`` as in :meth:`load`), then passed to ``validate(state,
+        manifest)`` when given, which rejects it by returning False or raising
+        :class:`~ckptstore.CheckpointRejected`. A step that any rank cannot load or
+        that any rank rejects is skipped on all ranks (a warning, a note that ``ckptstore
+        ls`` shows, and an entry in ``ResumeInfo.skipped``), and the next older one is
+        tried. An empty store gives ``(None, info)`` with ``info.step`` None; a store
+        whose every step was skipped raises :class:`~ckptstore.NoLoadableCheckpointError`.
+        Failures that are not a step's fault (a template that does not fit, an unsafe
+        type, a storage outage) are raised on every rank, never skipped over.
+        RNG states (:func:`ckptstore.rng_state`) in a rank-local state read by another
+        rank (the world grew) are re-derived for the reading rank.
+
+        Resuming starts a new incarnation of the run: unless ``claim=False``, it claims
+        the next epoch of the store (``ResumeInfo.epoch``), and from then on the saves
+        of an older incarnation (orphaned workers of a dead launcher) are refused with
+        :class:`~ckptstore.FencedError`.
+        """
+        from .resume import resume
+
+        return resume(self, template, map_location=map_location, weights_only=weights_only,
+                      validate=validate, mark_skipped=mark_skipped, claim=claim)
 
 
 def _check_metrics(metrics: dict | None) -> dict:

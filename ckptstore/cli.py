@@ -17,7 +17,7 @@ import click
 
 from ._version import __version__
 from .checkpoint import gc as gc_mod
-from .checkpoint.catalog import Location, is_location, scan_location, scan_store
+from .checkpoint.catalog import Location, is_location, read_skip_mark, scan_location, scan_store
 from .checkpoint.retention import KeepBest, Retention, parse_duration
 from .checkpoint.verify import Problem, verify_manifest
 from .errors import CkptStoreError
@@ -107,6 +107,10 @@ def _ls_record(loc: Location, now: float) -> dict:
         "metrics": dict(m.metrics) if m else {},
         "pinned": loc.pinned,
     }
+    mark = read_skip_mark(loc)
+    if mark is not None:  # a resume could not use this checkpoint: say why
+        rec["skipped_by_resume"] = {"reason": str(mark.get("reason", "(no reason given)"))[:4096],
+                                    "at": str(mark.get("at", ""))[:64]}
     if loc.manifest_error:
         rec["error"] = loc.manifest_error
     if loc.foreign:
@@ -148,6 +152,7 @@ def ls(url: str, as_json: bool, show_all: bool) -> None:
                      "" if r["world_size"] is None else str(r["world_size"]),
                      _human_bytes(r["bytes"]), _human_bytes(r["raw_bytes"]),
                      ("pinned " if r["pinned"] else "") + metrics
+                     + (f" SKIPPED BY RESUME: {r['skipped_by_resume']['reason']}" if "skipped_by_resume" in r else "")
                      + (f"UNREADABLE MANIFEST: {r['error']}" if r.get("error") else "")])
         for a in r.get("attempts", []):
             if not a["committed"]:

@@ -86,6 +86,13 @@ def _non_negative_number(v: Any) -> None:
         raise ValueError("expected a number >= 0")
 
 
+def _number_at_least(low: float) -> Callable[[Any], None]:
+    def check(v: Any) -> None:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= low:
+            raise ValueError(f"expected a number >= {low:g}")
+    return check
+
+
 def _one_of(*choices: str | None) -> Callable[[Any], None]:
     def check(v: Any) -> None:
         if v not in choices:
@@ -133,9 +140,13 @@ class Config:
     #: Native CUDA staging copies small tensors with one gather kernel.
     cuda_gather: bool = field(default=True, metadata=_knob(
         "CKPTSTORE_CUDA_GATHER", _parse_bool, _bool, "ckptstore.staging.cuda"))
-    #: Seconds to wait for in-flight saves at interpreter exit and on SIGTERM.
-    exit_timeout: float = field(default=300.0, metadata=_knob(
+    #: Seconds to wait for in-flight saves at interpreter exit and on SIGTERM (default 20:
+    #: well inside a launcher's usual 30 s grace before SIGKILL).
+    exit_timeout: float = field(default=20.0, metadata=_knob(
         "CKPTSTORE_EXIT_TIMEOUT", _parse_float, _non_negative_number, "ckptstore.lifecycle"))
+    #: Exit mode: seconds a peer's heartbeat may stay unchanged before it is presumed dead.
+    exit_liveness: float = field(default=5.0, metadata=_knob(
+        "CKPTSTORE_EXIT_LIVENESS", _parse_float, _number_at_least(1.0), "ckptstore.checkpoint.exiting"))
     #: Install the SIGTERM handler that drains in-flight saves.
     handle_sigterm: bool = field(default=True, metadata=_knob(
         "CKPTSTORE_HANDLE_SIGTERM", _parse_bool, _bool, "ckptstore.lifecycle"))

@@ -86,6 +86,11 @@ class UnsafeLoadError(CkptStoreError, pickle.UnpicklingError):
     """``weights_only=True`` refused a pickle that would run code."""
 
 
+class TemplateMismatchError(FormatError):
+    """A load template does not fit the checkpoint (a key it lacks, another shape or
+    structure): the program's state, not the checkpoint's bytes, is at odds with it."""
+
+
 # --- commit ----------------------------------------------------------------------------
 class CommitError(CkptStoreError):
     """The two-phase commit did not commit this save."""
@@ -97,3 +102,23 @@ class CommitTimeoutError(CommitError, TimeoutError):
 
 class CommitConflictError(CommitError):
     """Another writer committed the same checkpoint generation first."""
+
+
+class FencedError(CommitError):
+    """A newer run of this job has claimed the store (``Store.resume``): this older run
+    (an orphaned worker of a dead launcher, say) may no longer commit."""
+
+
+# --- warnings --------------------------------------------------------------------------
+class UnsafeForWeightsOnlyWarning(UserWarning):
+    """``save`` met objects that the default load (``weights_only=True``) will refuse to
+    rebuild: numpy arrays, user classes, ... outside torch's allow-list. Issued once per
+    save, at the ``save`` call. ``types`` maps the refused objects' type names to counts;
+    ``globals`` names the globals outside the allow-list. Under
+    ``warnings.simplefilter("error", UnsafeForWeightsOnlyWarning)`` the save raises it
+    instead, and nothing is committed."""
+
+    def __init__(self, message: str, types: dict[str, int] | None = None, globals: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.types = dict(types or {})
+        self.globals = tuple(globals)

@@ -501,9 +501,10 @@ class Manifest:
     metrics: Mapping[str, Any] = field(default_factory=dict)
     byteorder: str = "little"
     library: str = ""
+    epoch: int | None = None  # the run incarnation that committed it (fencing; absent: none)
 
     def to_json(self) -> dict:
-        return {
+        d = {
             "format": FORMAT_NAME,
             "format_version": FORMAT_VERSION,
             "kind": "manifest",
@@ -519,6 +520,9 @@ class Manifest:
             "ranks": [r.to_json() for r in self.ranks],
             "tensors": _entries_json(self.tensors),
         }
+        if self.epoch is not None:
+            d["epoch"] = self.epoch
+        return d
 
     def to_bytes(self) -> bytes:
         return json.dumps(self.to_json(), separators=(",", ":"), allow_nan=False).encode()
@@ -528,7 +532,7 @@ class Manifest:
         what = "manifest"
         _expect(d, dict, what)
         _header_fields(d, what)
-        _fields(d, _MANIFEST_FIELDS, set(), what)
+        _fields(d, _MANIFEST_FIELDS, {"epoch"}, what)
         if d["kind"] != "manifest":
             raise FormatError(f"manifest has kind {d['kind']!r}")
         if d["byteorder"] not in ("little", "big"):
@@ -550,6 +554,7 @@ class Manifest:
             metrics=_expect(d["metrics"], dict, "manifest.metrics"),
             byteorder=d["byteorder"],
             library=_expect(d["library"], str, "manifest.library"),
+            epoch=_int(d["epoch"], "manifest.epoch", 1, MAX_GENERATION) if "epoch" in d else None,
         )
         validate_ranks(m.ranks, m.world_size)
         for key, entry in m.tensors.items():

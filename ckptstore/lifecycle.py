@@ -1,6 +1,13 @@
 """In-flight saves of this process: ``wait()``, errors surfaced on the next save, and a
 bounded wait at interpreter exit and on SIGTERM (preemption) so that a save whose
-``save()`` call returned gets its chance to commit."""
+``save()`` call returned gets its chance to commit.
+
+The exit drain waits at most ``config().exit_timeout`` (default 20 s: well inside the
+30 s a launcher such as torchrun gives before SIGKILL). When it begins with saves in
+flight, the process enters exit mode (:mod:`ckptstore.checkpoint.exiting`): each
+in-flight attempt beats its heartbeat fast, the commit's waits presume a silent peer
+dead and abort, and the drain returns as soon as every save is committed, failed or
+aborted, never later than the timeout."""
 
 from __future__ import annotations
 
@@ -10,11 +17,13 @@ import signal
 import threading
 import time
 
+from .checkpoint import exiting
 from .checkpoint.save import SaveFuture
 from .config import config
 from .errors import CkptStoreError
 
-_lock = threading.Lock()
+# Reentrant: the SIGTERM handler runs on the main thread, maybe while it holds the lock.
+_lock = threading.RLock()
 _inflight: set[SaveFuture] = set()
 _unobserved_failures: list[SaveFuture] = []
 _hooks_installed = False
@@ -22,15 +31,17 @@ _hooks_installed = False
 
 def exit_timeout() -> float:
     """Seconds to wait at exit or SIGTERM: ``config().exit_timeout``
-    (CKPTSTORE_EXIT_TIMEOUT, default 300), read when the wait begins."""
+    (CKPTSTORE_EXIT_TIMEOUT, default 20), read when the wait begins."""
     return config().exit_timeout
 
 
 def track(future: SaveFuture) -> SaveFuture:
-    _install_hooks()
+    install_hooks()
     with _lock:
         _inflight.add(future)
     future.add_done_callback(_on_done)
+    if exiting.active():  # saved after the exit began (a SIGTERM handler's last save)
+        future.watch_exit()
     return future
 
 
@@ -78,24 +89,31 @@ def wait(timeout: float | None = None) -> None:
 
 
 def drain(timeout: float) -> bool:
-    """Wait up to ``timeout`` seconds for in-flight saves; True when none is left."""
+    """The exit drain: wait up to ``timeout`` seconds for in-flight saves; True when
+    none is left that could still commit.
+
+    With saves in flight it enters exit mode and makes each of them beat its
+    heartbeat; it returns once every one is settled: committed, failed, or aborted
+    (by this rank, which judged a peer dead, or by another)."""
     deadline = time.monotonic() + timeout
+    with _lock:
+        if not _inflight:
+            return True
+    exiting.enter()
     while True:
         with _lock:
-            pending = list(_inflight)
+            pending = [f for f in _inflight if not f.settled()]
         if not pending:
             return True
         for f in pending:
+            f.watch_exit()
+        for f in pending:
             left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            try:
-                f._future.exception(left)
-            except TimeoutError:
+            if left <= 0 or not f.wait_settled(left):
                 return False
 
 
-def _install_hooks() -> None:
+def install_hooks() -> None:
     global _hooks_installed
     if _hooks_installed:
         return

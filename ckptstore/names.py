@@ -18,6 +18,9 @@ from .errors import FormatError
 
 ATTEMPTS_DIR = "attempts"
 PIN_NAME = "pin.json"
+SKIPPED_NAME = "resume-skipped.json"  # a resume could not use this step (informational)
+PROGRESS_NAME = "progress.json"  # at a store's root: the last step a run reached
+EPOCHS_DIR = "epochs"  # at a store's root: one create-only claim per run incarnation
 ABORT_LEAF = "abort.json"
 TMP_MARK = ".tmp-"  # a temporary file of an unfinished put: "<final name>.tmp-<8 hex>"
 
@@ -48,6 +51,21 @@ def manifest_name(generation: int) -> str:
 def parse_manifest_name(name: str) -> int | None:
     """The generation a manifest file name holds, or None when it is not one."""
     m = _MANIFEST_RE.fullmatch(name)
+    return int(m.group(1)) if m and int(m.group(1)) >= 1 else None
+
+
+_EPOCH_RE = re.compile(r"epoch-([0-9]{10})\.json")
+
+
+def epoch_name(epoch: int) -> str:
+    """The claim of run incarnation ``epoch`` (1, 2, ...), relative to the store root."""
+    if not _is_int(epoch) or not 1 <= epoch <= MAX_GENERATION:
+        raise FormatError(f"epoch {epoch!r} does not fit a claim name (1 .. {MAX_GENERATION})")
+    return f"{EPOCHS_DIR}/epoch-{epoch:0{GENERATION_DIGITS}d}.json"
+
+
+def parse_epoch_leaf(leaf: str) -> int | None:
+    m = _EPOCH_RE.fullmatch(leaf)
     return int(m.group(1)) if m and int(m.group(1)) >= 1 else None
 
 
@@ -157,12 +175,12 @@ def attempt_file_of(key: str) -> tuple[str, str] | None:
 
 def is_temp_name(leaf: str) -> bool:
     """A temporary file left by an interrupted put (local disk) of a name ckptstore
-    writes: a manifest, a pin, or a file of an attempt. Anyone else's ``x.tmp-...`` is not."""
+    writes: a manifest, a pin, a skip mark, or a file of an attempt. Anyone else's ``x.tmp-...`` is not."""
     m = _TMP_RE.fullmatch(leaf)
     if m is None:
         return False
     final = m.group(1)
-    return (parse_manifest_name(final) is not None or final == PIN_NAME
+    return (parse_manifest_name(final) is not None or final in (PIN_NAME, SKIPPED_NAME)
             or (attempt_leaf_kind(final) not in (None, "temp")))
 
 

@@ -496,6 +496,7 @@ class RunsShell:
         return (os.system, (f"touch {self.marker}",))
 
 
+@pytest.mark.filterwarnings("ignore::ckptstore.errors.UnsafeForWeightsOnlyWarning")  # saved unsafe on purpose
 def test_custom_class_refused_by_default_without_running_its_code(roundtrip, tmp_path):
     marker = str(tmp_path / f"unpickled-{roundtrip.mode}")
     obj = {"w": torch.ones(2), "custom": Custom(41, marker)}
@@ -525,6 +526,7 @@ def test_custom_class_refused_by_default_without_running_its_code(roundtrip, tmp
     assert torch.equal(allowed["w"], torch.ones(2))
 
 
+@pytest.mark.filterwarnings("ignore::ckptstore.errors.UnsafeForWeightsOnlyWarning")  # saved unsafe on purpose
 def test_os_system_payload_refused_and_not_run(roundtrip, tmp_path):
     marker = tmp_path / f"pwned-{roundtrip.mode}"
     fut, loader = roundtrip.save({"w": torch.zeros(1), "evil": RunsShell(str(marker))})

@@ -107,7 +107,7 @@ def test_config_reads_every_variable_and_names_a_bad_one():
             cfg.exit_timeout, cfg.handle_sigterm, cfg.max_manifest_bytes, cfg.s3_max_attempts,
             cfg.s3_retry_mode) == (3, 1 << 20, "torch", True, False, 2.5, False, 4096, 4, "adaptive")
     empty = Config.from_env({"CKPTSTORE_WORKERS": "", "CKPTSTORE_EXIT_TIMEOUT": " "})  # empty = unset
-    assert (empty.workers, empty.exit_timeout, empty.s3_max_attempts) == (Config().workers, 300.0, None)
+    assert (empty.workers, empty.exit_timeout, empty.s3_max_attempts) == (Config().workers, 20.0, None)
     assert Config.from_env({"CKPTSTORE_WORKERS": "3"}, workers=5).workers == 5  # arguments win
     assert {k["env"] for k in Config.knobs()} >= {"CKPTSTORE_WORKERS", "CKPTSTORE_MAX_MANIFEST_BYTES"}
     for env, value in [("CKPTSTORE_WORKERS", "abc"), ("CKPTSTORE_WORKERS", "0"),

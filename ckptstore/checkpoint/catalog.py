@@ -48,6 +48,7 @@ class Location:
     # the attempt deletes: the same files commit.attempt_files finds)
     attempt_files: dict[str, list] = field(default_factory=dict)
     pinned: bool = False
+    skip_marked: bool = False  # a resume skipped this step (names.SKIPPED_NAME)
 
     @property
     def committed(self) -> bool:
@@ -76,7 +77,8 @@ def scan_location(storage: Storage, name: str) -> Location:
         if manifest is not None and None not in (dir_step, manifest.step) and manifest.step != dir_step:
             # retention orders by step: one that lies about it is unreadable, not misfiled
             manifest, error = None, f"{storage.describe()}: the manifest says step {manifest.step}, its directory {dir_step}"
-    loc = Location(name, storage, gens, manifest, error, pinned=PIN_NAME in entries)
+    loc = Location(name, storage, gens, manifest, error, pinned=PIN_NAME in entries,
+                   skip_marked=names.SKIPPED_NAME in entries)
     for info in storage.walk(""):
         parts = info.key.split("/")
         if info.kind != "file":
@@ -140,10 +142,22 @@ def _order(loc: Location):
 
 
 def read_pin(loc: Location) -> dict | None:
-    if not loc.pinned:
+    return _read_marker(loc, PIN_NAME, "pin") if loc.pinned else None
+
+
+def read_skip_mark(loc: Location) -> dict | None:
+    """Why a resume skipped the visible generation of ``loc``, or None (no mark, or a
+    mark left for a generation since superseded)."""
+    if not loc.skip_marked or loc.manifest is None:
         return None
+    mark = _read_marker(loc, names.SKIPPED_NAME, "skip mark")
+    return mark if mark.get("generation") == loc.manifest.generation else None
+
+
+def _read_marker(loc: Location, name: str, what: str) -> dict:
+    """A small JSON marker (untrusted): {} when unreadable."""
     try:
-        pin = fmt.loads_json(read_capped(loc.storage, PIN_NAME, fmt.MAX_MARKER_BYTES, "pin"), "pin")
+        data = fmt.loads_json(read_capped(loc.storage, name, fmt.MAX_MARKER_BYTES, what), what)
     except CkptStoreError:
         return {}
-    return pin if isinstance(pin, dict) else {}
+    return data if isinstance(data, dict) else {}

@@ -5,8 +5,26 @@ committer, waits for all votes, checks them (same attempt, step and world size; 
 cover each tensor exactly once: I5), and writes ``manifest-<generation>.json``
 create-only (I1). The other ranks wait until that manifest or an abort marker
 appears. Both waits end at a deadline, so a dead rank means a clean failure, never a
-hang and never a partial commit. After committing, older generations of the same
-checkpoint are retired: manifest first, then their files (I6, I7).
+hang and never a partial commit. An abort marker, whichever rank wrote it, ends both
+waits. After committing, older generations of the same checkpoint are retired:
+manifest first, then their files (I6, I7).
+
+In exit mode (:mod:`ckptstore.checkpoint.exiting`) the waits also judge the peers the
+commit still needs by their heartbeats (:class:`PeerWatch`), so a dead peer ends the
+wait within the liveness window instead of the commit timeout:
+
+- rank 0 judges the ranks whose vote is missing: one whose heartbeat did not change for
+  the window is presumed dead (rank 0 is leaving anyway, so waiting longer could only
+  help a commit that finishes before it is gone);
+- another rank, once it voted, judges rank 0 only, and only by the cadence rank 0
+  promised: the window when rank 0's heartbeat says it is exiting too, the normal
+  heartbeat period plus the window when rank 0 voted (it waits in its commit, which
+  beats every ``HEARTBEAT_EVERY``), else not at all. A rank that is told to exit while
+  rank 0 is not (part of a job preempted) so gives rank 0 the time its normal
+  heartbeat promises instead of aborting a commit rank 0 can still finish.
+
+A rank that presumes a peer dead writes the abort marker naming it (create-only) and
+fails its save with a :class:`CommitError`.
 """
 
 from __future__ import annotations
@@ -29,9 +47,10 @@ from ..errors import (
     ObjectTooLargeError,
 )
 from ..storage import Storage
+from . import exiting
 
 
-HEARTBEAT_EVERY = 10.0  # seconds between heartbeats of a rank waiting in the commit
+HEARTBEAT_EVERY = 10.0  # seconds between heartbeats of a rank waiting in the commit (normal mode)
 
 
 class Deadline:
@@ -58,12 +77,59 @@ class Deadline:
         if self._beat is not None and now - self._last_beat >= HEARTBEAT_EVERY:
             self._last_beat = now
             try:
-                self._beat[0].put(self._beat[1], fmt.utc_now().encode())
+                self._beat[0].put(self._beat[1], exiting.heartbeat_bytes())
             except Exception:
                 pass  # a missed heartbeat only makes gc's view older, never wrong data
         time.sleep(min(self.delay, left))
         self.delay = min(self.delay * 2, 0.25)
         return True
+
+
+class PeerWatch:
+    """Exit mode: how long each watched peer's heartbeat has gone unchanged.
+
+    Each look reads the heartbeats of the ranks asked about (at most once per
+    ``exiting.beat_every()``); a rank's silence is the time, on this process's
+    monotonic clock, since its heartbeat's content last differed from the previous
+    read, or since this watch first read it (a missing heartbeat counts as content).
+    A heartbeat that cannot be read gives no evidence: that rank is left out.
+    """
+
+    def __init__(self, storage: Storage, attempt: str):
+        self._storage = storage
+        self._attempt = attempt
+        self._seen: dict[int, tuple[bytes | None, float]] = {}  # rank -> (content, when it last changed)
+        self._next = 0.0
+
+    def due(self) -> bool:
+        now = time.monotonic()
+        if now < self._next:
+            return False
+        self._next = now + exiting.beat_every()
+        return True
+
+    def look(self, ranks) -> dict[int, tuple[bytes | None, float]]:
+        """{rank: (its heartbeat's content or None, seconds it has been unchanged)}."""
+        out = {}
+        for r in ranks:
+            try:
+                content = read_capped(self._storage, names.heartbeat_name(self._attempt, r),
+                                      fmt.MAX_MARKER_BYTES, "heartbeat")
+            except ObjectNotFoundError:
+                content = None
+            except Exception:
+                continue  # no evidence either way
+            now = time.monotonic()
+            seen = self._seen.get(r)
+            if seen is None or seen[0] != content:
+                seen = self._seen[r] = (content, now)
+            out[r] = (content, now - seen[1])
+        return out
+
+
+def _presumed_dead(dead: list[int], me: int, silent: float) -> str:
+    return (f"ranks {dead} presumed dead by rank {me}, which is exiting: their heartbeat did not change "
+            f"for {silent:g}s (CKPTSTORE_EXIT_LIVENESS)")
 
 
 def write_vote(storage: Storage, vote: fmt.Vote) -> None:
@@ -88,10 +154,11 @@ def read_capped(storage: Storage, key: str, cap: int, what: str) -> bytes:
         raise FormatError(f"{what} is larger than the cap of {cap} bytes: {e}") from e
 
 
-def read_votes(storage: Storage, attempt: str) -> dict[int, fmt.Vote]:
+def read_votes(storage: Storage, attempt: str, entries: list[str] | None = None) -> dict[int, fmt.Vote]:
+    """The votes of ``attempt``; ``entries``: a listing of its directory already made."""
     votes = {}
     prefix = names.attempt_dir(attempt)
-    for name in storage.list(prefix):
+    for name in (storage.list(prefix) if entries is None else entries):
         rank = names.parse_vote_leaf(name)
         if rank is None:
             continue
@@ -127,21 +194,39 @@ def read_manifest(storage: Storage, generation: int) -> fmt.Manifest:
 
 
 def commit(storage: Storage, own: fmt.Vote, world_size: int, created_at: str, metrics: dict,
-           timeout: float) -> fmt.Manifest:
-    """Rank 0: gather and validate votes, write the manifest, retire older generations."""
+           timeout: float, epoch: int | None = None, fence=None) -> fmt.Manifest:
+    """Rank 0: gather and validate votes, write the manifest, retire older generations.
+    ``fence()``, when given, runs just before the manifest is written and raises to
+    refuse the commit (a newer run has claimed the store: fencing.py)."""
     attempt = own.attempt
     where = storage.describe()
     votes = {0: own}
     deadline = Deadline(timeout, storage, attempt, 0)
+    watch: PeerWatch | None = None
     while True:
+        entries: list[str] = []
         if world_size > 1:
-            votes.update(read_votes(storage, attempt))
+            entries = storage.list(names.attempt_dir(attempt))  # one listing: votes and abort marker
+            votes.update(read_votes(storage, attempt, entries))
         refusals = [v for v in votes.values() if not v.ok]
         if refusals:
             abort(storage, attempt, refusals[0].error)
             raise CommitError(f"{where}: rank {refusals[0].rank} failed: {refusals[0].error}; nothing was committed")
+        if names.ABORT_LEAF in entries:  # another rank gave up on this attempt: it never commits
+            raise CommitError(f"{where}: attempt {attempt} was aborted: {read_abort_reason(storage, attempt)}; "
+                              "nothing was committed")
         if len(votes) >= world_size:
             break
+        if exiting.active():
+            watch = watch or PeerWatch(storage, attempt)
+            if watch.due():
+                window = exiting.liveness()
+                missing = sorted(set(range(world_size)) - votes.keys())
+                dead = sorted(r for r, (_c, silent) in watch.look(missing).items() if silent >= window)
+                if dead:
+                    reason = _presumed_dead(dead, 0, window)
+                    abort(storage, attempt, reason)
+                    raise CommitError(f"{where}: {reason}; nothing was committed")
         if not deadline.sleep_or_expire():
             missing = sorted(set(range(world_size)) - votes.keys())
             abort(storage, attempt, f"ranks {missing} did not vote within {timeout}s")
@@ -173,10 +258,16 @@ def commit(storage: Storage, own: fmt.Vote, world_size: int, created_at: str, me
         abort(storage, attempt, f"generation {generation} does not fit a manifest name")
         raise CommitError(f"{where}: the location already holds generation {previous[-1]}, the highest a "
                           "manifest name can hold (a planted or damaged manifest?); nothing was committed")
+    if fence is not None:
+        try:
+            fence()
+        except CommitError as e:
+            abort(storage, attempt, str(e))
+            raise
     manifest = fmt.Manifest(
         generation=generation, attempt=attempt, step=own.step, world_size=world_size,
         created_at=created_at, committed_at=fmt.utc_now(), ranks=ranks, tensors=tensors, metrics=metrics,
-        library=f"ckptstore {__version__}",
+        library=f"ckptstore {__version__}", epoch=epoch,
     )
     try:
         storage.put(names.manifest_name(generation), manifest.to_bytes(), if_absent=True)
@@ -298,6 +389,7 @@ def await_outcome(storage: Storage, attempt: str, timeout: float, rank: int = 1)
     where = storage.describe()
     deadline = Deadline(timeout, storage, attempt, rank)
     seen: set[int] = set()
+    watch: PeerWatch | None = None
     while True:
         for gen in reversed(generations(storage)):
             if gen in seen:
@@ -314,5 +406,28 @@ def await_outcome(storage: Storage, attempt: str, timeout: float, rank: int = 1)
                 return m
         if storage.exists(names.abort_name(attempt)):
             raise CommitError(f"{where}: rank 0 did not commit attempt {attempt}: {read_abort_reason(storage, attempt)}")
+        if exiting.active() and rank != 0:
+            watch = watch or PeerWatch(storage, attempt)
+            if watch.due():
+                _judge_committer(storage, attempt, rank, watch, where)
         if not deadline.sleep_or_expire():
             raise CommitTimeoutError(f"{where}: attempt {attempt} was not committed within {timeout}s")
+
+
+def _judge_committer(storage: Storage, attempt: str, rank: int, watch: PeerWatch, where: str) -> None:
+    """Exit mode, a rank that voted: abort when rank 0 stopped beating (see the module
+    docstring for the cadence each state of rank 0 promises)."""
+    looked = watch.look([0])
+    if 0 not in looked:
+        return
+    content, silent = looked[0]
+    if exiting.says_exiting(content):
+        limit = exiting.liveness()
+    elif names.vote_name(attempt, 0).rsplit("/", 1)[1] in storage.list(names.attempt_dir(attempt)):
+        limit = HEARTBEAT_EVERY + exiting.liveness()
+    else:
+        return  # rank 0 neither voted nor exits: still writing, or gone; no evidence either way
+    if silent >= limit:
+        reason = _presumed_dead([0], rank, limit)
+        abort(storage, attempt, reason)
+        raise CommitError(f"{where}: {reason}; nothing was committed")

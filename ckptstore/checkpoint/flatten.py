@@ -25,6 +25,7 @@ import torch
 
 from ..errors import SerializationError
 from ..scopes import Scope
+from .weights_only import AS_IS, WeightsOnlyAudit
 
 
 class UnserializableTensorError(SerializationError, RuntimeError):
@@ -252,6 +253,8 @@ def flatten(obj, on_storage: Callable[[StorageRef], None], pickle_protocol: int 
     loading without a process group yields the full (consolidated) tensor.
     ``replicated(path)`` marks storages whose first path it accepts as global.
     ``pickle_module`` supplies the Pickler, as torch.save's argument does.
+    Warns once (UnsafeForWeightsOnlyWarning) when the default load, weights_only=True,
+    will refuse the result: see :mod:`.weights_only`.
     """
     paths, dtensor_paths = tensor_paths(obj)
     keys: dict = {}  # storage cdata (an unallocated one: (cdata, dtype)) -> skeleton key
@@ -325,25 +328,42 @@ def flatten(obj, on_storage: Callable[[StorageRef], None], pickle_protocol: int 
         placeholders[id(dt)] = value
         return value
 
+    # Notes what the default load (weights_only=True) will refuse; warns once, below.
+    audit = WeightsOnlyAudit(pickle_protocol)
+
     class _Pickler(pickle_module.Pickler):
         def persistent_id(self, o):
             return persistent_id(o)
 
         def reducer_override(self, o):
+            if id(type(o)) in AS_IS:  # tensors, OrderedDicts, plain values: one look-up, nothing more
+                return NotImplemented
             if isinstance(o, torch.Tensor) and _is_dtensor(o):
                 return reduce_dtensor(o)
-            return NotImplemented
+            return audit.reduce(self, o)
+
+    pickler_class = _Pickler
+    if audit.watches_bytes:  # protocol 3 only: a subclass, so protocol 2 pays nothing for it
+        class _BytesNotingPickler(_Pickler):
+            def persistent_id(self, o):
+                if type(o) is bytes:
+                    audit.note_bytes()
+                return persistent_id(o)
+
+        pickler_class = _BytesNotingPickler
 
     buf = io.BytesIO()
     try:
-        _Pickler(buf, protocol=pickle_protocol).dump(obj)
+        pickler_class(buf, protocol=pickle_protocol).dump(obj)
     except SerializationError:
         raise
     except RuntimeError as e:  # torch refused a tensor (ZeroTensor, ...): keep the builtin type
         raise UnserializableTensorError(f"cannot save object: {e}") from e
     except (pickle.PicklingError, TypeError, AttributeError) as e:
         raise SerializationError(f"cannot save object: {e}") from e
-    return buf.getvalue()
+    skeleton = buf.getvalue()
+    audit.warn(skeleton)  # outside the try: a warning turned error propagates as itself
+    return skeleton
 
 
 def _unique(path: str, used: set[str]) -> str:

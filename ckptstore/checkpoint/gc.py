@@ -99,6 +99,8 @@ def plan(storage: Storage, policy: Retention = Retention(), grace: float = DEFAU
         if loc.committed and label not in result.kept:
             # The whole checkpoint goes: its manifests, then the attempts they name.
             keys = [names.manifest_name(g) for g in loc.generations]
+            if loc.skip_marked:  # informational, and only about this checkpoint
+                keys.append(names.SKIPPED_NAME)
             size = 0
             for attempt in sorted(referenced):
                 files, n = _attempt_keys(loc, attempt)

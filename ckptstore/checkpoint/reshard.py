@@ -14,7 +14,7 @@ from collections.abc import Mapping, MutableMapping, MutableSequence
 import torch
 
 from .. import format as fmt
-from ..errors import FormatError
+from ..errors import TemplateMismatchError
 from ..storage import Storage
 from .flatten import _is_dtensor, dtensor_boxes
 from .restore import read_regions
@@ -52,15 +52,15 @@ def fill_template(template, loaded, manifest: fmt.Manifest, storage: Storage, po
         entry = manifest.tensors.get(path)
         if entry is None:
             if not isinstance(old, torch.Tensor) or old.is_meta:
-                raise FormatError(f"{where}: the checkpoint holds no tensor {path!r} for the template")
+                raise TemplateMismatchError(f"{where}: the checkpoint holds no tensor {path!r} for the template")
             if tuple(old.shape) != tuple(t.shape):
-                raise FormatError(f"{where}: tensor {path!r} has shape {list(old.shape)} in the checkpoint, "
+                raise TemplateMismatchError(f"{where}: tensor {path!r} has shape {list(old.shape)} in the checkpoint, "
                                   f"{list(t.shape)} in the template")
             with torch.no_grad():
                 (t.to_local() if _is_dtensor(t) else t).copy_(old)
             return t
         if tuple(entry.shape) != tuple(t.shape):
-            raise FormatError(f"{where}: tensor {path!r} has shape {list(entry.shape)} in the checkpoint, "
+            raise TemplateMismatchError(f"{where}: tensor {path!r} has shape {list(entry.shape)} in the checkpoint, "
                               f"{list(t.shape)} in the template")
         what = f"{where}: tensor {path!r}"
         if _is_dtensor(t):
@@ -77,11 +77,11 @@ def fill_template(template, loaded, manifest: fmt.Manifest, storage: Storage, po
             return fill_tensor(t, path, old)
         if isinstance(t, Mapping):
             if not isinstance(old, Mapping):
-                raise FormatError(f"{where}: {path or 'the state'} is a mapping in the template, "
+                raise TemplateMismatchError(f"{where}: {path or 'the state'} is a mapping in the template, "
                                   f"{type(old).__name__} in the checkpoint")
             missing = [k for k in t if k not in old and not _holds_global(manifest, _join(path, k))]
             if missing:
-                raise FormatError(f"{where}: the checkpoint lacks {[_join(path, k) for k in missing]}")
+                raise TemplateMismatchError(f"{where}: the checkpoint lacks {[_join(path, k) for k in missing]}")
             result = {k: visit(v, old.get(k), _join(path, k)) for k, v in t.items()}
             if isinstance(t, MutableMapping):
                 for k, v in result.items():

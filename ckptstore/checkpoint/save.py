@@ -14,6 +14,7 @@ from ..errors import CkptStoreError
 from ..pipeline import RankWriter
 from ..runtime import Runtime
 from ..storage import Storage
+from . import exiting
 from .commit import abort, await_outcome, commit, write_failure_vote, write_vote
 from .snapshot import DEFAULT_CHUNK_BYTES, snapshot
 
@@ -26,6 +27,8 @@ class SaveOptions:
     pickle_protocol: int = 2
     pickle_module: Any = pickle  # pickles the object skeleton, as torch.save's argument
     replicated: tuple[str, ...] = ()  # fnmatch patterns of state paths replicated on every rank
+    epoch: int | None = None  # the run incarnation, recorded in the manifest (fencing.py)
+    fence: Any = None  # called by the committer just before the manifest: raises FencedError
 
 
 class SaveFuture:
@@ -33,14 +36,26 @@ class SaveFuture:
 
     ``save`` returns once the snapshot is staged, so ``staged()`` is then already true;
     ``result()`` waits for the commit and returns the :class:`~ckptstore.format.Manifest`.
+
+    It knows its storage, attempt, rank and world size, so that in exit mode it can beat
+    its heartbeat (:meth:`watch_exit`) whatever stage the save is in.
     """
 
-    def __init__(self, where: str, step: int | None, attempt: str):
+    def __init__(self, where: str, step: int | None, attempt: str, *, storage: Storage | None = None,
+                 rank: int = 0, world_size: int = 1):
         self.where = where
         self.step = step
         self.attempt = attempt
+        self.storage = storage
+        self.rank = rank
+        self.world_size = world_size
         self._future: Future = Future()
         self._staged = threading.Event()
+        self._settled = threading.Event()  # done, or its attempt was aborted: nothing left to wait for
+        self._future.add_done_callback(lambda _f: self._settled.set())
+        self._exit_lock = threading.Lock()
+        self._exit_beat: exiting.ExitBeat | None = None
+        self.aborted = False  # exit mode saw the attempt's abort marker: it cannot commit
         self.observed = False  # the caller has seen the outcome
 
     def result(self, timeout: float | None = None) -> fmt.Manifest:
@@ -68,6 +83,28 @@ class SaveFuture:
     def add_done_callback(self, fn) -> None:
         self._future.add_done_callback(lambda _f: fn(self))
 
+    def settled(self) -> bool:
+        """Done, or known not to commit (exit mode saw its attempt's abort marker)."""
+        return self._settled.is_set()
+
+    def wait_settled(self, timeout: float | None = None) -> bool:
+        return self._settled.wait(timeout)
+
+    def watch_exit(self) -> None:
+        """Exit mode: beat this attempt's heartbeat fast until the save is settled, and
+        settle it as soon as the attempt is aborted (by any rank). Idempotent; a
+        one-rank save has no peer to tell, so it beats nothing."""
+        if self.world_size <= 1 or self.storage is None:
+            return
+        with self._exit_lock:
+            if self._exit_beat is None and not self._settled.is_set():
+                self._exit_beat = exiting.ExitBeat(self.storage, self.attempt, self.rank, self._settled,
+                                                   self._on_aborted).start()
+
+    def _on_aborted(self) -> None:
+        self.aborted = True
+        self._settled.set()
+
     def __repr__(self) -> str:
         state = "committed" if self.done() and self._future.exception() is None else (
             "failed" if self.done() else "in flight")
@@ -78,7 +115,7 @@ def start_save(obj, storage: Storage, *, rt: Runtime, attempt: str, step: int | 
                world_size: int, metrics: dict | None, options: SaveOptions, after_commit=None) -> SaveFuture:
     """Stage ``obj`` (blocking), then write, vote and commit on background threads."""
     created_at = fmt.utc_now()
-    future = SaveFuture(storage.describe(), step, attempt)
+    future = SaveFuture(storage.describe(), step, attempt, storage=storage, rank=rank, world_size=world_size)
     writer = RankWriter(storage, attempt, rank, options.compression, rt)
     try:
         staged = snapshot(obj, writer, rt.pool, options.chunk_bytes, options.pickle_protocol,
@@ -105,7 +142,8 @@ def start_save(obj, storage: Storage, *, rt: Runtime, attempt: str, step: int | 
             if world_size > 1:  # a one-rank save's committer is its only voter: no file to write and fsync
                 write_vote(storage, vote)
             if rank == 0:
-                manifest = commit(storage, vote, world_size, created_at, dict(metrics or {}), options.commit_timeout)
+                manifest = commit(storage, vote, world_size, created_at, dict(metrics or {}), options.commit_timeout,
+                                  epoch=options.epoch, fence=options.fence)
             else:
                 manifest = await_outcome(storage, attempt, options.commit_timeout, rank)
         except BaseException as e:

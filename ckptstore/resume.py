@@ -1,0 +1,210 @@
+"""Collective resume: every rank of a job starts from the same step, the newest one
+that every rank can load with every hash checked and that the program accepts.
+
+A rank that falls back on its own (rank 0 at step 60 because it read its shards fine,
+rank 1 at step 50 because one of its bytes flipped) trains on mixed state until the
+next save fails; so each candidate step is tried on every rank, the verdicts are
+gathered, and a step any rank could not use is skipped on all of them.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+from . import format as fmt
+from . import names
+from . import rng
+from .checkpoint.fencing import claim_epoch
+from .checkpoint.group import rank_and_world
+from .errors import (
+    CheckpointNotFoundError,
+    CkptStoreError,
+    FormatError,
+    IntegrityError,
+    NotCommittedError,
+    ObjectNotFoundError,
+    TemplateMismatchError,
+    TruncatedObjectError,
+)
+
+# What makes a step unusable, rather than the program or the machine broken: its bytes
+# or its files are bad or gone. Anything else (a template that does not fit, an unsafe
+# type under weights_only, a storage outage) would fail every older step the same way,
+# and quietly falling back to an old step (or to none) would lose work: it is raised.
+SKIPPABLE = (IntegrityError, FormatError, CheckpointNotFoundError, ObjectNotFoundError,
+             TruncatedObjectError, NotCommittedError)
+
+
+class CheckpointRejected(CkptStoreError):
+    """Raised by a resume's ``validate`` callback to reject a step, with the reason."""
+
+
+class NoLoadableCheckpointError(CheckpointNotFoundError):
+    """The store holds committed steps, but a resume could use none of them."""
+
+
+class ResumeError(CkptStoreError):
+    """Another rank failed during a collective resume (its own error names why)."""
+
+
+@dataclass(frozen=True)
+class SkippedStep:
+    step: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class ResumeInfo:
+    """Where a resume started from, and what the program must adapt.
+
+    With ``step`` None the store held no checkpoint: the program starts from scratch.
+    When the world size changed (``resharded``), global (sharded) tensors were
+    resharded, and rank-local state was read from saved rank ``rank_state_of``: the
+    program keeps its global batch and data position with :meth:`local_batch` and its
+    own global counters (see docs/training.md)."""
+
+    url: str
+    step: int | None
+    world_size: int
+    rank: int
+    saved_world_size: int | None = None
+    rank_state_of: int | None = None
+    generation: int | None = None
+    committed_at: str | None = None
+    age_s: float | None = None  # seconds from the commit to this resume
+    metrics: dict = field(default_factory=dict)
+    skipped: tuple[SkippedStep, ...] = ()
+    rng_rederived: bool = False  # RNG states in the state were re-derived for this rank
+    epoch: int | None = None  # this run's epoch (claimed by the resume), recorded in its manifests
+
+    @property
+    def resharded(self) -> bool:
+        return self.saved_world_size is not None and self.saved_world_size != self.world_size
+
+    def local_batch(self, global_batch: int) -> int:
+        """The per-rank batch that keeps ``global_batch`` on this world size."""
+        if global_batch % self.world_size:
+            raise ValueError(f"a global batch of {global_batch} does not split over {self.world_size} ranks")
+        return global_batch // self.world_size
+
+
+def resume(store, template=None, *, map_location=None, weights_only: bool = True,
+           validate: Callable[[Any, fmt.Manifest], Any] | None = None,
+           mark_skipped: bool = True, claim: bool = True) -> tuple[Any, ResumeInfo]:
+    """See :meth:`ckptstore.Store.resume`."""
+    group = store.process_group
+    rank, world = rank_and_world(group)
+    # Claim the run's epoch before listing: a commit of an older run's orphaned workers
+    # that lands after the claim is refused, so the steps listed here are all there is.
+    epoch, steps = _from_rank0((claim_epoch(store.storage) if claim else None, store.steps())
+                               if rank == 0 else None, group)
+    if epoch is not None:
+        store.epoch = epoch
+    skipped: list[SkippedStep] = []
+    for step in reversed(steps):
+        state, info, verdict, own_error = _try_step(store, step, template, map_location, weights_only, validate)
+        verdicts = _gather(verdict, group)
+        failed = [(r, text) for r, (kind, text) in enumerate(verdicts) if kind == "error"]
+        if failed:
+            if own_error is not None and verdict[0] == "error":
+                raise own_error
+            r, text = failed[0]
+            raise ResumeError(f"{store.url}: rank {r} failed while resuming step {step}: {text}")
+        bad = [(r, text) for r, (kind, text) in enumerate(verdicts) if kind == "skip"]
+        if not bad:
+            return _finish(store, state, info, rank, world, skipped, epoch)
+        reason = "; ".join(f"rank {r}: {text}" for r, text in bad[:4])
+        reason += f" (and {len(bad) - 4} more ranks)" if len(bad) > 4 else ""
+        skipped.append(SkippedStep(step, reason))
+        if rank == 0:
+            warnings.warn(f"{store.url}: resume skipped step {step}: {reason}", CheckpointSkippedWarning, stacklevel=3)
+            if mark_skipped:
+                _mark_skipped(store, step, reason)
+    if skipped:
+        listing = "; ".join(f"step {s.step}: {s.reason}" for s in skipped)
+        raise NoLoadableCheckpointError(f"{store.url}: no committed step could be resumed ({listing})")
+    return None, ResumeInfo(store.url, None, world, rank, epoch=epoch)
+
+
+class CheckpointSkippedWarning(UserWarning):
+    """A resume could not use a step (and fell back to an older one)."""
+
+
+def _try_step(store, step, template, map_location, weights_only, validate):
+    """(state, LoadInfo, verdict, error): verdict is ("ok", ""), ("skip", why) for a
+    step this rank cannot use, or ("error", why) for a failure that is not the step's."""
+    try:
+        state, info = store.load(step, map_location, weights_only, template=template, return_info=True)
+        if validate is not None and validate(state, info.manifest) is False:
+            raise CheckpointRejected("rejected by validate()")
+        return state, info, ("ok", ""), None
+    except TemplateMismatchError as e:  # a FormatError, but the program's: see SKIPPABLE
+        return None, None, ("error", f"{type(e).__name__}: {e}"[:2000]), e
+    except (CheckpointRejected, *SKIPPABLE) as e:
+        return None, None, ("skip", f"{type(e).__name__}: {e}"[:2000]), e
+    except Exception as e:  # not the step's fault: every rank must hear of it, then raise
+        return None, None, ("error", f"{type(e).__name__}: {e}"[:2000]), e
+
+
+def _finish(store, state, info, rank: int, world: int, skipped, epoch) -> tuple[Any, ResumeInfo]:
+    manifest = info.manifest
+    rederived = False
+    if info.rank_state_of != rank:
+        # This rank reads another rank's own state (the world grew): two ranks would
+        # draw the same random numbers. Give each its own stream, deterministically.
+        state, rederived = _rederive_rng(state, rank)
+    age = max(0.0, time.time() - fmt.parse_time(manifest.committed_at))
+    return state, ResumeInfo(
+        store.url, info.step, world, rank, info.saved_world_size, info.rank_state_of, manifest.generation,
+        manifest.committed_at, age, dict(manifest.metrics), tuple(skipped), rederived, epoch)
+
+
+def _rederive_rng(obj, rank: int):
+    """``obj`` with every RNG state (:func:`ckptstore.rng_state`) in its dicts and
+    lists re-derived for ``rank``, and whether there was one."""
+    if rng.is_rng_state(obj):
+        return rng.rederive(obj, rank), True
+    found = False
+    if isinstance(obj, dict):
+        for k, v in list(obj.items()):
+            obj[k], hit = _rederive_rng(v, rank)
+            found |= hit
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            obj[i], hit = _rederive_rng(v, rank)
+            found |= hit
+    return obj, found
+
+
+def _mark_skipped(store, step: int, reason: str) -> None:
+    """Leave a note in the step (``ckptstore ls`` shows it); best effort."""
+    try:
+        loc = store.location(step)
+        generation = store.manifest(step).generation
+        note = {"step": step, "generation": generation, "reason": reason[:4096], "at": fmt.utc_now()}
+        loc.put(names.SKIPPED_NAME, json.dumps(note).encode())
+    except Exception:
+        pass  # the note is for people; the resume itself already moved on
+
+
+def _from_rank0(value, group):
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return value
+    box = [value]
+    src = 0 if group is None else dist.get_global_rank(group, 0)
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+def _gather(verdict, group) -> list:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return [verdict]
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, verdict, group=group)
+    return out

@@ -1,0 +1,272 @@
+"""A training loop's checkpoints over a :class:`~ckptstore.Store`: resume at start-up,
+save every N steps or seconds, save once more and stop on preemption (SIGTERM).
+
+A thin layer: everything it does is ``Store.resume`` / ``Store.save`` plus the
+``state_dict()`` / ``load_state_dict()`` calls a program would otherwise write, and the
+bookkeeping that must agree across ranks (when a save is due, when to stop).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from collections.abc import Callable, Mapping, MutableMapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import format as fmt
+from . import lifecycle
+from . import names
+from .api import Store
+from .checkpoint.flatten import _is_dtensor
+from .checkpoint.group import rank_and_world
+from .config import config
+from .resume import ResumeInfo
+from .rng import rng_state, set_rng_state
+from .storage import Storage
+
+PROGRESS_EVERY = 10.0  # seconds between progress records (each is one small PUT)
+
+
+def is_stateful(obj) -> bool:
+    """The protocol torch.distributed.checkpoint uses: schedulers, GradScaler,
+    torchdata's StatefulDataLoader, and any object of the program's own."""
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+class Checkpointer:
+    """Checkpoints of one training run.
+
+    ``model`` and ``optimizer`` are saved and restored through
+    ``torch.distributed.checkpoint.state_dict`` (plain modules, DDP and FSDP2 alike:
+    FSDP2's DTensors are saved by shard and resharded on load). ``state`` names further
+    objects: each is Stateful (saved by ``state_dict()``, restored by
+    ``load_state_dict()``) or a dict of plain values (restored in place). RNG states
+    (:func:`ckptstore.rng_state`) are captured unless ``rng=False``.
+
+    Saves run every ``every`` steps and/or every ``every_seconds`` seconds (the ranks
+    agree on it); on one of ``signals`` (default SIGTERM: preemption, or the launcher
+    stopping the job) the next :meth:`step` saves, waits up to ``exit_deadline`` seconds
+    for the commit, and returns True: the loop should stop. A second signal falls
+    through to the previous handler. ``on_commit(step)`` is called (on ckptstore's
+    commit thread) when a save has committed; ``on_resume(info)`` after a resume.
+    """
+
+    def __init__(self, store: Store | str, *, model: torch.nn.Module | None = None,
+                 optimizer: torch.optim.Optimizer | None = None, state: Mapping[str, Any] | None = None,
+                 every: int | None = None, every_seconds: float | None = None, rng: bool = True,
+                 signals=(signal.SIGTERM,), exit_deadline: float | None = None,
+                 replicated=(), validate=None, on_resume: Callable[[ResumeInfo], None] | None = None,
+                 on_commit: Callable[[int], None] | None = None, map_location=None):
+        self.store = store if isinstance(store, Store) else Store(store)
+        self.model, self.optimizer, self.rng = model, optimizer, rng
+        self.objects = dict(state or {})
+        for name, obj in self.objects.items():
+            if name in _RESERVED:
+                raise ValueError(f"state name {name!r} is the Checkpointer's own: choose another")
+            if not (is_stateful(obj) or isinstance(obj, MutableMapping)):
+                raise TypeError(f"state[{name!r}] must have state_dict()/load_state_dict() or be a dict, "
+                                f"got {type(obj).__name__}")
+        if optimizer is not None and model is None:
+            raise ValueError("an optimizer is saved together with its model: pass model= too")
+        if every is not None and every < 1:
+            raise ValueError(f"every must be >= 1, got {every}")
+        self.every, self.every_seconds = every, every_seconds
+        self.exit_deadline = exit_deadline
+        self.replicated, self.validate, self.on_resume = tuple(replicated), validate, on_resume
+        self.on_commit = on_commit
+        self.map_location = map_location
+        self.info: ResumeInfo | None = None
+        self.last_saved: int | None = None
+        self._last_save_time = time.monotonic()
+        self._last_progress = float("-inf")
+        self._signalled = threading.Event()
+        self._previous: dict[int, Any] = {}
+        self._install(signals)
+
+    # ------------------------------------------------------------------ resume
+    def resume(self) -> int:
+        """Restore the newest step every rank can use; returns the step to run next
+        (0 when the store holds no checkpoint). ``self.info`` says what was found."""
+        template = self._state_dict()
+        sharded = any(_is_dtensor(t) for t in _tensors(template))
+        state, info = self.store.resume(template if sharded else None, map_location=self.map_location,
+                                        validate=self.validate)
+        self.info = info
+        if state is None:
+            return 0
+        self._load_state_dict(state)
+        if self.on_resume is not None:
+            self.on_resume(info)
+        self.last_saved = info.step
+        self._record_progress(info.step, force=True)
+        return info.step + 1
+
+    # ------------------------------------------------------------------ steps
+    def step(self, step: int, metrics: dict | None = None) -> bool:
+        """Call after finishing ``step``: saves when due; returns True when the loop
+        must stop (a signal arrived; the final save is committed or its deadline passed)."""
+        preempted, due_time = self._agree(self._signalled.is_set(), self._due_by_time())
+        due = preempted or due_time or (self.every is not None and step % self.every == 0)
+        if due and step != self.last_saved:
+            future = self.save(step, metrics)
+            if preempted:
+                self._finish(future)
+        self._record_progress(step, force=preempted)
+        return preempted
+
+    def save(self, step: int, metrics: dict | None = None):
+        """Save now (collective); returns the :class:`~ckptstore.SaveFuture`."""
+        future = self.store.save(step, self._state_dict(), metrics, replicated=self.replicated)
+        if self.on_commit is not None:
+            on_commit = self.on_commit
+            # (not f.exception(): that would mark a failure seen, and the next save would not raise it)
+            future.add_done_callback(lambda f: on_commit(step) if f._future.exception() is None else None)
+        self.last_saved = step
+        self._last_save_time = time.monotonic()
+        return future
+
+    @property
+    def should_stop(self) -> bool:
+        return self._signalled.is_set()
+
+    def close(self) -> None:
+        """Restore the signal handlers; in-flight saves keep going (``ckptstore.wait()``)."""
+        for signum, previous in self._previous.items():
+            if threading.current_thread() is threading.main_thread():
+                signal.signal(signum, previous)
+        self._previous.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ------------------------------------------------------------------ internals
+    def _state_dict(self) -> dict:
+        out: dict[str, Any] = {}
+        if self.model is not None:
+            from torch.distributed.checkpoint.state_dict import get_state_dict, get_model_state_dict
+
+            if self.optimizer is not None:
+                out["model"], out["optimizer"] = get_state_dict(self.model, self.optimizer)
+            else:
+                out["model"] = get_model_state_dict(self.model)
+        for name, obj in self.objects.items():
+            out[name] = obj.state_dict() if is_stateful(obj) else dict(obj)
+        if self.rng:
+            out["rng"] = rng_state()
+        return out
+
+    def _load_state_dict(self, state: dict) -> None:
+        if self.model is not None:
+            from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+            if self.optimizer is not None:
+                set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                               optim_state_dict=state["optimizer"])
+            else:
+                set_model_state_dict(self.model, state["model"])
+        for name, obj in self.objects.items():
+            if name not in state:
+                raise KeyError(f"the checkpoint holds no {name!r}: was it saved by another program?")
+            if is_stateful(obj):
+                obj.load_state_dict(state[name])
+            else:
+                obj.clear()
+                obj.update(state[name])
+        if self.rng and "rng" in state:
+            set_rng_state(state["rng"], rank=self.info.rank if self.info else None)
+
+    def _due_by_time(self) -> bool:
+        return self.every_seconds is not None and time.monotonic() - self._last_save_time >= self.every_seconds
+
+    def _agree(self, preempted: bool, due_time: bool) -> tuple[bool, bool]:
+        """Every rank's view, combined (any rank signalled / any rank's clock says due),
+        so that all of them save the same step."""
+        group = self.store.process_group
+        _, world = rank_and_world(group)
+        if world == 1:
+            return preempted, due_time
+        device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+        flags = torch.tensor([int(preempted), int(due_time)], dtype=torch.int32, device=device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+        return bool(flags[0]), bool(flags[1])
+
+    def _finish(self, future) -> None:
+        """The preemption save: wait for its commit as the exit drain does (a peer that
+        died makes it stop at once), within the deadline; the loop stops either way."""
+        deadline = self.exit_deadline if self.exit_deadline is not None else config().exit_timeout
+        lifecycle.drain(deadline)
+
+    def _record_progress(self, step: int, force: bool = False) -> None:
+        """The last step reached, for the run's journal (lost work = this - the resumed
+        step). Rank 0 only, and at most every PROGRESS_EVERY seconds."""
+        now = time.monotonic()
+        if rank_and_world(self.store.process_group)[0] != 0:
+            return
+        if not force and now - self._last_progress < PROGRESS_EVERY:
+            return
+        self._last_progress = now
+        write_progress(self.store.storage, step)
+
+    def _install(self, signals) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set from the main thread
+
+        def on_signal(signum, frame):
+            if self._signalled.is_set():  # a second signal: whatever was there before us
+                previous = self._previous.get(signum, signal.SIG_DFL)
+                if callable(previous):
+                    previous(signum, frame)
+                else:
+                    signal.signal(signum, previous)
+                    signal.raise_signal(signum)
+                return
+            self._signalled.set()
+
+        lifecycle.install_hooks()  # first: our handler replaces its SIGTERM drain while we run
+        for signum in signals:
+            self._previous[signum] = signal.getsignal(signum)
+            signal.signal(signum, on_signal)
+
+
+_RESERVED = ("model", "optimizer", "rng")
+
+
+def write_progress(storage: Storage, step: int) -> None:
+    """Best effort: a missed record only makes lost work look larger."""
+    try:
+        record = {"step": int(step), "at": fmt.utc_now()}
+        storage.put(names.PROGRESS_NAME, json.dumps(record).encode())
+    except Exception:
+        pass
+
+
+def read_progress(storage: Storage) -> dict | None:
+    """The last progress record of the run at ``storage``, or None."""
+    from .checkpoint.commit import read_capped
+    from .errors import CkptStoreError
+
+    try:
+        record = fmt.loads_json(read_capped(storage, names.PROGRESS_NAME, fmt.MAX_MARKER_BYTES, "progress"),
+                                "progress")
+    except CkptStoreError:
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("step"), int) else None
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, Mapping):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)

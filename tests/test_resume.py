@@ -1,0 +1,188 @@
+"""Collective resume (issue 12): the newest step every rank can use, skipped steps
+reported (a warning, ResumeInfo.skipped, a note ``ckptstore ls`` shows), program errors
+raised rather than skipped over, RNG states re-derived when a rank reads another's.
+
+One-process cases here; the same rules across real 2-rank gloo groups are in the
+second half (ranks started by tests/resume_procs.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import ckptstore
+from ckptstore import names
+from ckptstore.cli import main as cli
+from ckptstore.errors import UnsafeLoadError
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import resume_procs as rp  # noqa: E402
+import sharded_procs as sp  # noqa: E402
+
+
+def _state(step: int) -> dict:
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(64, 64, generator=g), "step": step}
+
+
+def _flip_a_byte(store: ckptstore.Store, step: int, rank: int = 0) -> None:
+    """One flipped byte inside ``rank``'s data of ``step`` (the stored bytes of its
+    first chunk: the hash check must catch it)."""
+    m = store.manifest(step)
+    blobs = [b for key, b in m.ranks[rank].blobs()] + [
+        c.blob for e in m.tensors.values() for c in e.chunks if f"-r{rank:05d}-" in c.blob.file]
+    blob = blobs[0]
+    path = os.path.join(store.url, names.step_dir_name(step), blob.file)
+    with open(path, "r+b") as f:
+        f.seek(blob.offset + blob.length // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x40]))
+
+
+def _store_with_steps(root, steps=(10, 20, 30)) -> ckptstore.Store:
+    store = ckptstore.Store(str(root), compression="none")
+    for s in steps:
+        store.save(s, _state(s)).result()
+    return store
+
+
+def test_an_empty_store_resumes_to_nothing(tmp_path):
+    state, info = ckptstore.Store(str(tmp_path / "empty")).resume()
+    assert state is None and info.step is None and info.skipped == () and not info.resharded
+
+
+def test_the_newest_step_resumes_with_its_age_and_metrics(tmp_path):
+    store = ckptstore.Store(str(tmp_path / "s"))
+    store.save(7, _state(7), metrics={"loss": 1.5}).result()
+    state, info = store.resume()
+    assert state["step"] == 7 and torch.equal(state["w"], _state(7)["w"])
+    assert (info.step, info.saved_world_size, info.world_size, info.metrics) == (7, 1, 1, {"loss": 1.5})
+    assert info.age_s is not None and info.age_s >= 0 and info.generation == 1
+
+
+def test_a_corrupt_newest_step_is_skipped_warned_reported_and_marked(tmp_path):
+    store = _store_with_steps(tmp_path / "s")
+    _flip_a_byte(store, 30)
+    with pytest.warns(ckptstore.CheckpointSkippedWarning, match="step 30"):
+        state, info = store.resume()
+    assert state["step"] == 20 and torch.equal(state["w"], _state(20)["w"])
+    assert [s.step for s in info.skipped] == [30]
+    assert "IntegrityError" in info.skipped[0].reason and "rank 0" in info.skipped[0].reason
+    # ls shows the note; the JSON carries the reason
+    out = CliRunner().invoke(cli, ["ls", store.url, "--json"])
+    records = {r["step"]: r for r in json.loads(out.output)}
+    assert "IntegrityError" in records[30]["skipped_by_resume"]["reason"]
+    assert "skipped_by_resume" not in records[20]
+    table = CliRunner().invoke(cli, ["ls", store.url]).output
+    assert "SKIPPED BY RESUME" in table
+
+
+def test_a_skip_mark_goes_with_its_checkpoint_and_does_not_outlive_a_new_generation(tmp_path):
+    store = _store_with_steps(tmp_path / "s")
+    _flip_a_byte(store, 30)
+    with pytest.warns(ckptstore.CheckpointSkippedWarning):
+        store.resume()
+    store.save(30, _state(30)).result()  # the step saved again: a new, sound generation
+    records = {r["step"]: r for r in json.loads(CliRunner().invoke(cli, ["ls", store.url, "--json"]).output)}
+    assert "skipped_by_resume" not in records[30]
+    _flip_a_byte(store, 20)
+    with pytest.warns(ckptstore.CheckpointSkippedWarning):
+        _, info = ckptstore.Store(store.url).resume(template=None, validate=lambda s, m: s["step"] != 30)
+    assert [s.step for s in info.skipped] == [30, 20] and info.step == 10
+    plan = store.gc(ckptstore.checkpoint.retention.Retention(last=1), grace=0)
+    assert not plan.foreign
+    assert sorted(os.listdir(tmp_path / "s")) == [names.EPOCHS_DIR, names.step_dir_name(30)]  # marks went with their steps
+
+
+def test_validate_can_reject_a_step_with_a_reason(tmp_path):
+    store = _store_with_steps(tmp_path / "s")
+
+    def validate(state, manifest):
+        assert manifest.step == state["step"]
+        if state["step"] == 30:
+            raise ckptstore.CheckpointRejected("loss 9.1 far from the saved 2.0")
+
+    with pytest.warns(ckptstore.CheckpointSkippedWarning, match="far from"):
+        state, info = store.resume(validate=validate)
+    assert info.step == 20 and "far from the saved" in info.skipped[0].reason
+
+
+def test_no_loadable_step_raises_listing_every_reason(tmp_path):
+    store = _store_with_steps(tmp_path / "s", (1, 2))
+    _flip_a_byte(store, 1)
+    _flip_a_byte(store, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ckptstore.CheckpointSkippedWarning)
+        with pytest.raises(ckptstore.NoLoadableCheckpointError, match=r"step 2: .*step 1: "):
+            store.resume()
+    assert store.steps() == [1, 2]  # nothing committed is touched by a resume
+
+
+def test_program_errors_are_raised_not_skipped_over(tmp_path):
+    store = _store_with_steps(tmp_path / "s")
+    with pytest.raises(ZeroDivisionError):
+        store.resume(validate=lambda s, m: 1 / 0)
+    import numpy as np
+
+    unsafe = ckptstore.Store(str(tmp_path / "u"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        unsafe.save(1, {"x": torch.ones(1)}).result()
+        unsafe.save(2, {"np": np.arange(3)}).result()
+    with pytest.raises(UnsafeLoadError):  # every older step could hold the same: no fallback
+        unsafe.resume()
+    with pytest.raises(ckptstore.TemplateMismatchError, match="shape"):  # the program's state changed
+        store.resume(template={"w": torch.zeros(3), "step": 0})
+    assert all(not (tmp_path / "s" / names.step_dir_name(st) / names.SKIPPED_NAME).exists() for st in (10, 20, 30))
+
+
+def test_resume_from_two_ranks_on_one_warns_and_reshards(tmp_path):
+    root = tmp_path / "store"
+    sp.run_job(rp.save_steps, 2, tmp_path / "save", str(root), [1, 2])
+    with pytest.warns(ckptstore.WorldSizeChangedWarning):
+        state, info = ckptstore.Store(str(root)).resume()
+    assert (info.step, info.saved_world_size, info.world_size, info.resharded, info.rank_state_of) == (2, 2, 1, True, 0)
+    assert state["rank"] == 0 and torch.equal(state["shared"], rp.shared_tensor(2))
+
+
+# ----------------------------------------------------------------- 2-rank gloo groups
+def test_ranks_agree_to_skip_a_step_one_rank_cannot_read(tmp_path):
+    root = tmp_path / "store"
+    sp.run_job(rp.save_steps, 2, tmp_path / "save", str(root), [50, 60])
+    _flip_a_byte(ckptstore.Store(str(root)), 60, rank=1)
+    results = sp.run_job(rp.resume_and_report, 2, tmp_path / "resume", str(root))
+    for rank, res in enumerate(results):
+        assert res["step"] == 50 and res["state_step"] == 50 and res["state_rank"] == rank, (rank, res)
+        assert res["skipped"] == [60] and "rank 1: IntegrityError" in res["reasons"][0], (rank, res)
+
+
+def test_a_program_error_on_one_rank_is_raised_on_every_rank(tmp_path):
+    root = tmp_path / "store"
+    sp.run_job(rp.save_steps, 2, tmp_path / "save", str(root), [1])
+    results = sp.run_job(rp.resume_with_failing_validate, 2, tmp_path / "resume", str(root))
+    assert results[1]["raised"] == "RuntimeError" and results[0]["raised"] == "ResumeError"
+    assert "rank 1 failed" in results[0]["message"] and "validate blew up" in results[0]["message"]
+
+
+def test_one_rank_growing_to_two_rederives_the_second_ranks_rng(tmp_path):
+    root = tmp_path / "store"
+    store = ckptstore.Store(str(root))
+    torch.manual_seed(1234)
+    store.save(3, {"rng": ckptstore.rng_state(), "w": torch.ones(3)}).result()
+    torch.manual_seed(1234)
+    uninterrupted = torch.rand(4)
+    results = sp.run_job(rp.resume_and_draw, 2, tmp_path / "resume", str(root))
+    assert [r["rank_state_of"] for r in results] == [0, 0]
+    assert [r["rng_rederived"] for r in results] == [False, True]
+    assert all(r["warned"] for r in results)
+    assert torch.equal(results[0]["draw"], uninterrupted)  # rank 0 continues the saved stream
+    assert not torch.equal(results[1]["draw"], results[0]["draw"])  # rank 1 gets its own
+    again = sp.run_job(rp.resume_and_draw, 2, tmp_path / "again", str(root))
+    assert torch.equal(again[1]["draw"], results[1]["draw"])  # and deterministically so
