@@ -370,5 +370,12 @@ def doctor(as_json: bool) -> None:
         click.echo(f"{k:<18} {v}")
 
 
+from .supervisor.cli_run import run_command  # noqa: E402 (its own module: the supervisor)
+
+main.add_command(run_command)
+from .cli_status import status as status_command  # noqa: E402
+
+main.add_command(status_command)
+
 if __name__ == "__main__":  # pragma: no cover
     main()

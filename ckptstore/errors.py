@@ -109,6 +109,13 @@ class FencedError(CommitError):
     (an orphaned worker of a dead launcher, say) may no longer commit."""
 
 
+# --- training ---------------------------------------------------------------------------
+class DeterministicError(CkptStoreError):
+    """Raise it in a training program for a failure that a restart would repeat (a
+    non-finite loss, a bad data shard): ``ckptstore run`` then stops the run at once
+    and alerts, instead of spending its restart budget on it."""
+
+
 # --- warnings --------------------------------------------------------------------------
 class UnsafeForWeightsOnlyWarning(UserWarning):
     """``save`` met objects that the default load (``weights_only=True``) will refuse to

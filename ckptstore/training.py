@@ -22,12 +22,14 @@ from . import format as fmt
 from . import lifecycle
 from . import names
 from .api import Store
+from .checkpoint import exiting
 from .checkpoint.flatten import _is_dtensor
 from .checkpoint.group import rank_and_world
 from .config import config
 from .resume import ResumeInfo
 from .rng import rng_state, set_rng_state
 from .storage import Storage
+from .supervisor.progress import ProgressReporter, guard_worker
 
 PROGRESS_EVERY = 10.0  # seconds between progress records (each is one small PUT)
 
@@ -51,8 +53,8 @@ class Checkpointer:
     Saves run every ``every`` steps and/or every ``every_seconds`` seconds (the ranks
     agree on it); on one of ``signals`` (default SIGTERM: preemption, or the launcher
     stopping the job) the next :meth:`step` saves, waits up to ``exit_deadline`` seconds
-    for the commit, and returns True: the loop should stop. A second signal falls
-    through to the previous handler. ``on_commit(step)`` is called (on ckptstore's
+    for the commit, and returns True: the loop should stop. Repeated signals change
+    nothing (a scheduler and the launcher may both send one). ``on_commit(step)`` is called (on ckptstore's
     commit thread) when a save has committed; ``on_resume(info)`` after a resume.
     """
 
@@ -87,16 +89,26 @@ class Checkpointer:
         self._signalled = threading.Event()
         self._previous: dict[int, Any] = {}
         self._install(signals)
+        # Under `ckptstore run`: progress for the supervisor (hangs, lost work, intervals).
+        self._reporter = ProgressReporter.from_env(rank_and_world(self.store.process_group)[0])
+        if self._reporter is not None:
+            guard_worker()
+        self._last_step_time: float | None = None
+        self._step_s: float | None = None  # smoothed training step time
+        self._save_blocking_s: float | None = None
 
     # ------------------------------------------------------------------ resume
     def resume(self) -> int:
         """Restore the newest step every rank can use; returns the step to run next
         (0 when the store holds no checkpoint). ``self.info`` says what was found."""
+        self._report("loading", force=True)
         template = self._state_dict()
         sharded = any(_is_dtensor(t) for t in _tensors(template))
         state, info = self.store.resume(template if sharded else None, map_location=self.map_location,
                                         validate=self.validate)
         self.info = info
+        self._report("train", None if info.step is None else info.step, force=True, resumed_step=info.step,
+                     skipped=[s.step for s in info.skipped])
         if state is None:
             return 0
         self._load_state_dict(state)
@@ -110,18 +122,34 @@ class Checkpointer:
     def step(self, step: int, metrics: dict | None = None) -> bool:
         """Call after finishing ``step``: saves when due; returns True when the loop
         must stop (a signal arrived; the final save is committed or its deadline passed)."""
+        now = time.monotonic()
+        if self._last_step_time is not None:
+            took = now - self._last_step_time
+            self._step_s = took if self._step_s is None else 0.8 * self._step_s + 0.2 * took
+        first = self._last_step_time is None
+        self._last_step_time = now
+        if first:  # the supervisor measures launch-to-first-step from this
+            self._report("train", step, force=True, first_step_t=time.time())
+        else:
+            self._report("train", step)
         preempted, due_time = self._agree(self._signalled.is_set(), self._due_by_time())
         due = preempted or due_time or (self.every is not None and step % self.every == 0)
         if due and step != self.last_saved:
             future = self.save(step, metrics)
             if preempted:
+                self._report("saving", step, force=True)
                 self._finish(future)
         self._record_progress(step, force=preempted)
+        if preempted:
+            self._report("preempted", step, force=True)
+        self._last_step_time = time.monotonic()  # a save's blocking time is not step time
         return preempted
 
     def save(self, step: int, metrics: dict | None = None):
         """Save now (collective); returns the :class:`~ckptstore.SaveFuture`."""
+        began = time.monotonic()
         future = self.store.save(step, self._state_dict(), metrics, replicated=self.replicated)
+        self._save_blocking_s = time.monotonic() - began
         if self.on_commit is not None:
             on_commit = self.on_commit
             # (not f.exception(): that would mark a failure seen, and the next save would not raise it)
@@ -133,6 +161,11 @@ class Checkpointer:
     @property
     def should_stop(self) -> bool:
         return self._signalled.is_set()
+
+    def _report(self, state: str, step: int | None = None, force: bool = False, **fields) -> None:
+        if self._reporter is not None:
+            self._reporter.report(state, step, force, step_s=self._step_s,
+                                  save_blocking_s=self._save_blocking_s, **fields)
 
     def close(self) -> None:
         """Restore the signal handlers; in-flight saves keep going (``ckptstore.wait()``)."""
@@ -202,7 +235,10 @@ class Checkpointer:
         """The preemption save: wait for its commit as the exit drain does (a peer that
         died makes it stop at once), within the deadline; the loop stops either way."""
         deadline = self.exit_deadline if self.exit_deadline is not None else config().exit_timeout
-        lifecycle.drain(deadline)
+        try:
+            lifecycle.drain(deadline)
+        finally:
+            exiting.leave()
 
     def _record_progress(self, step: int, force: bool = False) -> None:
         """The last step reached, for the run's journal (lost work = this - the resumed
@@ -220,14 +256,9 @@ class Checkpointer:
             return  # signal handlers can only be set from the main thread
 
         def on_signal(signum, frame):
-            if self._signalled.is_set():  # a second signal: whatever was there before us
-                previous = self._previous.get(signum, signal.SIG_DFL)
-                if callable(previous):
-                    previous(signum, frame)
-                else:
-                    signal.signal(signum, previous)
-                    signal.raise_signal(signum)
-                return
+            # Idempotent: a scheduler and the launcher may both send one (Slurm signals
+            # every process of the job, torchrun forwards its own); the launcher's
+            # SIGKILL after its grace is the backstop for a loop that never gets back.
             self._signalled.set()
 
         lifecycle.install_hooks()  # first: our handler replaces its SIGTERM drain while we run

@@ -12,12 +12,9 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import random
 import signal
-import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import psutil
@@ -27,78 +24,21 @@ import torch
 import ckptstore
 from ckptstore import names
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from jobutil import Job  # noqa: E402
+
 EXAMPLE = Path(__file__).resolve().parent.parent / "docs" / "examples" / "fault_tolerant_training.py"
-HANG_GUARD_S = 240.0
 STEPS = 30
 
 
-class Run:
-    """One torchrun launch of the example; its output lines arrive on a queue."""
+class Run(Job):
+    """One torchrun launch of the example."""
 
     def __init__(self, store, tmp: Path, *args, nproc: int = 2):
         self.final = tmp / f"final-{random.getrandbits(32):08x}.pt"
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               str(EXAMPLE), str(store), "--steps", str(STEPS), "--every", "5", "--final", str(self.final), *args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                     start_new_session=True)
-        self.lines: list[str] = []
-        self.pids: dict[int, int] = {}
-        self._q: queue.Queue = queue.Queue()
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        for line in self.proc.stdout:  # ends when every holder of the pipe (orphans too) is gone
-            self._q.put(line.rstrip("\n"))
-        self._q.put(None)
-
-    def expect(self, predicate, what: str) -> str:
-        """The next line that satisfies ``predicate`` (lines before it are kept)."""
-        while True:
-            try:
-                line = self._q.get(timeout=HANG_GUARD_S)
-            except queue.Empty:
-                raise AssertionError(f"no line {what} within {HANG_GUARD_S}s:\n" + "\n".join(self.lines[-40:]))
-            if line is None:
-                raise AssertionError(f"output ended before {what}:\n" + "\n".join(self.lines[-40:]))
-            self.lines.append(line)
-            if " pid " in line and line.startswith("rank "):
-                r, pid = int(line.split()[1].rstrip(":")), int(line.rsplit(" ", 1)[1])
-                self.pids[r] = pid
-            if predicate(line):
-                return line
-
-    def at_step(self, rank: int, step: int) -> None:
-        self.expect(lambda l: l.startswith(f"rank {rank}: step {step} "), f"of rank {rank} at step {step}")
-
-    def committed(self, step: int) -> None:
-        self.expect(lambda l: l == f"rank 0: committed step {step}", f"committing step {step}")
-
-    def finish(self) -> int:
-        """Wait for the launcher and for the end of the output (every worker gone)."""
-        try:
-            code = self.proc.wait(timeout=HANG_GUARD_S)
-        except subprocess.TimeoutExpired:
-            self.kill_all()
-            raise AssertionError("the job hung:\n" + "\n".join(self.lines[-40:]))
-        while True:
-            try:
-                line = self._q.get(timeout=HANG_GUARD_S)
-            except queue.Empty:
-                raise AssertionError("workers outlived their launcher:\n" + "\n".join(self.lines[-40:]))
-            if line is None:
-                return code
-            self.lines.append(line)
-
-    def kill_all(self) -> None:
-        for pid in [self.proc.pid, *self.pids.values()]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-    def output(self) -> str:
-        return "\n".join(self.lines)
+        super().__init__([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                          str(EXAMPLE), str(store), "--steps", str(STEPS), "--every", "5", "--final", str(self.final),
+                          *args])
 
 
 def run_to_end(store, tmp: Path, *args, nproc: int = 2) -> Run:

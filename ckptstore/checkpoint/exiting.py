@@ -40,6 +40,12 @@ def enter() -> None:
     _active.set()
 
 
+def leave() -> None:
+    """Back to normal mode: a Checkpointer's preemption save is settled and the program
+    decides itself whether it exits (the atexit drain enters exit mode again if needed)."""
+    _active.clear()
+
+
 def active() -> bool:
     return _active.is_set()
 

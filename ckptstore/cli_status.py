@@ -1,0 +1,94 @@
+"""``ckptstore status URL``: how a supervised run (``ckptstore run``) is doing, from the
+journal in its store. Registered on the ``ckptstore`` group by ``cli.py``.
+
+Exit codes: 0 a journal was found; 1 the store holds no journal (or not the run asked
+for), or reading it failed; 2 usage error or unreachable store.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import click
+
+
+@click.command("status")
+@click.argument("url")
+@click.option("--run", "run_id", metavar="ID", help="The run to summarise (default: the latest).")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+def status(url: str, run_id: str | None, as_json: bool) -> None:
+    """Summarise a supervised run: state, restarts, failures by class, MTBF, lost work,
+    goodput, checkpoint age and the recommended checkpoint interval."""
+    # cli.py imports this module at its end to register the command: import it lazily
+    from .cli import EXIT_PROBLEM, EXIT_USAGE, _fail, _open
+    from .errors import CkptStoreError
+    from .supervisor.journal import is_run_id
+    from .supervisor.status import status as run_status
+
+    if run_id is not None and not is_run_id(run_id):
+        _fail(f"--run {run_id!r}: not a run id ([A-Za-z0-9][A-Za-z0-9._-]{{0,63}})", EXIT_USAGE)
+    storage = _open(url, containers=False)
+    try:
+        summary = run_status(storage, run_id, time.time())
+    except (CkptStoreError, OSError) as e:
+        _fail(f"{url}: cannot read the run journal: {e}", EXIT_PROBLEM)
+    if summary["state"] == "empty":
+        what = f"no journal for run {run_id}" if run_id else "no run journal (ckptstore run writes one)"
+        _fail(f"{url}: {what}", EXIT_PROBLEM)
+    if as_json:
+        click.echo(json.dumps(summary, indent=2))
+    else:
+        click.echo(render(summary))
+
+
+def render(s: dict) -> str:
+    """The human form of a summary: one line per figure."""
+    lines = [("run", f"{s['run']} (started {_when(s['started_at'])}, wall {_dur(s['wall_s'])})")]
+    state = s["state"]
+    if state == "gave_up" and s.get("give_up"):
+        g = s["give_up"]
+        state += f": {g.get('class') or '?'}, exit {g.get('code')}: {g.get('reason') or ''}"
+    lines.append(("state", state + (f", at step {s['step']}" if s.get("step") is not None else "")))
+    lines.append(("restarts", str(s["restarts"])))
+    by_class = ", ".join(f"{k} {v}" for k, v in s["failures_by_class"].items())
+    lines.append(("failures", f"{len(s['failures'])} ({by_class})"))
+    lines.append(("MTBF", _dur(s["mtbf_s"]) if s["mtbf_s"] is not None else "no failure yet"))
+    lines.append(("lost work", f"{s['lost_steps']} steps, {_dur(s['lost_s'])}; startup {_dur(s['startup_s'])}, "
+                               f"recovery {_dur(s['recovery_s'])}"))
+    lines.append(("goodput", "-" if s["goodput"] is None else f"{100 * s['goodput']:.1f}%"))
+    lines.append(("checkpoint", "none committed" if s["checkpoint_step"] is None else
+                  f"step {s['checkpoint_step']}, age {_dur(s['checkpoint_age_s'])}"))
+    f = s["last_failure"]
+    if f is not None:
+        where = f" at step {f['step']}" if f["step"] is not None else ""
+        lines.append(("last failure", f"attempt {f['attempt']}, {f['class']}{where}: {f['reason'] or '?'}"))
+    if s["recommended_interval_s"] is None:
+        advice = "not yet (no save cost measured)"
+    else:
+        steps = s["recommended_interval_steps"]
+        advice = (f"every {steps} steps (" if steps is not None else "(") + \
+            f"{_dur(s['recommended_interval_s'])}; Young/Daly, save {s['save_blocking_s']:.3g}s, " \
+            f"MTBF {s['mtbf_source']})"
+    lines.append(("interval", advice))
+    j = s.get("journal") or {}
+    bad = {k: v for k, v in j.items() if v}
+    if bad:
+        lines.append(("journal", ", ".join(f"{v} {k}" for k, v in bad.items()) + " event(s) left out"))
+    width = max(len(k) for k, _ in lines)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in lines)
+
+
+def _dur(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    m, sec = divmod(int(round(seconds)), 60)
+    h, m = divmod(m, 60)
+    d, h = divmod(h, 24)
+    return f"{d}d {h}h {m:02d}m" if d else f"{h}h {m:02d}m" if h else f"{m}m {sec:02d}s"
+
+
+def _when(iso: str | None) -> str:
+    return (iso or "?")[:19].replace("T", " ") + (" UTC" if iso else "")

@@ -1,0 +1,1 @@
+"""The restart supervisor behind ``ckptstore run``: journal, status, health, policy."""

@@ -1,0 +1,101 @@
+"""``ckptstore run [torchrun options] --store URL [policy options] SCRIPT [ARGS...]``.
+
+torchrun's options and ours mix before the script, so the command line is split here:
+our options (below) are taken out wherever they appear before SCRIPT; everything else
+goes to torch's own launcher parser, which knows which of its options take a value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import click
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ckptstore run", add_help=False)
+    p.add_argument("--store", required=True, help="the checkpoint store (path or URL): the journal goes there")
+    p.add_argument("--run-id", default=None, help="journal run id (default: a new one per `ckptstore run`)")
+    p.add_argument("--max-restarts", type=int, default=10, help="relaunches after failures (preemptions excepted)")
+    p.add_argument("--max-restarts-per-hour", type=int, default=30)
+    p.add_argument("--backoff", type=float, default=1.0, help="first delay before a relaunch, seconds (doubles)")
+    p.add_argument("--backoff-max", type=float, default=60.0)
+    p.add_argument("--hang-timeout", type=float, default=600.0,
+                   help="seconds without progress from any rank (saves and loads excepted)")
+    p.add_argument("--first-progress-timeout", type=float, default=1800.0,
+                   help="seconds from a launch to its first training step")
+    p.add_argument("--run-timeout", type=float, default=None, help="give up after this many seconds in all")
+    p.add_argument("--no-progress-restarts", type=int, default=3,
+                   help="give up after this many failures in a row without a newer checkpoint")
+    p.add_argument("--alert", default=None, help="shell command run on every failure and on giving up "
+                   "(the event as JSON on stdin)")
+    p.add_argument("--staging-dir", action="append", default=[], help="a local directory to health-check")
+    return p
+
+
+def split_argv(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """(our options, torchrun's argv with the script and its arguments)."""
+    from torch.distributed.run import get_args_parser
+
+    ours = _parser()
+    our_opts = {s for a in ours._actions for s in a.option_strings}
+    theirs = get_args_parser()._option_string_actions
+    mine, rest, i = [], [], 0
+    while i < len(argv):
+        tok = argv[i]
+        name = tok.split("=", 1)[0]
+        if not tok.startswith("-") or tok == "--":
+            rest += argv[i:]  # the script and its arguments
+            break
+        if name in our_opts:
+            mine.append(tok)
+            takes = ours._option_string_actions[name].nargs != 0
+            if takes and "=" not in tok and i + 1 < len(argv):
+                mine.append(argv[i + 1])
+                i += 1
+        else:
+            rest.append(tok)
+            action = theirs.get(name)
+            if action is not None and action.nargs != 0 and "=" not in tok and i + 1 < len(argv):
+                rest.append(argv[i + 1])
+                i += 1
+        i += 1
+    return ours.parse_args(mine), rest
+
+
+@click.command(name="run", context_settings={"ignore_unknown_options": True, "allow_extra_args": True,
+                                             "allow_interspersed_args": False, "help_option_names": []})
+@click.argument("argv", nargs=-1, type=click.UNPROCESSED)
+def run_command(argv) -> None:
+    """Launch a training job with torch's launcher and restart it after transient faults.
+
+    ckptstore run [torchrun options] --store URL [policy options] SCRIPT [ARGS...]
+
+    Exit status: 0 finished, 10 deterministic error, 11 restart limit, 12 no progress,
+    13 unhealthy node, 14 run timeout, 143 stopped by SIGTERM (docs/runbook.md).
+    """
+    argv = list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        click.echo(run_command.help)
+        _parser().print_help()
+        sys.exit(0 if argv else 2)
+    from torch.distributed.run import parse_args
+
+    from .runner import Policy, Supervisor
+
+    try:
+        opts, launcher = split_argv(argv)
+        launch_args = parse_args([a for a in launcher])  # refuses what torchrun would refuse
+    except SystemExit as e:
+        sys.exit(2 if e.code else 0)
+    nproc = launch_args.nproc_per_node
+    nnodes = str(launch_args.nnodes).split(":")[-1]
+    world = int(nproc) * int(nnodes) if str(nproc).isdigit() and nnodes.isdigit() else None
+    policy = Policy(max_restarts=opts.max_restarts, max_restarts_per_hour=opts.max_restarts_per_hour,
+                    backoff_s=opts.backoff, backoff_max_s=opts.backoff_max, hang_timeout_s=opts.hang_timeout,
+                    first_progress_timeout_s=opts.first_progress_timeout, run_timeout_s=opts.run_timeout,
+                    no_progress_restarts=opts.no_progress_restarts, alert=opts.alert)
+    sup = Supervisor(opts.store, launcher, policy, run_id=opts.run_id, staging_dirs=tuple(opts.staging_dir),
+                     world_size=world, nnodes=int(nnodes) if nnodes.isdigit() else 1)
+    sys.exit(sup.run())

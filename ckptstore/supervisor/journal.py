@@ -1,0 +1,204 @@
+"""The run journal: every event of a supervised training run, kept in the checkpoint
+store itself, so it works on every backend, survives the node, and needs no lock.
+
+Layout (relative to the store root; ``journal/`` is reserved, checkpoint gc never
+looks inside it: no name below it is a manifest or an ``attempts/`` directory)::
+
+    journal/<run>/<16-digit microseconds since the epoch>-<8 hex>-<kind>.json
+
+One object per event, written create-only (``put(if_absent=True)``): the time first,
+so names sort by time; the random part keeps the supervisors of several nodes from
+ever colliding. ``<run>`` matches ``[A-Za-z0-9][A-Za-z0-9._-]{0,63}`` (not ``attempts``,
+so a journal can never look like a checkpoint location); ``<kind>`` matches
+``[a-z][a-z0-9_]{0,31}``. ``new_run_id()`` gives ``YYYYMMDDTHHMMSS-<6 hex>`` (UTC).
+
+An event is one JSON object, at most ``MAX_EVENT_BYTES``. Every event holds ``kind``,
+``run``, ``at`` (ISO 8601 UTC), ``t`` (unix seconds, float; the same instant as ``at``
+and as the name), ``host``; then the fields of its kind:
+
+- ``run_start``: ``command`` (list of str), ``world_size`` (int), ``nnodes`` (int),
+  ``policy`` (dict).
+- ``attempt_start``: ``attempt`` (int: 0 for the first launch, then the restart count).
+- ``resume``: ``attempt``, ``step`` (int, or None for a fresh start), ``skipped`` (list
+  of int: steps validation refused), ``first_step_s`` (seconds from the attempt's launch
+  to its first training step; the event is written at that first step).
+- ``failure``: ``attempt``, ``class`` ("transient", "deterministic", "hang",
+  "preempted"), ``reason`` (str), ``exit_code`` (int|None), ``signal`` (str|None),
+  ``rank`` (int|None), ``traceback`` (str tail|None), ``step`` (last step reached),
+  ``checkpoint_step`` (newest committed step at failure), ``checkpoint_age_s``,
+  ``lost_steps``, ``lost_s`` (work redone after the restart), ``save_blocking_s``
+  (median blocking time of this attempt's saves), ``step_s`` (median step time).
+- ``give_up``: ``reason`` (str), ``code`` (int exit status), ``class``.
+- ``unhealthy``: ``checks`` (list of {name, ok, detail}).
+- ``finish``: ``attempt``, ``step`` (last step), ``save_blocking_s``, ``step_s``.
+
+Any event may carry ``save_blocking_s`` / ``step_s``; status takes the latest of each.
+
+Reading treats the store as hostile: each event is read with a cap, parsed strictly,
+and skipped (counted ``unreadable``) unless it is a JSON object whose ``kind`` is the
+kind its name says; names outside the grammar are ignored (counted ``ignored``); at
+most ``MAX_EVENTS`` events of a run are read (the oldest one and the newest rest). A bad
+event never raises; a store that cannot be listed does.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import re
+import secrets
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from .. import format as fmt
+from ..checkpoint.commit import read_capped
+from ..errors import CkptStoreError
+from ..names import ATTEMPTS_DIR
+from ..storage import Storage
+
+JOURNAL_DIR = "journal"
+MAX_EVENT_BYTES = fmt.MAX_MARKER_BYTES  # 64 KiB: keep traceback tails well below it
+MAX_EVENTS = 100_000  # per run; a real run journals a few events per restart
+_READERS = 16  # concurrent reads: one request each on an object store
+
+_RUN_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+_KIND_RE = re.compile(r"[a-z][a-z0-9_]{0,31}")
+_EVENT_RE = re.compile(r"([0-9]{16})-([0-9a-f]{8})-([a-z][a-z0-9_]{0,31})\.json")
+_BASE_FIELDS = ("kind", "run", "at", "t", "host")
+
+
+def is_run_id(run) -> bool:
+    return isinstance(run, str) and _RUN_RE.fullmatch(run) is not None and run != ATTEMPTS_DIR
+
+
+def check_run_id(run) -> str:
+    if not is_run_id(run):
+        raise ValueError(f"run id {run!r} is not [A-Za-z0-9][A-Za-z0-9._-]{{0,63}} (nor {ATTEMPTS_DIR!r})")
+    return run
+
+
+def new_run_id() -> str:
+    return f"{_dt.datetime.now(_dt.timezone.utc):%Y%m%dT%H%M%S}-{secrets.token_hex(3)}"
+
+
+def parse_event_name(name: str) -> tuple[float, str] | None:
+    """(unix seconds, kind) of an event's file name, else None."""
+    m = _EVENT_RE.fullmatch(name)
+    return (int(m.group(1)) / 1e6, m.group(3)) if m else None
+
+
+@dataclass
+class Reading:
+    """What :meth:`Journal.read` found: the readable events in name (= time) order."""
+
+    events: list[dict] = field(default_factory=list)
+    unreadable: int = 0  # valid names whose content was refused (size, JSON, shape, a symlink)
+    ignored: int = 0  # names outside the grammar (never read)
+    truncated: int = 0  # events left unread beyond MAX_EVENTS
+
+
+class Journal:
+    """The events of run ``run_id`` in the store rooted at ``storage``."""
+
+    def __init__(self, storage: Storage, run_id: str, clock=time.time):
+        self.storage = storage
+        self.run_id = check_run_id(run_id)
+        self.prefix = f"{JOURNAL_DIR}/{run_id}"
+        self._clock = clock  # a test's fixed clock; the supervisor keeps time.time
+        self._host = socket.gethostname()
+
+    def __repr__(self) -> str:
+        return f"Journal({self.storage.describe(self.prefix)!r})"
+
+    def append(self, kind: str, /, **fields) -> dict:
+        """Write one event; returns it. Raises what the storage raises (the caller
+        decides whether journaling is worth failing for), ValueError for a bad kind, a
+        reserved field name, or an event larger than MAX_EVENT_BYTES."""
+        if not isinstance(kind, str) or not _KIND_RE.fullmatch(kind):
+            raise ValueError(f"event kind {kind!r} is not [a-z][a-z0-9_]{{0,31}}")
+        clash = sorted(set(fields) & set(_BASE_FIELDS))
+        if clash:
+            raise ValueError(f"event fields {clash} are set by the journal itself")
+        t = self._clock()
+        us = int(round(t * 1e6))
+        at = _dt.datetime.fromtimestamp(us / 1e6, _dt.timezone.utc).isoformat(timespec="microseconds")
+        event = {"kind": kind, "run": self.run_id, "at": at, "t": us / 1e6, "host": self._host,
+                 **_finite(fields)}
+        data = json.dumps(event, allow_nan=False, sort_keys=False).encode()
+        if len(data) > MAX_EVENT_BYTES:
+            raise ValueError(f"{kind} event of {len(data)} bytes exceeds {MAX_EVENT_BYTES} (shorten the traceback)")
+        key = f"{self.prefix}/{us:016d}-{secrets.token_hex(4)}-{kind}.json"
+        self.storage.put(key, data, if_absent=True)  # 32 random bits per microsecond: a clash raises
+        return event
+
+    def events(self) -> list[dict]:
+        return self.read().events
+
+    def read(self) -> Reading:
+        out = Reading()
+        names = []
+        for name in self.storage.list(self.prefix):
+            parsed = parse_event_name(name)
+            if parsed is None:
+                out.ignored += 1  # a sub-directory, a temporary, someone else's file
+            else:
+                names.append((name, parsed[1]))
+        names.sort()
+        if len(names) > MAX_EVENTS:  # keep the run's first event (run_start) and the newest
+            out.truncated = len(names) - MAX_EVENTS
+            names = names[:1] + names[-(MAX_EVENTS - 1):]
+        with ThreadPoolExecutor(min(_READERS, max(1, len(names)))) as pool:
+            for event in pool.map(self._read_one, names):
+                if event is None:
+                    out.unreadable += 1
+                else:
+                    out.events.append(event)
+        return out
+
+    def _read_one(self, entry: tuple[str, str]) -> dict | None:
+        name, kind = entry
+        try:
+            data = read_capped(self.storage, f"{self.prefix}/{name}", MAX_EVENT_BYTES, "journal event")
+            event = fmt.loads_json(data, "journal event")
+        except (CkptStoreError, OSError):  # too large, not JSON, a symlink, gone, a flaky read
+            return None
+        if not isinstance(event, dict) or event.get("kind") != kind:
+            return None
+        t = event.get("t")
+        if not _is_number(t):  # status does arithmetic on it: the name's time instead
+            event["t"] = parse_event_name(name)[0]
+        return event
+
+
+def runs(storage: Storage) -> list[str]:
+    """The run ids with a journal in the store, sorted by name."""
+    return sorted(n[:-1] for n in storage.list(JOURNAL_DIR) if n.endswith("/") and is_run_id(n[:-1]))
+
+
+def latest_run(storage: Storage) -> str | None:
+    """The run whose newest event is the newest (by the time in its names)."""
+    best, best_t = None, -math.inf
+    for run in runs(storage):
+        times = [p[0] for p in map(parse_event_name, storage.list(f"{JOURNAL_DIR}/{run}")) if p is not None]
+        if times and max(times) > best_t:
+            best, best_t = run, max(times)
+    return best
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _finite(v):
+    """``v`` with NaN and infinities replaced by None: strict JSON (what the reader
+    accepts) has no spelling for them, and one bad median must not lose an event."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, dict):
+        return {k: _finite(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_finite(x) for x in v]
+    return v

@@ -1,0 +1,66 @@
+"""One attempt of a supervised job: torch's own launcher (``torch.distributed.run``),
+with its rendezvous, agent and error files, and the outcome written as JSON.
+
+    python -m ckptstore.supervisor.launch RESULT.json [torchrun options] SCRIPT [ARGS...]
+
+The supervisor (``ckptstore run``) starts this in a process group of its own per
+attempt and relaunches it whole after a failure (torchrun's in-place restarts did not
+re-form the gloo group reliably: see docs/runbook.md). ``RESULT.json`` tells the
+supervisor how each failed rank ended: exit code or signal, and the exception and
+traceback that torchelastic's error file holds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def _failure(f) -> dict:
+    # No error file (a rank killed by a signal, or a script without @record / ckptstore's
+    # hook): torch fills in placeholders, which are not the rank's error.
+    has_file = f.error_file and os.path.isfile(f.error_file)
+    data = f.error_file_data if (has_file and isinstance(f.error_file_data, dict)) else {}
+    message = data.get("message")
+    traceback = None
+    if isinstance(message, dict):
+        extra = message.get("extraInfo") if isinstance(message.get("extraInfo"), dict) else {}
+        traceback = extra.get("py_callstack")
+        message = message.get("message")
+    return {"local_rank": f.local_rank, "pid": f.pid, "exitcode": f.exitcode,
+            "signal": f.signal_name() if f.exitcode < 0 else None,
+            "error": message if isinstance(message, str) else None,
+            "traceback": traceback[-8000:] if isinstance(traceback, str) else None,
+            "timestamp": f.timestamp}
+
+
+def _write(path: str, result: dict) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as fh:
+        json.dump(result, fh)
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    result_path, rest = argv[0], argv[1:]
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    args = torchrun.parse_args(rest)
+    try:
+        torchrun.run(args)
+    except ChildFailedError as e:
+        _write(result_path, {"ok": False, "failures": {str(r): _failure(f) for r, f in e.failures.items()}})
+        return 1
+    except SignalException as e:  # the launcher itself was told to stop; workers got the signal too
+        _write(result_path, {"ok": False, "launcher_signal": e.sigval.name, "failures": {}})
+        return 128 + int(e.sigval)
+    _write(result_path, {"ok": True, "failures": {}})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""The progress channel between a supervised training process and ``ckptstore run``.
+
+``ckptstore run`` sets ``CKPTSTORE_PROGRESS_DIR`` (a node-local directory) for the job;
+each rank's :class:`~ckptstore.Checkpointer` then keeps ``rank-<R>.json`` there up to
+date: the step reached, what the rank is doing (``loading`` a checkpoint, ``train``,
+``saving``, ``preempted``, ``done``), its step time and the blocking cost of its saves.
+The supervisor reads these files for hang detection (no rank advanced for the hang
+timeout, saves and loads excepted), lost work and the checkpoint-interval advice.
+
+One small local file per rank, replaced atomically, rewritten at each step
+(tens of microseconds): nothing here touches the checkpoint store.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+ENV_DIR = "CKPTSTORE_PROGRESS_DIR"
+REPORT_EVERY = 1.0  # seconds between two reports of one rank that say nothing new
+STATES = ("loading", "train", "saving", "preempted", "done")
+
+
+class ProgressReporter:
+    """One rank's side: :meth:`report` rewrites its file (throttled while training)."""
+
+    def __init__(self, directory: str, rank: int):
+        self.path = os.path.join(directory, f"rank-{rank}.json")
+        self.rank = rank
+        self.record: dict = {"rank": rank, "pid": os.getpid(), "step": None, "state": "loading",
+                             "started_t": time.time()}
+        self._last = float("-inf")
+
+    @classmethod
+    def from_env(cls, rank: int) -> "ProgressReporter | None":
+        directory = os.environ.get(ENV_DIR)
+        return cls(directory, rank) if directory else None
+
+    def report(self, state: str, step: int | None = None, force: bool = False, **fields) -> None:
+        now = time.monotonic()
+        # Each new step is written (a few tens of microseconds: lost work is then exact);
+        # a report that says nothing new at most once a second.
+        changed = state != self.record["state"] or (step is not None and step != self.record["step"])
+        if step is not None:
+            self.record["step"] = int(step)
+        self.record.update(fields, state=state, t=time.time())
+        if not (force or changed or now - self._last >= REPORT_EVERY):
+            return
+        self._last = now
+        tmp = f"{self.path}.tmp-{os.getpid()}"
+        try:
+            with open(tmp, "w") as f:
+                json.dump(self.record, f)
+            os.replace(tmp, self.path)
+        except OSError:
+            pass  # a missed report only makes the supervisor's view older
+
+
+def read_progress(directory: str) -> dict[int, dict]:
+    """Every rank's latest report in ``directory`` (unreadable or partial files skipped)."""
+    out: dict[int, dict] = {}
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return out
+    for name in names:
+        if not (name.startswith("rank-") and name.endswith(".json")):
+            continue
+        try:
+            with open(os.path.join(directory, name)) as f:
+                record = json.load(f)
+            rank = int(name[5:-5])
+        except (OSError, ValueError):
+            continue
+        if isinstance(record, dict) and record.get("state") in STATES:
+            out[rank] = record
+    return out
+
+
+def guard_worker() -> None:
+    """In a supervised worker: die with the launcher (no orphan outlives it), and leave
+    an uncaught exception in torchelastic's error file, as ``@record`` would, so the
+    supervisor classifies the failure from the traceback without parsing logs."""
+    if not os.environ.get(ENV_DIR):
+        return
+    _die_with_parent()
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        import sys
+
+        previous = sys.excepthook
+
+        def record(exc_type, exc, tb):
+            _write_error_file(path, exc_type, exc, tb)
+            previous(exc_type, exc, tb)
+
+        if getattr(sys.excepthook, "__name__", "") != "record":
+            sys.excepthook = record
+
+
+def _write_error_file(path: str, exc_type, exc, tb) -> None:
+    """torchelastic's error-file format (ErrorHandler.record_exception), with the
+    traceback of the exception itself (that method formats the one being handled)."""
+    import traceback
+
+    if os.path.exists(path):  # the program's own @record got there first
+        return
+    data = {"message": {"message": f"{exc_type.__name__}: {exc}",
+                        "extraInfo": {"py_callstack": "".join(traceback.format_exception(exc_type, exc, tb)),
+                                      "timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except OSError:
+        pass
+
+
+def _die_with_parent() -> None:
+    try:
+        import ctypes
+        import signal
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # not Linux: the supervisor kills the launcher's process group instead

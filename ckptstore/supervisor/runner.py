@@ -1,0 +1,335 @@
+"""``ckptstore run``: launch a training job with torch's own launcher, watch it, and
+after a failure decide from evidence whether to relaunch it, and record everything in
+the run's journal in the store.
+
+Per attempt: health checks of the node; ``python -m ckptstore.supervisor.launch`` (torch's
+launcher, in a process group of its own, ``--max-restarts 0``: the supervisor relaunches
+it whole, which re-forms the process group every time, where torchrun's in-place worker
+restarts did not); the ranks' progress files (supervisor/progress.py) for hang
+detection; at the end, the launcher's result for the classification (classify.py).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+
+from .. import format as fmt
+from ..storage import Storage, open_storage
+from .classify import Verdict, classify
+from .health import check_node, checks_json, healthy
+from .journal import Journal, new_run_id
+from .progress import ENV_DIR, read_progress
+
+# Exit status of `ckptstore run` (docs/runbook.md).
+EXIT_FINISHED = 0
+EXIT_DETERMINISTIC = 10
+EXIT_RESTART_LIMIT = 11
+EXIT_NO_PROGRESS = 12
+EXIT_UNHEALTHY = 13
+EXIT_RUN_TIMEOUT = 14
+EXIT_STOPPED = 143  # the supervisor itself got SIGTERM (the whole job preempted): no restart
+
+POLL_S = 0.5  # how often the supervisor looks at the job (progress files, exit)
+STOP_GRACE_S = 30.0  # SIGTERM to SIGKILL, as torchrun gives its workers
+
+
+@dataclass(frozen=True)
+class Policy:
+    max_restarts: int = 10
+    max_restarts_per_hour: int | None = 30
+    backoff_s: float = 1.0  # first delay before a relaunch; doubles per consecutive failure
+    backoff_max_s: float = 60.0
+    hang_timeout_s: float = 600.0  # no rank advanced for this long (saves and loads excepted)
+    first_progress_timeout_s: float = 1800.0  # launch to first reported step
+    run_timeout_s: float | None = None
+    no_progress_restarts: int = 3  # failures in a row without a newer committed step
+    alert: str | None = None  # a shell command; the event arrives as JSON on its stdin
+
+
+class Supervisor:
+    def __init__(self, store_url: str, launcher_args: list[str], policy: Policy = Policy(),
+                 run_id: str | None = None, staging_dirs: tuple[str, ...] = (), world_size: int | None = None,
+                 nnodes: int = 1):
+        self.store_url = store_url
+        self.launcher_args = list(launcher_args)
+        self.policy = policy
+        self.storage: Storage = open_storage(store_url)
+        self.journal = Journal(self.storage, run_id or new_run_id())
+        self.staging_dirs = tuple(staging_dirs)
+        self.world_size, self.nnodes = world_size, nnodes
+        self._stop_signal: int | None = None
+        self._proc: subprocess.Popen | None = None
+        self._previous_sig: str | None = None  # the last failure's signature (classify.py)
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> int:
+        started = time.monotonic()
+        self._install_signals()
+        self._event("run_start", command=self.launcher_args, world_size=self.world_size, nnodes=self.nnodes,
+                    policy=asdict(self.policy))
+        failures: list[tuple[float, Verdict]] = []
+        stalled, consecutive = 0, 0
+        last_ckpt = self._checkpoint()[0]
+        attempt = 0
+        while True:
+            checks = check_node(self.store_url, list(self.staging_dirs))
+            if not healthy(checks):
+                self._event("unhealthy", checks=checks_json(checks))
+                return self._give_up("unhealthy node: " + "; ".join(f"{c.name}: {c.detail}" for c in checks
+                                                                     if not c.ok), EXIT_UNHEALTHY, "unhealthy")
+            self._event("attempt_start", attempt=attempt)
+            outcome = self._attempt(attempt, started)
+            if outcome.klass == "finished":
+                self._event("finish", attempt=attempt, step=outcome.evidence.get("step"),
+                            save_blocking_s=outcome.evidence.get("save_blocking_s"),
+                            step_s=outcome.evidence.get("step_s"))
+                return EXIT_FINISHED
+            if outcome.klass == "timeout":
+                return self._give_up(outcome.reason, EXIT_RUN_TIMEOUT, "timeout")
+            self._record_failure(attempt, outcome)
+            if self._stop_signal is not None:
+                return self._give_up(f"the supervisor was stopped by {signal.Signals(self._stop_signal).name}",
+                                     EXIT_STOPPED, "preempted")
+            if outcome.klass == "deterministic":
+                return self._give_up(f"deterministic error: {outcome.reason}", EXIT_DETERMINISTIC, "deterministic")
+            now = time.monotonic()
+            if outcome.klass != "preempted":  # a preemption is not the job's fault: no budget spent
+                failures.append((now, outcome))
+                consecutive += 1
+            if outcome.klass != "preempted":
+                self._previous_sig = outcome.signature
+            ckpt = self._checkpoint()[0]
+            stalled = stalled + 1 if (ckpt == last_ckpt and outcome.klass != "preempted") else 0
+            last_ckpt = ckpt
+            if stalled >= self.policy.no_progress_restarts:
+                return self._give_up(f"no checkpoint newer than step {ckpt} in {stalled} failures in a row",
+                                     EXIT_NO_PROGRESS, "no_progress")
+            if len(failures) > self.policy.max_restarts:
+                return self._give_up(f"restart limit reached ({self.policy.max_restarts})", EXIT_RESTART_LIMIT,
+                                     "restart_limit")
+            hour = [t for t, _ in failures if now - t < 3600]
+            if self.policy.max_restarts_per_hour is not None and len(hour) > self.policy.max_restarts_per_hour:
+                return self._give_up(f"{len(hour)} failures within an hour (limit "
+                                     f"{self.policy.max_restarts_per_hour})", EXIT_RESTART_LIMIT, "restart_limit")
+            self._backoff(consecutive if outcome.klass != "preempted" else 0)
+            attempt += 1
+
+    # ------------------------------------------------------------------ one attempt
+    def _attempt(self, attempt: int, started: float) -> Verdict:
+        work = tempfile.mkdtemp(prefix=f"ckptstore-run-{attempt}-")
+        progress_dir = os.path.join(work, "progress")
+        os.mkdir(progress_dir)
+        result_path = os.path.join(work, "result.json")
+        env = dict(os.environ, **{ENV_DIR: progress_dir})
+        cmd = [sys.executable, "-m", "ckptstore.supervisor.launch", result_path, "--max-restarts=0",
+               *self.launcher_args]
+        launched = time.monotonic()
+        launched_t = time.time()
+        self._proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+        watch = _ProgressWatch(launched)
+        resumed_logged = False
+        verdict: Verdict | None = None
+        try:
+            while True:
+                try:
+                    self._proc.wait(timeout=POLL_S)
+                    break
+                except subprocess.TimeoutExpired:
+                    pass
+                progress = read_progress(progress_dir)
+                watch.update(progress)
+                resumed_logged = resumed_logged or self._log_resume(attempt, watch, progress, launched_t)
+                if self.policy.run_timeout_s is not None and time.monotonic() - started > self.policy.run_timeout_s:
+                    self._kill(signal.SIGTERM)
+                    return Verdict("timeout", f"run timeout of {self.policy.run_timeout_s}s reached")
+                hung = watch.hung(self.policy)
+                if hung:
+                    self._kill(signal.SIGKILL)  # a hung rank does not answer SIGTERM
+                    verdict = Verdict("hang", hung)
+                    break
+                if self._stop_signal is not None:
+                    self._kill(self._stop_signal)
+                    break
+        finally:
+            self._reap()
+        progress = read_progress(progress_dir)
+        watch.update(progress)
+        if not resumed_logged:  # the first step came after the last look (a short attempt)
+            self._log_resume(attempt, watch, progress, launched_t)
+        evidence = {"step": watch.max_step, "step_s": watch.step_s, "save_blocking_s": watch.save_blocking_s}
+        code = self._proc.returncode
+        if verdict is None:
+            if any(p.get("state") == "preempted" for p in progress.values()):
+                verdict = Verdict("preempted", "the job saved and stopped on a signal (preemption)",
+                                  exit_code=code)
+            elif code == 0:
+                verdict = Verdict("finished", "the script finished")
+            else:
+                result = _read_json(result_path) or {"failures": {}, "launcher_error": f"exit code {code}"}
+                verdict = classify(result, watch.max_step, self._previous_sig)
+        verdict.evidence.update(evidence)
+        shutil.rmtree(work, ignore_errors=True)
+        return verdict
+
+    def _log_resume(self, attempt: int, watch: "_ProgressWatch", progress: dict, launched_t: float) -> bool:
+        """Journal where the attempt resumed from, once its first step is reported."""
+        if watch.first_step_t is None:
+            return False
+        r0 = progress.get(0, {})
+        self._event("resume", attempt=attempt, step=r0.get("resumed_step"), skipped=r0.get("skipped") or [],
+                    first_step_s=watch.first_step_t - launched_t)
+        return True
+
+    def _kill(self, signum: int) -> None:
+        """SIGKILL: the whole attempt at once (the launcher and every worker share one
+        process group, so no orphan outlives it). Another signal goes to the launcher,
+        which forwards it to its workers once (a Checkpointer saves, then stops), as
+        torchrun does; the group is killed if it is not gone within the grace."""
+        proc = self._proc
+        try:
+            if signum == signal.SIGKILL:
+                os.killpg(proc.pid, signum)
+                return
+            os.kill(proc.pid, signum)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def _reap(self) -> None:
+        proc = self._proc
+        if proc.poll() is None:
+            proc.wait()
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # anything of the attempt still alive
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    # ------------------------------------------------------------------ records
+    def _record_failure(self, attempt: int, v: Verdict) -> None:
+        step = v.evidence.get("step")
+        ckpt_step, ckpt_t = self._checkpoint()
+        lost = None if step is None else step - (ckpt_step if ckpt_step is not None else -1)
+        step_s = v.evidence.get("step_s")
+        self._event("failure", attempt=attempt, **{"class": v.klass}, reason=v.reason, exit_code=v.exit_code,
+                    signal=v.signal, rank=v.rank, traceback=(v.traceback or None) and v.traceback[-4000:],
+                    step=step, checkpoint_step=ckpt_step,
+                    checkpoint_age_s=None if ckpt_t is None else max(0.0, time.time() - ckpt_t),
+                    lost_steps=lost, lost_s=None if (lost is None or step_s is None) else lost * step_s,
+                    save_blocking_s=v.evidence.get("save_blocking_s"), step_s=step_s)
+
+    def _give_up(self, reason: str, code: int, klass: str) -> int:
+        self._event("give_up", reason=reason, code=code, **{"class": klass})
+        print(f"ckptstore run: gave up: {reason} (exit {code})", file=sys.stderr, flush=True)
+        return code
+
+    def _event(self, kind: str, **fields) -> None:
+        try:
+            event = self.journal.append(kind, **fields)
+        except Exception as e:  # the journal must not take the job down with it
+            event = {"kind": kind, "run": self.journal.run_id, "at": fmt.utc_now(), **fields}
+            print(f"ckptstore run: could not journal {kind}: {e}", file=sys.stderr, flush=True)
+        if kind in ("failure", "give_up", "unhealthy") and self.policy.alert:
+            _alert(self.policy.alert, event)
+
+    def _checkpoint(self) -> tuple[int | None, float | None]:
+        """The newest committed step and its commit time (unix seconds)."""
+        from ..api import Store
+
+        try:
+            store = Store(self.store_url)
+            step = store.latest()
+            if step is None:
+                return None, None
+            return step, fmt.parse_time(store.manifest(step).committed_at)
+        except Exception:
+            return None, None
+
+    def _backoff(self, consecutive: int) -> None:
+        if consecutive <= 0:
+            return
+        delay = min(self.policy.backoff_max_s, self.policy.backoff_s * 2 ** (consecutive - 1))
+        time.sleep(random.uniform(delay / 2, delay))  # jitter: nodes do not relaunch in lockstep
+
+    def _install_signals(self) -> None:
+        def on_signal(signum, frame):
+            self._stop_signal = signum
+
+        for s in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(s, on_signal)
+
+
+class _ProgressWatch:
+    """Hang detection over the ranks' progress files."""
+
+    def __init__(self, launched: float):
+        self.launched = launched
+        self.last_change = launched
+        self.seen: dict[int, tuple] = {}
+        self.max_step: int | None = None
+        self.first_step_t: float | None = None
+        self.busy = False  # some rank is loading or saving: not a hang
+        self.step_s: float | None = None
+        self.save_blocking_s: float | None = None
+        self.trained = False
+
+    def update(self, progress: dict[int, dict]) -> None:
+        now = time.monotonic()
+        for rank, p in progress.items():
+            key = (p.get("state"), p.get("step"), p.get("t"))
+            if self.seen.get(rank) != key:
+                self.seen[rank] = key
+                self.last_change = now
+            if isinstance(p.get("step"), int) and p.get("first_step_t") is not None:
+                self.trained = True
+                self.max_step = p["step"] if self.max_step is None else max(self.max_step, p["step"])
+            if rank == 0 or self.first_step_t is None:
+                if isinstance(p.get("first_step_t"), (int, float)):
+                    self.first_step_t = p["first_step_t"] if self.first_step_t is None else min(
+                        self.first_step_t, p["first_step_t"])
+            for name in ("step_s", "save_blocking_s"):
+                if isinstance(p.get(name), (int, float)) and math.isfinite(p[name]):
+                    setattr(self, name, p[name])
+        self.busy = any(p.get("state") in ("loading", "saving") for p in progress.values())
+        if self.busy:
+            self.last_change = now
+
+    def hung(self, policy: Policy) -> str | None:
+        now = time.monotonic()
+        if not self.trained:
+            if now - self.launched > policy.first_progress_timeout_s and not self.busy:
+                return f"no training step within {policy.first_progress_timeout_s:.0f}s of the launch"
+            return None
+        if now - self.last_change > policy.hang_timeout_s:
+            return f"no rank reported progress for {policy.hang_timeout_s:.0f}s (last step {self.max_step})"
+        return None
+
+
+def _read_json(path: str) -> dict | None:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def _alert(command: str, event: dict) -> None:
+    """Run the user's alert command with the event as JSON on stdin (best effort)."""
+    try:
+        subprocess.run(command, shell=True, input=json.dumps(event, default=str), text=True, timeout=60,
+                       check=False)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        print(f"ckptstore run: alert command failed: {e}", file=sys.stderr, flush=True)

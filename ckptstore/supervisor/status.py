@@ -1,0 +1,194 @@
+"""``ckptstore status``: a run's health, a pure function of its journal and the store's
+newest committed checkpoint.
+
+Definitions (t: an event's ``t``; events in journal order; one ``failure`` and one
+``resume`` per attempt count: the first of each, since the supervisors of several
+nodes may each journal the same one):
+
+- ``start``: the first ``run_start`` (else the first event); ``end``: the terminal
+  event (``finish``, ``give_up``, ``unhealthy``) when the run is over, else ``now``;
+  ``wall_s = end - start``.
+- ``state``: set by the last of run_start / attempt_start (``running``), finish
+  (``finished``), give_up (``gave_up``), unhealthy (``unhealthy``); ``empty`` without
+  events.
+- ``restarts``: distinct attempts started, minus 1 (at least 0).
+- ``mtbf_s = wall_s / failures``, ``preempted`` ones excluded (a preemption is the
+  scheduler's, not a fault of the job); None without such failures.
+- ``lost_steps``, ``lost_s``: sums over the failures' own figures (work redone).
+- ``startup_s``: attempt 0's ``first_step_s``; when attempt 0 never reached a step,
+  the first resume's ``t - start``; with no resume at all, ``wall_s`` (nothing has
+  trained yet).
+- ``recovery_s``: training is down from the first failure after a resume until the
+  next resume: ``sum(resume_k.t - failure_{k-1}.t)`` when every attempt reaches a
+  step, plus, when the run is down at ``end`` (failed and not yet resumed, or gave
+  up), ``end - t`` of that failure. Failures before any resume are startup.
+- ``goodput = (wall_s - startup_s - recovery_s - lost_s) / wall_s``, clamped to [0, 1];
+  None while ``wall_s`` is 0.
+- Young/Daly: ``recommended_interval_s = sqrt(2 * C * M)``, C the latest journaled
+  ``save_blocking_s``, M ``mtbf_s`` or, before the first failure that counts,
+  ``PRIOR_MTBF_S``; ``recommended_interval_steps = max(1, round(interval / step_s))``
+  with the latest journaled ``step_s``. None while C (or step_s) was never measured.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+from .. import format as fmt
+from .. import names
+from ..checkpoint.catalog import scan_location
+from ..storage import Storage
+from .journal import Journal, latest_run
+
+PRIOR_MTBF_S = 24 * 3600.0  # before a failure is seen: one a day, a common large-job figure
+CLASSES = ("transient", "deterministic", "hang", "preempted")
+_TERMINAL = {"finish": "finished", "give_up": "gave_up", "unhealthy": "unhealthy"}
+_TEXT = 4096  # hostile strings are cut to this many characters
+
+
+def summarize(events: list[dict], now: float, checkpoint: dict | None = None) -> dict:
+    """The status of one run (see the module docstring); never raises on odd events."""
+    events = [e for e in events if isinstance(e, dict) and _num(e.get("t")) is not None]
+    ckpt_step = _int(checkpoint.get("step")) if checkpoint else None
+    ckpt_t = _num(checkpoint.get("committed_at_t")) if checkpoint else None
+    out = {"run": None, "state": "empty", "started_at": None, "wall_s": 0.0, "restarts": 0, "attempts": 0,
+           "step": None, "failures": [], "failures_by_class": dict.fromkeys(CLASSES, 0), "mtbf_s": None,
+           "lost_steps": 0, "lost_s": 0.0, "startup_s": 0.0, "recovery_s": 0.0, "goodput": None,
+           "checkpoint_step": ckpt_step,
+           "checkpoint_age_s": None if ckpt_t is None else max(0.0, now - ckpt_t),
+           "last_failure": None, "last_event_at": None, "give_up": None, "unhealthy": None,
+           "save_blocking_s": None, "step_s": None, "mtbf_source": None,
+           "recommended_interval_s": None, "recommended_interval_steps": None}
+    if not events:
+        return out
+    first = next((e for e in events if e.get("kind") == "run_start"), events[0])
+    start = first["t"]
+    out.update(run=_str(first.get("run"), 128), started_at=_str(first.get("at"), 64),
+               last_event_at=_str(events[-1].get("at"), 64))
+    for k in ("command", "world_size", "nnodes"):
+        if k in first and first.get("kind") == "run_start":
+            out[k] = first[k]
+
+    state, end = "running", now
+    attempts, failures, resumes = set(), {}, {}
+    for e in events:
+        kind, attempt = e.get("kind"), _int(e.get("attempt"))
+        if kind in ("run_start", "attempt_start"):
+            state, end = "running", now
+            if kind == "attempt_start":
+                attempts.add(attempt)
+        elif kind in _TERMINAL:
+            state, end = _TERMINAL[kind], e["t"]
+            if kind == "give_up":
+                out["give_up"] = {"reason": _str(e.get("reason")), "code": _int(e.get("code")),
+                                  "class": _str(e.get("class"), 64), "at": _str(e.get("at"), 64)}
+            elif kind == "unhealthy":
+                out["unhealthy"] = {"checks": e.get("checks") if isinstance(e.get("checks"), list) else [],
+                                    "at": _str(e.get("at"), 64)}
+        elif kind == "failure":
+            failures.setdefault(attempt if attempt is not None else ("?", id(e)), e)
+        elif kind == "resume":
+            resumes.setdefault(attempt if attempt is not None else ("?", id(e)), e)
+        for k in ("save_blocking_s", "step_s"):  # the latest measurement wins
+            if (_num(e.get(k)) or 0) > 0:
+                out[k] = float(e[k])
+        if _int(e.get("step")) is not None and kind in ("resume", "failure", "finish"):
+            out["step"] = _int(e["step"])
+    wall = max(0.0, end - start)
+    out.update(state=state, wall_s=wall, attempts=len(attempts), restarts=max(0, len(attempts) - 1))
+
+    fails = sorted(failures.values(), key=lambda e: e["t"])
+    out["failures"] = [_failure_record(e) for e in fails]
+    for f in out["failures"]:
+        out["failures_by_class"][f["class"]] = out["failures_by_class"].get(f["class"], 0) + 1
+    if fails:
+        out["last_failure"] = {**out["failures"][-1], "traceback": _str(fails[-1].get("traceback"), 16384)}
+    out["lost_steps"] = sum(f["lost_steps"] or 0 for f in out["failures"])
+    out["lost_s"] = sum(f["lost_s"] or 0.0 for f in out["failures"])
+    counted = sum(f["class"] != "preempted" for f in out["failures"])
+    out["mtbf_s"] = wall / counted if counted else None
+
+    out["startup_s"], out["recovery_s"] = _downtime(sorted(resumes.values(), key=lambda e: e["t"]), fails,
+                                                    resumes.get(0), start, end)
+    if wall > 0:
+        useful = wall - out["startup_s"] - out["recovery_s"] - out["lost_s"]
+        out["goodput"] = min(1.0, max(0.0, useful / wall))
+
+    c = out["save_blocking_s"]
+    observed = out["mtbf_s"] is not None
+    out["mtbf_source"] = "observed" if observed else "prior"
+    if c is not None:
+        interval = math.sqrt(2.0 * c * (out["mtbf_s"] if observed else PRIOR_MTBF_S))
+        out["recommended_interval_s"] = interval
+        if out["step_s"] is not None:
+            out["recommended_interval_steps"] = max(1, round(interval / out["step_s"]))
+    return out
+
+
+def _downtime(resumes: list[dict], fails: list[dict], resume0: dict | None, start: float, end: float):
+    """(startup_s, recovery_s) as the module docstring defines them."""
+    if not resumes:
+        return max(0.0, end - start), 0.0
+    startup = _num(resume0.get("first_step_s")) if resume0 is not None else None
+    startup = max(0.0, startup if startup is not None else resumes[0]["t"] - start)
+    # merge the two time-ordered streams: "up" at a resume, "down" at the first failure after one
+    recovery, down_since, up = 0.0, None, False
+    marks = sorted([(e["t"], 1, "resume") for e in resumes] + [(e["t"], 0, "failure") for e in fails])
+    for t, _, what in marks:
+        if what == "resume":
+            if down_since is not None:
+                recovery += max(0.0, t - down_since)
+            down_since, up = None, True
+        elif up:
+            down_since, up = t, False
+    if down_since is not None:
+        recovery += max(0.0, end - down_since)
+    return startup, recovery
+
+
+def _failure_record(e: dict) -> dict:
+    klass = _str(e.get("class"), 64) or "unknown"
+    return {"attempt": _int(e.get("attempt")), "class": klass, "reason": _str(e.get("reason")),
+            "at": _str(e.get("at"), 64), "host": _str(e.get("host"), 256), "step": _int(e.get("step")),
+            "rank": _int(e.get("rank")), "exit_code": _int(e.get("exit_code")), "signal": _str(e.get("signal"), 64),
+            "checkpoint_step": _int(e.get("checkpoint_step")), "checkpoint_age_s": _num(e.get("checkpoint_age_s")),
+            "lost_steps": _int(e.get("lost_steps")), "lost_s": _num(e.get("lost_s"))}
+
+
+def newest_checkpoint(storage: Storage) -> dict | None:
+    """{"step", "committed_at_t"} of the highest committed ``step-N/`` of the store (a
+    step whose manifest is unreadable is passed over, as resume passes it over)."""
+    steps = sorted((s for s in (names.parse_step_dir_name(n[:-1]) for n in storage.list("") if n.endswith("/"))
+                    if s is not None), reverse=True)
+    for step in steps:
+        loc = scan_location(storage.child(names.step_dir_name(step)), names.step_dir_name(step))
+        if loc.committed:
+            return {"step": loc.step, "committed_at_t": fmt.parse_time(loc.manifest.committed_at)}
+    return None
+
+
+def status(storage: Storage, run_id: str | None = None, now: float | None = None) -> dict:
+    """The summary of run ``run_id`` (default: the latest run) of the store rooted at
+    ``storage``, plus the journal's own counts (``unreadable``, ``ignored``,
+    ``truncated`` events). ``run`` is None when the store holds no journal."""
+    now = time.time() if now is None else now
+    run_id = run_id if run_id is not None else latest_run(storage)
+    reading = Journal(storage, run_id).read() if run_id is not None else None
+    out = summarize(reading.events if reading else [], now, newest_checkpoint(storage))
+    out["run"] = run_id  # the name it is stored under, whatever its events claim
+    out["journal"] = {"unreadable": reading.unreadable, "ignored": reading.ignored,
+                      "truncated": reading.truncated} if reading else None
+    return out
+
+
+def _num(v) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
+
+
+def _int(v) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def _str(v, limit: int = _TEXT) -> str | None:
+    return v[:limit] if isinstance(v, str) else None

@@ -1,0 +1,182 @@
+"""``ckptstore run`` (issue 13) over real torchrun-launched jobs on 2 CPU ranks
+(tests/procs/supervised_train.py: the docs example with faults injected): SIGKILLed
+ranks and launchers recover to the end bit-identical; a repeated error stops after its
+second occurrence with the deterministic exit code and an alert; a DeterministicError
+stops at once; a hang is detected, killed and restarted; a preemption saves, exits and
+restarts; the journal and ``ckptstore status --json`` hold the counts and lost work.
+The store on a moto S3 server: tests/test_supervisor_s3.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from click.testing import CliRunner
+
+import ckptstore
+from ckptstore.storage import open_storage
+from ckptstore.supervisor import runner
+from ckptstore.supervisor.cli_run import split_argv
+from ckptstore.supervisor.journal import Journal, latest_run
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from jobutil import Job  # noqa: E402
+
+SCRIPT = Path(__file__).resolve().parent / "procs" / "supervised_train.py"
+STEPS = 30
+
+
+class Supervised(Job):
+    def __init__(self, store, tmp: Path, *policy, fault: str = "none:-1", nproc: int = 2, env=None):
+        self.final = tmp / f"final-{random.getrandbits(32):08x}.pt"
+        self.alerts = tmp / f"alerts-{random.getrandbits(32):08x}.jsonl"
+        super().__init__([sys.executable, "-m", "ckptstore.cli", "run", "--standalone",
+                          f"--nproc-per-node={nproc}", "--store", str(store), "--backoff", "0.1",
+                          "--alert", f"cat >> {self.alerts}; echo >> {self.alerts}", *policy, str(SCRIPT),
+                          str(store), "--steps", str(STEPS), "--every", "5", "--final", str(self.final)],
+                         env={"FAULT": fault, **(env or {})})
+
+    def alert_events(self) -> list[dict]:
+        if not self.alerts.exists():
+            return []
+        return [json.loads(line) for line in self.alerts.read_text().splitlines() if line.strip()]
+
+
+def journal(store) -> list[dict]:
+    storage = open_storage(str(store))
+    return Journal(storage, latest_run(storage)).events()
+
+
+def status(store) -> dict:
+    from ckptstore.cli import main
+
+    out = CliRunner().invoke(main, ["status", str(store), "--json"])
+    assert out.exit_code == 0, out.output
+    return json.loads(out.output)
+
+
+def nonzero(counts: dict) -> dict:
+    return {k: v for k, v in counts.items() if v}
+
+
+def kinds(events, kind):
+    return [e for e in events if e["kind"] == kind]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("reference")
+    job = Supervised(tmp / "store", tmp)
+    assert job.finish() == 0, job.output()[-3000:]
+    return torch.load(job.final)
+
+
+def assert_bit_identical(path: Path, reference: dict) -> None:
+    got = torch.load(path)
+    assert sorted(got) == sorted(reference)
+    for k in reference:
+        assert torch.equal(got[k].view(torch.int32), reference[k].view(torch.int32)), k
+
+
+# ------------------------------------------------------------------ argument splitting
+def test_our_options_and_torchruns_mix_before_the_script():
+    ours, theirs = split_argv(["--nproc-per-node", "2", "--store", "s3://b/run", "--standalone",
+                               "--hang-timeout=30", "--max-restarts", "4", "train.py", "--store", "x", "--lr", "1"])
+    assert (ours.store, ours.hang_timeout, ours.max_restarts) == ("s3://b/run", 30.0, 4)
+    assert theirs == ["--nproc-per-node", "2", "--standalone", "train.py", "--store", "x", "--lr", "1"]
+
+
+def test_a_missing_store_is_a_usage_error():
+    from ckptstore.cli import main
+
+    out = CliRunner().invoke(main, ["run", "--standalone", "train.py"])
+    assert out.exit_code == 2
+
+
+# ------------------------------------------------------------------ scenarios
+def test_killed_ranks_and_launchers_recover_to_the_end_bit_identical(tmp_path, reference):
+    store = tmp_path / "store"
+    job = Supervised(store, tmp_path)
+    job.committed(5)
+    os.kill(job.pids[1], signal.SIGKILL)  # a rank
+    job.expect(lambda l: l.startswith("rank 0: resumed at step"), "the first relaunch")
+    job.committed(15)
+    launcher = [p for p in psutil.Process(job.proc.pid).children() if "ckptstore.supervisor.launch" in " ".join(
+        p.cmdline())]
+    assert len(launcher) == 1
+    launcher[0].kill()  # the agent: its workers must not outlive it
+    job.expect(lambda l: l.startswith("rank 0: resumed at step") and "step 5 " not in l, "the second relaunch")
+    assert job.finish() == runner.EXIT_FINISHED, job.output()[-3000:]
+    assert_bit_identical(job.final, reference)
+    events = journal(store)
+    failures = kinds(events, "failure")
+    assert [f["class"] for f in failures] == ["transient", "transient"], failures
+    assert failures[0]["signal"] == "SIGKILL" and failures[0]["rank"] == 1
+    for f in failures:
+        assert f["lost_steps"] == f["step"] - f["checkpoint_step"] and f["lost_steps"] >= 0, f
+        assert f["checkpoint_age_s"] is not None and f["checkpoint_age_s"] >= 0
+    resumes = kinds(events, "resume")
+    assert [r["step"] for r in resumes][1:] == [f["checkpoint_step"] for f in failures]
+    assert all(r["first_step_s"] > 0 for r in resumes)
+    st = status(store)
+    assert (st["state"], st["restarts"], nonzero(st["failures_by_class"])) == ("finished", 2, {"transient": 2})
+    assert st["lost_steps"] == sum(f["lost_steps"] for f in failures)
+    assert 0 < st["goodput"] <= 1 and st["recommended_interval_steps"] >= 1
+    assert [e["kind"] for e in job.alert_events()] == ["failure", "failure"]
+
+
+def test_the_same_error_twice_stops_with_the_deterministic_code_and_an_alert(tmp_path):
+    store = tmp_path / "store"
+    job = Supervised(store, tmp_path, fault="raise:12")
+    assert job.finish() == runner.EXIT_DETERMINISTIC, job.output()[-3000:]
+    failures = kinds(journal(store), "failure")
+    assert [f["class"] for f in failures] == ["transient", "deterministic"], failures
+    assert all("bad data shard at sample 192" in f["reason"] for f in failures)
+    assert failures[1]["traceback"] and "RuntimeError" in failures[1]["traceback"]
+    give_up = kinds(journal(store), "give_up")
+    assert len(give_up) == 1 and give_up[0]["code"] == runner.EXIT_DETERMINISTIC
+    assert [e["kind"] for e in job.alert_events()] == ["failure", "failure", "give_up"]
+    assert status(store)["state"] == "gave_up"
+
+
+def test_a_deterministic_error_stops_at_once(tmp_path):
+    store = tmp_path / "store"
+    job = Supervised(store, tmp_path, fault="deterministic:8")
+    assert job.finish() == runner.EXIT_DETERMINISTIC, job.output()[-3000:]
+    failures = kinds(journal(store), "failure")
+    assert [f["class"] for f in failures] == ["deterministic"] and "DeterministicError" in failures[0]["reason"]
+    assert len(kinds(journal(store), "attempt_start")) == 1
+
+
+def test_a_hang_is_detected_killed_and_restarted(tmp_path, reference):
+    store = tmp_path / "store"
+    job = Supervised(store, tmp_path, "--hang-timeout", "4", fault=f"hang:12:{tmp_path / 'hung-once'}")
+    assert job.finish() == runner.EXIT_FINISHED, job.output()[-3000:]
+    failures = kinds(journal(store), "failure")
+    assert [f["class"] for f in failures] == ["hang"] and "no rank reported progress" in failures[0]["reason"]
+    assert failures[0]["step"] == 11  # the last step both ranks finished before rank 1 hung at 12
+    assert_bit_identical(job.final, reference)
+
+
+def test_a_preemption_saves_exits_cleanly_and_restarts(tmp_path, reference):
+    store = tmp_path / "store"
+    job = Supervised(store, tmp_path)
+    job.at_step(0, 8)
+    launcher = [p for p in psutil.Process(job.proc.pid).children() if "ckptstore.supervisor.launch" in " ".join(
+        p.cmdline())]
+    launcher[0].send_signal(signal.SIGTERM)  # the node's preemption notice reaches the launcher
+    assert job.finish() == runner.EXIT_FINISHED, job.output()[-3000:]
+    saved = {int(l.split()[-1]) for l in job.lines if "preempted, saved step" in l}
+    assert len(saved) == 1
+    failures = kinds(journal(store), "failure")
+    assert [f["class"] for f in failures] == ["preempted"] and failures[0]["lost_steps"] == 0, failures
+    assert kinds(journal(store), "resume")[1]["step"] == saved.pop()
+    assert_bit_identical(job.final, reference)
+    assert nonzero(status(store)["failures_by_class"]) == {"preempted": 1}
