@@ -9,6 +9,8 @@ work lost per failure, for docs/examples/fault_tolerant_training.py under torchr
    rank prints it, measured from its own process start) and the lost work: the last
    step any rank finished before the kill minus the step it resumed from, in steps and
    in seconds of training (steps x the measured step time).
+3. The supervisor's own overhead: wall time from starting the command to the first
+   training step, ``ckptstore run`` against plain torchrun, fresh stores, interleaved.
 
 The model is an FSDP2 MLP of ``--hidden`` width (16 -> hidden -> 4, AdamW: three
 copies of the parameters in the checkpoint). Saves every ``--every`` steps.
@@ -38,12 +40,27 @@ EXAMPLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs",
                        "fault_tolerant_training.py")
 
 
-def launch(store: str, args, steps: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
+def launch(store: str, args, steps: int, supervised: bool = False) -> subprocess.Popen:
+    launcher = ([sys.executable, "-m", "ckptstore.cli", "run", "--store", store] if supervised
+                else [sys.executable, "-m", "torch.distributed.run"])
+    cmd = [*launcher, "--standalone", "--nproc-per-node", str(args.nproc),
            EXAMPLE, store, "--steps", str(steps), "--every", str(args.every), "--hidden", str(args.hidden)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
                             start_new_session=True)
+    proc.launched = time.monotonic()
+    return proc
+
+
+def launch_to_first_step(store: str, args, supervised: bool) -> float:
+    """Wall seconds from starting the command to the first training step's line."""
+    proc = launch(store, args, 3, supervised)
+    first = None
+    for line in proc.stdout:
+        if first is None and re.match(r"rank \d+: step \d+ pid", line):
+            first = time.monotonic() - proc.launched
+    proc.wait()
+    return first
 
 
 def watch(proc: subprocess.Popen, kill_at: int | None):
@@ -81,6 +98,7 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=5)
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--launch-repeats", type=int, default=3)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     seed = args.seed if args.seed is not None else random.randrange(1 << 30)
@@ -100,6 +118,10 @@ def main() -> None:
                      "lost_s": lost * step_s, "first_step_s": max(first.values()) if first else None})
         last = new_last
     fresh = max(fresh_first.values())
+    overhead = {"torchrun": [], "ckptstore run": []}
+    for _ in range(args.launch_repeats):  # interleaved: the machine's noise hits both alike
+        overhead["torchrun"].append(launch_to_first_step(tempfile.mkdtemp(prefix="bench-tr-"), args, False))
+        overhead["ckptstore run"].append(launch_to_first_step(tempfile.mkdtemp(prefix="bench-sup-"), args, True))
     print(f"fresh start: first step {fresh:.2f}s after process start; step time {step_s * 1000:.1f} ms")
     print(f"{'failure':>7} {'killed after':>12} {'resumed at':>10} {'lost steps':>10} {'lost s':>7} "
           f"{'first step s':>12} {'vs fresh':>8}")
@@ -110,11 +132,15 @@ def main() -> None:
     lost = statistics.mean(r["lost_steps"] for r in rows)
     print(f"median first step after resume {med:.2f}s ({med / fresh:.2f}x a fresh start, +{med - fresh:.2f}s); "
           f"mean lost work {lost:.1f} steps ({lost * step_s:.2f}s) with saves every {args.every} steps")
+    tr, sup = (statistics.median(overhead[k]) for k in ("torchrun", "ckptstore run"))
+    print(f"launch to first step, fresh store, median of {args.launch_repeats}: torchrun {tr:.2f}s, "
+          f"ckptstore run {sup:.2f}s ({sup / tr:.2f}x, +{sup - tr:.2f}s: health checks, journal, launcher wrapper)")
     result = {
         "bench": "resume", "seed": seed, "args": vars(args), "cpu": cpu_model(), "cores": os.cpu_count(),
         "at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "fresh_first_step_s": fresh, "step_s": step_s, "failures": rows,
         "median_first_step_after_resume_s": med, "mean_lost_steps": lost,
+        "launch_to_first_step_s": overhead,
     }
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     write_json(args.out or os.path.join(os.path.dirname(__file__), "results", f"resume-{stamp}.json"), result)

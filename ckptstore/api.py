@@ -343,7 +343,7 @@ class Store:
 
 
     def resume(self, template=None, *, map_location=None, weights_only: bool = True,
-               validate=None, mark_skipped: bool = True, claim: bool = True):
+               validate=None, mark_skipped: bool = True, claim: bool = False):
         """``(state, ResumeInfo)`` from the newest step every rank can use (collective).
 
         Under torch.distributed every rank of ``process_group`` calls this. Each
@@ -360,10 +360,12 @@ class Store:
         RNG states (:func:`ckptstore.rng_state`) in a rank-local state read by another
         rank (the world grew) are re-derived for the reading rank.
 
-        Resuming starts a new incarnation of the run: unless ``claim=False``, it claims
-        the next epoch of the store (``ResumeInfo.epoch``), and from then on the saves
-        of an older incarnation (orphaned workers of a dead launcher) are refused with
-        :class:`~ckptstore.FencedError`.
+        A training job that resumes starts a new incarnation of the run: with
+        ``claim=True`` (what :class:`~ckptstore.Checkpointer` passes) it claims the next
+        epoch of the store (``ResumeInfo.epoch``), and from then on the saves of an
+        older incarnation (orphaned workers of a dead launcher) are refused with
+        :class:`~ckptstore.FencedError`. The default does not claim: a job that only
+        reads (an evaluation) must not fence off the training job writing the store.
         """
         from .resume import resume
 

@@ -360,8 +360,19 @@ def doctor_report() -> dict:
 
 @main.command()
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-def doctor(as_json: bool) -> None:
+@click.option("--health", is_flag=True, help="Check this node instead (GPUs through NVML, disks, the store), as "
+              "`ckptstore run` does before each launch; exit 13 when unhealthy.")
+@click.option("--store", "store_url", default=None, help="With --health: the store to check (reachable, writable).")
+@click.option("--staging-dir", "staging_dirs", multiple=True, help="With --health: a local directory to check.")
+@click.option("--expected-gpus", type=click.IntRange(min=0), default=None,
+              help="With --health: fewer visible GPUs than this is unhealthy.")
+def doctor(as_json: bool, health: bool, store_url: str | None, staging_dirs: tuple[str, ...],
+           expected_gpus: int | None) -> None:
     """Report the native extension, CUDA, staging pool, backends and versions."""
+    if health:
+        from .supervisor.health import HealthLimits, health_main
+
+        sys.exit(health_main(store_url, staging_dirs, as_json, HealthLimits(expected_gpus=expected_gpus)))
     report = doctor_report()
     if as_json:
         click.echo(json.dumps(report, indent=2))

@@ -140,10 +140,14 @@ class Config:
     #: Native CUDA staging copies small tensors with one gather kernel.
     cuda_gather: bool = field(default=True, metadata=_knob(
         "CKPTSTORE_CUDA_GATHER", _parse_bool, _bool, "ckptstore.staging.cuda"))
-    #: Seconds to wait for in-flight saves at interpreter exit and on SIGTERM (default 20:
-    #: well inside a launcher's usual 30 s grace before SIGKILL).
+    #: Seconds to wait for in-flight saves on SIGTERM (default 20: well inside a
+    #: launcher's usual 30 s grace before SIGKILL).
     exit_timeout: float = field(default=20.0, metadata=_knob(
         "CKPTSTORE_EXIT_TIMEOUT", _parse_float, _non_negative_number, "ckptstore.lifecycle"))
+    #: Seconds to wait for in-flight saves at a normal interpreter exit (nobody is about
+    #: to SIGKILL the process: the last save of a run gets its time).
+    atexit_timeout: float = field(default=300.0, metadata=_knob(
+        "CKPTSTORE_ATEXIT_TIMEOUT", _parse_float, _non_negative_number, "ckptstore.lifecycle"))
     #: Exit mode: seconds a peer's heartbeat may stay unchanged before it is presumed dead.
     exit_liveness: float = field(default=5.0, metadata=_knob(
         "CKPTSTORE_EXIT_LIVENESS", _parse_float, _number_at_least(1.0), "ckptstore.checkpoint.exiting"))

@@ -89,6 +89,14 @@ def wait(timeout: float | None = None) -> None:
 
 
 def drain(timeout: float) -> bool:
+    """The exit drain (see :func:`_drain`); says on stderr which saves it gives up on."""
+    done = _drain(timeout)
+    if not done:
+        _report_abandoned(timeout)
+    return done
+
+
+def _drain(timeout: float) -> bool:
     """The exit drain: wait up to ``timeout`` seconds for in-flight saves; True when
     none is left that could still commit.
 
@@ -113,12 +121,25 @@ def drain(timeout: float) -> bool:
                 return False
 
 
+def _report_abandoned(timeout: float) -> None:
+    """Say which saves the exit leaves behind (on stderr: warnings may no longer show at
+    interpreter exit); their attempts stay uncommitted and gc cleans them up."""
+    import sys
+
+    with _lock:
+        pending = [f for f in _inflight if not f.settled()]
+    for f in pending:
+        print(f"ckptstore: exiting without waiting longer for the save of step {f.step} to {f.where} "
+              f"(waited {timeout:g}s; CKPTSTORE_EXIT_TIMEOUT / CKPTSTORE_ATEXIT_TIMEOUT): it is not committed",
+              file=sys.stderr, flush=True)
+
+
 def install_hooks() -> None:
     global _hooks_installed
     if _hooks_installed:
         return
     _hooks_installed = True
-    atexit.register(lambda: drain(exit_timeout()))
+    atexit.register(lambda: drain(config().atexit_timeout))
     if threading.current_thread() is not threading.main_thread():
         return
     if not config().handle_sigterm:  # CKPTSTORE_HANDLE_SIGTERM=0

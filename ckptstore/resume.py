@@ -31,12 +31,14 @@ from .errors import (
     ObjectNotFoundError,
     TemplateMismatchError,
     TruncatedObjectError,
+    UnsupportedVersionError,
 )
 
 # What makes a step unusable, rather than the program or the machine broken: its bytes
 # or its files are bad or gone. Anything else (a template that does not fit, an unsafe
-# type under weights_only, a storage outage) would fail every older step the same way,
-# and quietly falling back to an old step (or to none) would lose work: it is raised.
+# type under weights_only, a storage outage, a step written by a newer ckptstore) would
+# fail every older step the same way or means upgrading, and quietly falling back to an
+# old step (or to none) would lose work: it is raised.
 SKIPPABLE = (IntegrityError, FormatError, CheckpointNotFoundError, ObjectNotFoundError,
              TruncatedObjectError, NotCommittedError)
 
@@ -96,17 +98,42 @@ class ResumeInfo:
 
 def resume(store, template=None, *, map_location=None, weights_only: bool = True,
            validate: Callable[[Any, fmt.Manifest], Any] | None = None,
-           mark_skipped: bool = True, claim: bool = True) -> tuple[Any, ResumeInfo]:
+           mark_skipped: bool = True, claim: bool = False) -> tuple[Any, ResumeInfo]:
     """See :meth:`ckptstore.Store.resume`."""
     group = store.process_group
     rank, world = rank_and_world(group)
     # Claim the run's epoch before listing: a commit of an older run's orphaned workers
     # that lands after the claim is refused, so the steps listed here are all there is.
-    epoch, steps = _from_rank0((claim_epoch(store.storage) if claim else None, store.steps())
-                               if rank == 0 else None, group)
+    # Whatever rank 0 meets here reaches every rank (none may wait in a collective for
+    # a rank that raised).
+    start = _from_rank0(_claim_and_list(store, claim) if rank == 0 else None, group)
+    if start[0] == "error":
+        raise ResumeError(f"{store.url}: rank 0 could not start the resume: {start[1]}")
+    _, epoch, steps = start
     if epoch is not None:
         store.epoch = epoch
     skipped: list[SkippedStep] = []
+    try:
+        return _first_usable(store, steps, template, map_location, weights_only, validate, mark_skipped,
+                             skipped, rank, world, epoch, group)
+    finally:
+        # Only now, with every collective of the resume behind us: a warning turned
+        # into an error (pytest -W error) then fails every rank alike, hanging none.
+        if rank == 0:
+            for s in skipped:
+                warnings.warn(f"{store.url}: resume skipped step {s.step}: {s.reason}", CheckpointSkippedWarning,
+                              stacklevel=3)
+
+
+def _claim_and_list(store, claim: bool) -> tuple:
+    try:
+        return "ok", (claim_epoch(store.storage) if claim else None), store.steps()
+    except Exception as e:
+        return "error", f"{type(e).__name__}: {e}"[:2000]
+
+
+def _first_usable(store, steps, template, map_location, weights_only, validate, mark_skipped, skipped,
+                  rank, world, epoch, group):
     for step in reversed(steps):
         state, info, verdict, own_error = _try_step(store, step, template, map_location, weights_only, validate)
         verdicts = _gather(verdict, group)
@@ -122,10 +149,8 @@ def resume(store, template=None, *, map_location=None, weights_only: bool = True
         reason = "; ".join(f"rank {r}: {text}" for r, text in bad[:4])
         reason += f" (and {len(bad) - 4} more ranks)" if len(bad) > 4 else ""
         skipped.append(SkippedStep(step, reason))
-        if rank == 0:
-            warnings.warn(f"{store.url}: resume skipped step {step}: {reason}", CheckpointSkippedWarning, stacklevel=3)
-            if mark_skipped:
-                _mark_skipped(store, step, reason)
+        if rank == 0 and mark_skipped:
+            _mark_skipped(store, step, reason)
     if skipped:
         listing = "; ".join(f"step {s.step}: {s.reason}" for s in skipped)
         raise NoLoadableCheckpointError(f"{store.url}: no committed step could be resumed ({listing})")
@@ -144,7 +169,7 @@ def _try_step(store, step, template, map_location, weights_only, validate):
         if validate is not None and validate(state, info.manifest) is False:
             raise CheckpointRejected("rejected by validate()")
         return state, info, ("ok", ""), None
-    except TemplateMismatchError as e:  # a FormatError, but the program's: see SKIPPABLE
+    except (TemplateMismatchError, UnsupportedVersionError) as e:  # FormatErrors, not the step's: SKIPPABLE
         return None, None, ("error", f"{type(e).__name__}: {e}"[:2000]), e
     except (CheckpointRejected, *SKIPPABLE) as e:
         return None, None, ("skip", f"{type(e).__name__}: {e}"[:2000]), e

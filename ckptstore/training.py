@@ -9,6 +9,7 @@ bookkeeping that must agree across ranks (when a save is due, when to stop).
 from __future__ import annotations
 
 import json
+import math
 import signal
 import threading
 import time
@@ -30,6 +31,7 @@ from .resume import ResumeInfo
 from .rng import rng_state, set_rng_state
 from .storage import Storage
 from .supervisor.progress import ProgressReporter, guard_worker
+from .supervisor.status import PRIOR_MTBF_S, status
 
 PROGRESS_EVERY = 10.0  # seconds between progress records (each is one small PUT)
 
@@ -51,7 +53,7 @@ class Checkpointer:
     (:func:`ckptstore.rng_state`) are captured unless ``rng=False``.
 
     Saves run every ``every`` steps and/or every ``every_seconds`` seconds (the ranks
-    agree on it); on one of ``signals`` (default SIGTERM: preemption, or the launcher
+    agree on it); ``every="auto"`` follows Young/Daly (:meth:`auto_interval_s`); on one of ``signals`` (default SIGTERM: preemption, or the launcher
     stopping the job) the next :meth:`step` saves, waits up to ``exit_deadline`` seconds
     for the commit, and returns True: the loop should stop. Repeated signals change
     nothing (a scheduler and the launcher may both send one). ``on_commit(step)`` is called (on ckptstore's
@@ -60,7 +62,7 @@ class Checkpointer:
 
     def __init__(self, store: Store | str, *, model: torch.nn.Module | None = None,
                  optimizer: torch.optim.Optimizer | None = None, state: Mapping[str, Any] | None = None,
-                 every: int | None = None, every_seconds: float | None = None, rng: bool = True,
+                 every: int | str | None = None, every_seconds: float | None = None, rng: bool = True,
                  signals=(signal.SIGTERM,), exit_deadline: float | None = None,
                  replicated=(), validate=None, on_resume: Callable[[ResumeInfo], None] | None = None,
                  on_commit: Callable[[int], None] | None = None, map_location=None):
@@ -75,9 +77,13 @@ class Checkpointer:
                                 f"got {type(obj).__name__}")
         if optimizer is not None and model is None:
             raise ValueError("an optimizer is saved together with its model: pass model= too")
-        if every is not None and every < 1:
-            raise ValueError(f"every must be >= 1, got {every}")
+        self._auto = every == "auto"
+        if self._auto:
+            every = None
+        elif every is not None and (isinstance(every, str) or every < 1):
+            raise ValueError(f"every must be >= 1 or 'auto', got {every!r}")
         self.every, self.every_seconds = every, every_seconds
+        self._mtbf_s = PRIOR_MTBF_S  # every="auto": the run's observed MTBF, read at resume
         self.exit_deadline = exit_deadline
         self.replicated, self.validate, self.on_resume = tuple(replicated), validate, on_resume
         self.on_commit = on_commit
@@ -102,10 +108,12 @@ class Checkpointer:
         """Restore the newest step every rank can use; returns the step to run next
         (0 when the store holds no checkpoint). ``self.info`` says what was found."""
         self._report("loading", force=True)
+        if self._auto:
+            self._mtbf_s = _journal_mtbf(self.store.storage)
         template = self._state_dict()
         sharded = any(_is_dtensor(t) for t in _tensors(template))
         state, info = self.store.resume(template if sharded else None, map_location=self.map_location,
-                                        validate=self.validate)
+                                        validate=self.validate, claim=True)
         self.info = info
         self._report("train", None if info.step is None else info.step, force=True, resumed_step=info.step,
                      skipped=[s.step for s in info.skipped])
@@ -148,8 +156,10 @@ class Checkpointer:
     def save(self, step: int, metrics: dict | None = None):
         """Save now (collective); returns the :class:`~ckptstore.SaveFuture`."""
         began = time.monotonic()
+        self._report("saving", step)  # a supervisor does not take a long staging copy for a hang
         future = self.store.save(step, self._state_dict(), metrics, replicated=self.replicated)
         self._save_blocking_s = time.monotonic() - began
+        self._report("train", step)
         if self.on_commit is not None:
             on_commit = self.on_commit
             # (not f.exception(): that would mark a failure seen, and the next save would not raise it)
@@ -214,10 +224,24 @@ class Checkpointer:
                 obj.clear()
                 obj.update(state[name])
         if self.rng and "rng" in state:
-            set_rng_state(state["rng"], rank=self.info.rank if self.info else None)
+            # The resume decided, in one numbering (ranks of the store's group), whether
+            # this rank reads its own state; an RNG state it re-derived already says
+            # this rank. So restore it as it is, whichever numbering it was saved in.
+            saved = state["rng"].get("rank") if isinstance(state["rng"], dict) else None
+            set_rng_state(state["rng"], rank=saved)
 
     def _due_by_time(self) -> bool:
-        return self.every_seconds is not None and time.monotonic() - self._last_save_time >= self.every_seconds
+        interval = self.auto_interval_s() if self._auto else self.every_seconds
+        return interval is not None and time.monotonic() - self._last_save_time >= interval
+
+    def auto_interval_s(self) -> float:
+        """``every="auto"``: Young/Daly's interval, sqrt(2 x blocking save cost x MTBF),
+        with the MTBF the run's journal has observed (``ckptstore status``; a prior of
+        one failure a day before any) and the cost of this run's last save (the first
+        save comes at the first step, to measure it)."""
+        if self._save_blocking_s is None:
+            return 0.0
+        return math.sqrt(2.0 * self._save_blocking_s * self._mtbf_s)
 
     def _agree(self, preempted: bool, due_time: bool) -> tuple[bool, bool]:
         """Every rank's view, combined (any rank signalled / any rank's clock says due),
@@ -290,6 +314,16 @@ def read_progress(storage: Storage) -> dict | None:
     except CkptStoreError:
         return None
     return record if isinstance(record, dict) and isinstance(record.get("step"), int) else None
+
+
+def _journal_mtbf(storage: Storage) -> float:
+    """The MTBF ``ckptstore status`` reports for the store's latest supervised run, or
+    the prior (no journal, no failure yet, or an unreadable one)."""
+    try:
+        mtbf = status(storage).get("mtbf_s")
+    except Exception:
+        mtbf = None
+    return mtbf if isinstance(mtbf, (int, float)) and mtbf > 0 else PRIOR_MTBF_S
 
 
 def _tensors(obj):

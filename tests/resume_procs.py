@@ -56,3 +56,21 @@ def resume_and_draw(rank, world, events, root):
     return {"rank_state_of": info.rank_state_of, "rng_rederived": info.rng_rederived,
             "warned": any(issubclass(w.category, ckptstore.WorldSizeChangedWarning) for w in caught),
             "draw": torch.rand(4)}
+
+
+def resume_claiming(rank, world, events, root):
+    try:
+        ckptstore.Store(root).resume(claim=True)
+    except Exception as e:
+        return {"raised": type(e).__name__, "message": str(e)}
+    return {"raised": None, "message": ""}
+
+
+def resume_with_warnings_as_errors(rank, world, events, root):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ckptstore.CheckpointSkippedWarning)
+        try:
+            _, info = ckptstore.Store(root).resume()
+        except Exception as e:
+            return {"raised": type(e).__name__, "step": None}
+    return {"raised": None, "step": info.step}

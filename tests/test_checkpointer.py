@@ -111,19 +111,24 @@ def test_sigterm_saves_at_the_next_step_and_stops_the_loop(tmp_path):
 def test_a_later_run_fences_off_an_earlier_one(tmp_path):
     root = str(tmp_path / "s")
     old = ckptstore.Store(root)
-    old.resume()
+    old.resume(claim=True)
     old.save(1, {"w": torch.ones(2)}).result()
     new = ckptstore.Store(root)
-    _, info = new.resume()
+    _, info = new.resume(claim=True)
     assert (old.epoch, new.epoch, info.epoch) == (1, 2, 2) and epochs(new.storage) == [1, 2]
     with pytest.raises(FencedError, match="epoch 2"):
         old.save(2, {"w": torch.zeros(2)}).result()
     new.save(2, {"w": torch.full((2,), 2.0)}).result()
     assert [new.manifest(s).epoch for s in new.steps()] == [1, 2]
     assert torch.equal(new.load()["w"], torch.full((2,), 2.0))
-    # a reader that must not fence the writer off
-    ckptstore.Store(root).resume(claim=False)
+    # a reader (the default) must not fence the writer off
+    ckptstore.Store(root).resume()
     assert epochs(new.storage) == [1, 2]
+    new.save(3, {"w": torch.ones(2)}).result()
+    # a planted claim at the top of the range: a clear error naming it, on every rank
+    (tmp_path / "s" / "epochs" / "epoch-9999999999.json").write_text("{}")
+    with pytest.raises(ckptstore.ResumeError, match="epoch-9999999999.json"):
+        ckptstore.Store(root).resume(claim=True)
 
 
 def test_bad_arguments_are_refused_with_a_clear_error(tmp_path):
@@ -145,3 +150,38 @@ def test_a_checkpoint_without_a_named_object_is_refused_naming_it(tmp_path):
             ckpt.resume()
     finally:
         ckpt.close()
+
+
+def test_every_auto_follows_young_daly_with_the_journals_mtbf(tmp_path):
+    import math
+
+    from ckptstore.supervisor.journal import Journal
+    from ckptstore.supervisor.status import PRIOR_MTBF_S
+
+    ckpt, model, opt, sched, counter, progress = make(tmp_path / "fresh", every="auto")
+    try:
+        ckpt.resume()
+        for step in range(20):
+            train(model, opt, sched, counter, progress, step)
+            ckpt.step(step)
+        ckptstore.wait()
+        # the first step saves (to measure the cost); the next is due after sqrt(2 C M)
+        assert ckpt.store.steps() == [0]
+        assert ckpt.auto_interval_s() == pytest.approx(math.sqrt(2 * ckpt._save_blocking_s * PRIOR_MTBF_S))
+    finally:
+        ckpt.close()
+    root = tmp_path / "journaled"
+    clock = iter([1000.0, 1100.0, 1400.0, 1500.0]).__next__
+    journal = Journal(ckptstore.Store(str(root)).storage, "run-1", clock=clock)
+    journal.append("run_start", command=["x"], world_size=1, nnodes=1, policy={})
+    journal.append("failure", attempt=0, **{"class": "transient"}, reason="rank 0 was killed by SIGKILL")
+    journal.append("failure", attempt=1, **{"class": "transient"}, reason="rank 0 was killed by SIGKILL")
+    journal.append("give_up", reason="test", code=11, **{"class": "restart_limit"})
+    ckpt = ckptstore.Checkpointer(str(root), state={"counter": Counter()}, every="auto")
+    try:
+        ckpt.resume()
+        assert ckpt._mtbf_s == pytest.approx(250.0)  # 500 s of run, 2 failures
+    finally:
+        ckpt.close()
+    with pytest.raises(ValueError, match="'auto'"):
+        ckptstore.Checkpointer(str(root), every="sometimes")

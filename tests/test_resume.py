@@ -98,7 +98,8 @@ def test_a_skip_mark_goes_with_its_checkpoint_and_does_not_outlive_a_new_generat
     assert [s.step for s in info.skipped] == [30, 20] and info.step == 10
     plan = store.gc(ckptstore.checkpoint.retention.Retention(last=1), grace=0)
     assert not plan.foreign
-    assert sorted(os.listdir(tmp_path / "s")) == [names.EPOCHS_DIR, names.step_dir_name(30)]  # marks went with their steps
+    # retention does not count the skipped steps 30 and 20: it keeps 10, the newest usable
+    assert os.listdir(tmp_path / "s") == [names.step_dir_name(10)]  # marks went with their steps
 
 
 def test_validate_can_reject_a_step_with_a_reason(tmp_path):
@@ -143,6 +144,15 @@ def test_program_errors_are_raised_not_skipped_over(tmp_path):
     assert all(not (tmp_path / "s" / names.step_dir_name(st) / names.SKIPPED_NAME).exists() for st in (10, 20, 30))
 
 
+def test_a_step_written_by_a_newer_ckptstore_is_raised_not_skipped(tmp_path):
+    store = _store_with_steps(tmp_path / "s", (1, 2))
+    path = tmp_path / "s" / names.step_dir_name(2) / names.manifest_name(1)
+    path.write_bytes(path.read_bytes().replace(b'"format_version":1', b'"format_version":99'))
+    with pytest.raises(ckptstore.errors.UnsupportedVersionError):
+        store.resume()
+    assert not (tmp_path / "s" / names.step_dir_name(2) / names.SKIPPED_NAME).exists()
+
+
 def test_resume_from_two_ranks_on_one_warns_and_reshards(tmp_path):
     root = tmp_path / "store"
     sp.run_job(rp.save_steps, 2, tmp_path / "save", str(root), [1, 2])
@@ -171,6 +181,25 @@ def test_a_program_error_on_one_rank_is_raised_on_every_rank(tmp_path):
     assert "rank 1 failed" in results[0]["message"] and "validate blew up" in results[0]["message"]
 
 
+def test_rank_0_failing_to_start_the_resume_fails_every_rank_without_a_hang(tmp_path):
+    root = tmp_path / "store"
+    sp.run_job(rp.save_steps, 2, tmp_path / "save", str(root), [1])
+    (root / names.EPOCHS_DIR).mkdir()
+    (root / names.EPOCHS_DIR / "epoch-9999999999.json").write_text("{}")  # no next epoch fits
+    results = sp.run_job(rp.resume_claiming, 2, tmp_path / "resume", str(root))
+    assert [r["raised"] for r in results] == ["ResumeError", "ResumeError"]
+    assert all("epoch-9999999999.json" in r["message"] for r in results)
+
+
+def test_skip_warnings_raised_as_errors_fail_every_rank_alike(tmp_path):
+    root = tmp_path / "store"
+    sp.run_job(rp.save_steps, 2, tmp_path / "save", str(root), [1, 2])
+    _flip_a_byte(ckptstore.Store(str(root)), 2, rank=1)
+    results = sp.run_job(rp.resume_with_warnings_as_errors, 2, tmp_path / "resume", str(root))
+    # rank 0 warns (after the last collective: nothing hangs), rank 1 resumed
+    assert results[0]["raised"] == "CheckpointSkippedWarning" and results[1]["step"] == 1
+
+
 def test_one_rank_growing_to_two_rederives_the_second_ranks_rng(tmp_path):
     root = tmp_path / "store"
     store = ckptstore.Store(str(root))
@@ -186,3 +215,23 @@ def test_one_rank_growing_to_two_rederives_the_second_ranks_rng(tmp_path):
     assert not torch.equal(results[1]["draw"], results[0]["draw"])  # rank 1 gets its own
     again = sp.run_job(rp.resume_and_draw, 2, tmp_path / "again", str(root))
     assert torch.equal(again[1]["draw"], results[1]["draw"])  # and deterministically so
+
+
+def test_retention_and_gc_do_not_count_a_skipped_step_as_the_newest(tmp_path):
+    store = _store_with_steps(tmp_path / "s")
+    _flip_a_byte(store, 30)
+    with pytest.warns(ckptstore.CheckpointSkippedWarning):
+        _, info = store.resume()
+    assert info.step == 20
+    kept = ckptstore.Store(store.url, keep=ckptstore.checkpoint.retention.Retention(last=1), grace=0)
+    kept.save(25, _state(25)).result()  # the resumed run saves; retention runs after the commit
+    assert store.steps() == [25]  # not [30]: the corrupt step 30 would have been "the newest"
+    # and the CLI's gc keeps the newest usable step too
+    _flip_a_byte(store, 25)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ckptstore.CheckpointSkippedWarning)
+        with pytest.raises(ckptstore.NoLoadableCheckpointError):
+            store.resume()
+    out = CliRunner().invoke(cli, ["gc", store.url, "--keep-last", "1", "--grace", "0s", "--json"])
+    assert out.exit_code == 0, out.output
+    assert store.steps() == [25]  # never everything: when every step was skipped, the newest stays

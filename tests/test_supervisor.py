@@ -180,3 +180,26 @@ def test_a_preemption_saves_exits_cleanly_and_restarts(tmp_path, reference):
     assert kinds(journal(store), "resume")[1]["step"] == saved.pop()
     assert_bit_identical(job.final, reference)
     assert nonzero(status(store)["failures_by_class"]) == {"preempted": 1}
+
+
+def test_an_unhealthy_node_is_journaled_alerted_and_exits_with_its_own_code(tmp_path):
+    store = tmp_path / "store"
+    job = Supervised(store, tmp_path, "--expected-gpus", "1")  # this machine has none
+    assert job.finish() == runner.EXIT_UNHEALTHY, job.output()[-3000:]
+    events = journal(store)
+    assert [e["kind"] for e in events] == ["run_start", "unhealthy"]
+    assert "gpus" in events[-1]["reason"] and all(not c["ok"] for c in events[-1]["checks"])
+    assert [e["kind"] for e in job.alert_events()] == ["unhealthy"]
+    assert status(store)["state"] == "unhealthy"
+    assert not (store / "step-000000000000").exists()  # nothing was launched
+
+
+def test_doctor_health_checks_the_node_and_the_store(tmp_path):
+    from ckptstore.cli import main
+
+    ok = CliRunner().invoke(main, ["doctor", "--health", "--store", str(tmp_path / "s"), "--json"])
+    assert ok.exit_code == 0, ok.output
+    names = [c["name"] for c in json.loads(ok.output)]
+    assert "gpus" in names and "store" in names
+    bad = CliRunner().invoke(main, ["doctor", "--health", "--expected-gpus", "8"])
+    assert bad.exit_code == 13 and "UNHEALTHY" in bad.output

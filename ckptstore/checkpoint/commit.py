@@ -13,15 +13,15 @@ In exit mode (:mod:`ckptstore.checkpoint.exiting`) the waits also judge the peer
 commit still needs by their heartbeats (:class:`PeerWatch`), so a dead peer ends the
 wait within the liveness window instead of the commit timeout:
 
-- rank 0 judges the ranks whose vote is missing: one whose heartbeat did not change for
-  the window is presumed dead (rank 0 is leaving anyway, so waiting longer could only
-  help a commit that finishes before it is gone);
-- another rank, once it voted, judges rank 0 only, and only by the cadence rank 0
-  promised: the window when rank 0's heartbeat says it is exiting too, the normal
-  heartbeat period plus the window when rank 0 voted (it waits in its commit, which
-  beats every ``HEARTBEAT_EVERY``), else not at all. A rank that is told to exit while
-  rank 0 is not (part of a job preempted) so gives rank 0 the time its normal
-  heartbeat promises instead of aborting a commit rank 0 can still finish.
+- rank 0 judges the ranks whose vote is missing, each by the cadence it promised (every
+  rank of a multi-rank save beats every ``HEARTBEAT_EVERY`` seconds from start to end,
+  and fast once it exits): one whose heartbeat says it exits and did not change for the
+  window, or any other whose heartbeat did not change for the period plus the window,
+  is presumed dead;
+- another rank, once it voted, judges rank 0 only, by the same cadences. A rank that
+  is told to exit while rank 0 is not (part of a job preempted, or rank 0's main thread
+  blocked in a collective) so gives rank 0 the time its normal heartbeat promises
+  instead of aborting a commit rank 0 can still finish.
 
 A rank that presumes a peer dead writes the abort marker naming it (create-only) and
 fails its save with a :class:`CommitError`.
@@ -51,6 +51,10 @@ from . import exiting
 
 
 HEARTBEAT_EVERY = 10.0  # seconds between heartbeats of a rank waiting in the commit (normal mode)
+# Every rank of a multi-rank save also beats this often from its start to its end
+# (exiting.Heartbeat; a save shorter than this writes none): what a peer in exit mode
+# holds a silent rank to.
+SAVE_BEAT_EVERY = 3.0
 
 
 class Deadline:
@@ -125,6 +129,14 @@ class PeerWatch:
                 seen = self._seen[r] = (content, now)
             out[r] = (content, now - seen[1])
         return out
+
+
+def _patience(content: bytes | None) -> float:
+    """How long a peer's heartbeat may stay unchanged before it is presumed dead: the
+    window when it says the peer exits too (it beats fast), else its normal period plus
+    the window (every rank in a multi-rank save beats every SAVE_BEAT_EVERY seconds,
+    even one whose main thread is stuck in a collective and never saw the signal)."""
+    return exiting.liveness() if exiting.says_exiting(content) else SAVE_BEAT_EVERY + exiting.liveness()
 
 
 def _presumed_dead(dead: list[int], me: int, silent: float) -> str:
@@ -220,11 +232,11 @@ def commit(storage: Storage, own: fmt.Vote, world_size: int, created_at: str, me
         if exiting.active():
             watch = watch or PeerWatch(storage, attempt)
             if watch.due():
-                window = exiting.liveness()
                 missing = sorted(set(range(world_size)) - votes.keys())
-                dead = sorted(r for r, (_c, silent) in watch.look(missing).items() if silent >= window)
+                dead = sorted(r for r, (content, silent) in watch.look(missing).items()
+                              if silent >= _patience(content))
                 if dead:
-                    reason = _presumed_dead(dead, 0, window)
+                    reason = _presumed_dead(dead, 0, exiting.liveness())
                     abort(storage, attempt, reason)
                     raise CommitError(f"{where}: {reason}; nothing was committed")
         if not deadline.sleep_or_expire():
@@ -415,18 +427,13 @@ def await_outcome(storage: Storage, attempt: str, timeout: float, rank: int = 1)
 
 
 def _judge_committer(storage: Storage, attempt: str, rank: int, watch: PeerWatch, where: str) -> None:
-    """Exit mode, a rank that voted: abort when rank 0 stopped beating (see the module
-    docstring for the cadence each state of rank 0 promises)."""
+    """Exit mode, a rank that voted: abort when rank 0 stopped beating (by the cadence
+    its heartbeat promises: :func:`_patience`)."""
     looked = watch.look([0])
     if 0 not in looked:
         return
     content, silent = looked[0]
-    if exiting.says_exiting(content):
-        limit = exiting.liveness()
-    elif names.vote_name(attempt, 0).rsplit("/", 1)[1] in storage.list(names.attempt_dir(attempt)):
-        limit = HEARTBEAT_EVERY + exiting.liveness()
-    else:
-        return  # rank 0 neither voted nor exits: still writing, or gone; no evidence either way
+    limit = _patience(content)
     if silent >= limit:
         reason = _presumed_dead([0], rank, limit)
         abort(storage, attempt, reason)

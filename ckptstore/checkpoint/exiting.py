@@ -5,7 +5,7 @@ it lasts until the process ends (a save made after it, say by a SIGTERM handler 
 saves once more, runs in exit mode too). The checkpoint layer reads it:
 
 - every in-flight attempt of this process beats its heartbeat every :func:`beat_every`
-  seconds (:class:`ExitBeat`, one small thread per attempt, whatever stage the save is
+  seconds (:class:`Heartbeat`, one small thread per attempt, whatever stage the save is
   in: staging, writing, voting or waiting), and the heartbeat says ``exiting``;
 - the commit's waits judge the peers the commit still needs by their heartbeats
   (:class:`ckptstore.checkpoint.commit.PeerWatch`): a peer whose heartbeat has not
@@ -78,33 +78,54 @@ def says_exiting(content: bytes | None) -> bool:
     return content is not None and content.split(b" ")[-1:] == [EXITING_MARK.encode()]
 
 
-class ExitBeat:
-    """Beats one attempt's heartbeat of this rank fast while the process exits, and
-    watches for the attempt's abort marker (one put and one stat per beat).
+class Heartbeat:
+    """Beats one attempt's heartbeat of this rank while its multi-rank save is in
+    flight, whatever stage it is in: every ``every`` seconds normally (the first beat
+    after one period, so a short save writes none), and every :func:`beat_every`
+    seconds once the process exits (:meth:`hurry`), when it also watches for the
+    attempt's abort marker (one stat per beat).
+
+    A peer judging this rank so always has a cadence to hold it to: a rank whose
+    main thread cannot run its signal handler (blocked in a collective) still beats
+    from here, and is not taken for dead while its upload goes on.
 
     Runs until ``settled`` is set (the save finished) or the attempt is aborted, in
     which case it calls ``on_aborted`` once and stops beating."""
 
-    def __init__(self, storage: Storage, attempt: str, rank: int, settled: threading.Event,
+    def __init__(self, storage: Storage, attempt: str, rank: int, every: float, settled: threading.Event,
                  on_aborted: Callable[[], None]):
         self._storage = storage
         self._key = names.heartbeat_name(attempt, rank)
         self._abort_key = names.abort_name(attempt)
+        self._every = every
         self._settled = settled
         self._on_aborted = on_aborted
-        self._thread = threading.Thread(target=self._run, name=f"ckptstore-exit-beat-r{rank}", daemon=True)
+        self._wake = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"ckptstore-heartbeat-r{rank}", daemon=True)
 
-    def start(self) -> "ExitBeat":
+    def start(self) -> "Heartbeat":
         self._thread.start()
         return self
 
+    def hurry(self) -> None:
+        """Exit mode began: beat now, then fast."""
+        self._wake.set()
+
+    def stop(self) -> None:
+        self._wake.set()
+
     def _run(self) -> None:
-        every = beat_every()
-        while not self._settled.is_set():
+        while True:
+            self._wake.wait(beat_every() if active() else self._every)
+            self._wake.clear()
+            if self._settled.is_set():
+                return
             try:
                 self._storage.put(self._key, heartbeat_bytes())  # a plain overwrite, as every heartbeat
             except Exception:
                 pass  # a missed beat costs a peer's patience, never data
+            if not active():
+                continue
             try:
                 aborted = self._storage.exists(self._abort_key)
             except Exception:
@@ -112,4 +133,3 @@ class ExitBeat:
             if aborted:
                 self._on_aborted()
                 return
-            self._settled.wait(every)

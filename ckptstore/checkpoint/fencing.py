@@ -36,6 +36,9 @@ def claim_epoch(storage: Storage, note: dict | None = None) -> int:
     for _ in range(CLAIM_TRIES):
         claimed = epochs(storage)
         epoch = (claimed[-1] + 1) if claimed else 1
+        if epoch > names.MAX_GENERATION:
+            raise CommitError(f"{storage.describe(names.epoch_name(claimed[-1]))}: the highest epoch a claim name "
+                              "can hold is taken (a planted or damaged claim?): remove it to run again")
         record = {"epoch": epoch, "at": fmt.utc_now(), "host": socket.gethostname(), "pid": os.getpid(),
                   **(note or {})}
         try:

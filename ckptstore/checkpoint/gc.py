@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from .. import names
 from ..errors import CkptStoreError, ObjectNotFoundError
 from ..storage import Storage
-from .catalog import Location, read_pin, scan_store
+from .catalog import Location, read_pin, read_skip_mark, scan_store
 from .commit import generations, read_manifest
 from .retention import Candidate, Retention, select_kept
 
@@ -82,7 +82,8 @@ def plan(storage: Storage, policy: Retention = Retention(), grace: float = DEFAU
     locations = scan_store(storage)
     result = GcPlan(storage.describe(), stale_upload_age=grace)
     committed = [loc for loc in locations if loc.committed]
-    cands = [Candidate(_label(loc), loc.step, loc.committed_at(), dict(loc.manifest.metrics), loc.pinned)
+    cands = [Candidate(_label(loc), loc.step, loc.committed_at(), dict(loc.manifest.metrics), loc.pinned,
+                       read_skip_mark(loc) is not None)
              for loc in committed]
     result.kept = select_kept(cands, policy, now)
 

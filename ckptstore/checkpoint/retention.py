@@ -72,6 +72,7 @@ class Candidate:
     committed_at: float  # epoch seconds
     metrics: dict
     pinned: bool
+    skipped: bool = False  # a resume could not use it (a skip mark on its visible generation)
 
 
 def select_kept(cands: list[Candidate], policy: Retention, now: float) -> dict[str, list[str]]:
@@ -82,8 +83,11 @@ def select_kept(cands: list[Candidate], policy: Retention, now: float) -> dict[s
         kept.setdefault(c.name, []).append(why)
 
     order = sorted(cands, key=lambda c: (c.step if c.step is not None else -1, c.committed_at, c.name))
-    if order:
-        keep(order[-1], "newest")
+    # A step a resume skipped (corrupt, rejected) is not what a restart would use: it
+    # must not count as the newest or push a usable step out of "last N" or "best".
+    usable = [c for c in order if not c.skipped] or order[-1:]
+    if usable:
+        keep(usable[-1], "newest")
     for c in cands:
         if c.pinned:
             keep(c, "pinned")
@@ -92,7 +96,7 @@ def select_kept(cands: list[Candidate], policy: Retention, now: float) -> dict[s
             keep(c, "no policy")
         return kept
     if policy.last:
-        for c in order[-policy.last:]:
+        for c in usable[-policy.last:]:
             keep(c, f"last {policy.last}")
     if policy.every:
         for c in cands:
@@ -104,7 +108,7 @@ def select_kept(cands: list[Candidate], policy: Retention, now: float) -> dict[s
                 keep(c, f"within {policy.within:g}s")
     for b in policy.best:
         scored = [c for c in cands if isinstance(c.metrics.get(b.metric), (int, float))
-                  and not isinstance(c.metrics.get(b.metric), bool)]
+                  and not isinstance(c.metrics.get(b.metric), bool) and not c.skipped]
         scored.sort(key=lambda c: c.metrics[b.metric], reverse=(b.mode == "max"))
         for c in scored[:b.count]:
             keep(c, f"best {b.count} {b.metric} {b.mode}")

@@ -15,7 +15,7 @@ from ..pipeline import RankWriter
 from ..runtime import Runtime
 from ..storage import Storage
 from . import exiting
-from .commit import abort, await_outcome, commit, write_failure_vote, write_vote
+from .commit import SAVE_BEAT_EVERY, abort, await_outcome, commit, write_failure_vote, write_vote
 from .snapshot import DEFAULT_CHUNK_BYTES, snapshot
 
 
@@ -52,9 +52,13 @@ class SaveFuture:
         self._future: Future = Future()
         self._staged = threading.Event()
         self._settled = threading.Event()  # done, or its attempt was aborted: nothing left to wait for
-        self._future.add_done_callback(lambda _f: self._settled.set())
-        self._exit_lock = threading.Lock()
-        self._exit_beat: exiting.ExitBeat | None = None
+        self._future.add_done_callback(lambda _f: self._settle())
+        # A multi-rank save beats its heartbeat from start to end (exiting.Heartbeat):
+        # slowly, and fast once the process exits (watch_exit).
+        self._beat: exiting.Heartbeat | None = None
+        if world_size > 1 and storage is not None:
+            self._beat = exiting.Heartbeat(storage, attempt, rank, SAVE_BEAT_EVERY, self._settled,
+                                           self._on_aborted).start()
         self.aborted = False  # exit mode saw the attempt's abort marker: it cannot commit
         self.observed = False  # the caller has seen the outcome
 
@@ -94,16 +98,17 @@ class SaveFuture:
         """Exit mode: beat this attempt's heartbeat fast until the save is settled, and
         settle it as soon as the attempt is aborted (by any rank). Idempotent; a
         one-rank save has no peer to tell, so it beats nothing."""
-        if self.world_size <= 1 or self.storage is None:
-            return
-        with self._exit_lock:
-            if self._exit_beat is None and not self._settled.is_set():
-                self._exit_beat = exiting.ExitBeat(self.storage, self.attempt, self.rank, self._settled,
-                                                   self._on_aborted).start()
+        if self._beat is not None:
+            self._beat.hurry()
+
+    def _settle(self) -> None:
+        self._settled.set()
+        if self._beat is not None:
+            self._beat.stop()
 
     def _on_aborted(self) -> None:
         self.aborted = True
-        self._settled.set()
+        self._settled.set()  # (the beat, which calls this, stops by itself)
 
     def __repr__(self) -> str:
         state = "committed" if self.done() and self._future.exception() is None else (

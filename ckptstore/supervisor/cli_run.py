@@ -12,6 +12,8 @@ import sys
 
 import click
 
+from ..errors import CkptStoreError
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ckptstore run", add_help=False)
@@ -31,6 +33,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--alert", default=None, help="shell command run on every failure and on giving up "
                    "(the event as JSON on stdin)")
     p.add_argument("--staging-dir", action="append", default=[], help="a local directory to health-check")
+    p.add_argument("--expected-gpus", type=int, default=None,
+                   help="health check: fewer visible GPUs than this is an unhealthy node")
     return p
 
 
@@ -82,6 +86,7 @@ def run_command(argv) -> None:
         sys.exit(0 if argv else 2)
     from torch.distributed.run import parse_args
 
+    from .health import HealthLimits
     from .runner import Policy, Supervisor
 
     try:
@@ -95,7 +100,12 @@ def run_command(argv) -> None:
     policy = Policy(max_restarts=opts.max_restarts, max_restarts_per_hour=opts.max_restarts_per_hour,
                     backoff_s=opts.backoff, backoff_max_s=opts.backoff_max, hang_timeout_s=opts.hang_timeout,
                     first_progress_timeout_s=opts.first_progress_timeout, run_timeout_s=opts.run_timeout,
-                    no_progress_restarts=opts.no_progress_restarts, alert=opts.alert)
-    sup = Supervisor(opts.store, launcher, policy, run_id=opts.run_id, staging_dirs=tuple(opts.staging_dir),
-                     world_size=world, nnodes=int(nnodes) if nnodes.isdigit() else 1)
+                    no_progress_restarts=opts.no_progress_restarts, alert=opts.alert,
+                    health=HealthLimits(expected_gpus=opts.expected_gpus))
+    try:
+        sup = Supervisor(opts.store, launcher, policy, run_id=opts.run_id, staging_dirs=tuple(opts.staging_dir),
+                         world_size=world, nnodes=int(nnodes) if nnodes.isdigit() else 1)
+    except (ValueError, CkptStoreError) as e:  # a store URL or run id that cannot be used
+        click.echo(f"ckptstore run: {e}", err=True)
+        sys.exit(2)
     sys.exit(sup.run())

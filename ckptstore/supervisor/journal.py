@@ -16,8 +16,9 @@ An event is one JSON object, at most ``MAX_EVENT_BYTES``. Every event holds ``ki
 ``run``, ``at`` (ISO 8601 UTC), ``t`` (unix seconds, float; the same instant as ``at``
 and as the name), ``host``; then the fields of its kind:
 
-- ``run_start``: ``command`` (list of str), ``world_size`` (int), ``nnodes`` (int),
-  ``policy`` (dict).
+- ``run_start``: ``command`` (list of str), ``world_size`` (int, or None when the launch
+  options do not fix it), ``nnodes`` (int), ``hosts`` (list of str), ``policy`` (dict;
+  ``alert`` only says whether an alert command is set: it may hold a secret).
 - ``attempt_start``: ``attempt`` (int: 0 for the first launch, then the restart count).
 - ``resume``: ``attempt``, ``step`` (int, or None for a fresh start), ``skipped`` (list
   of int: steps validation refused), ``first_step_s`` (seconds from the attempt's launch
@@ -27,9 +28,13 @@ and as the name), ``host``; then the fields of its kind:
   ``rank`` (int|None), ``traceback`` (str tail|None), ``step`` (last step reached),
   ``checkpoint_step`` (newest committed step at failure), ``checkpoint_age_s``,
   ``lost_steps``, ``lost_s`` (work redone after the restart), ``save_blocking_s``
-  (median blocking time of this attempt's saves), ``step_s`` (median step time).
+  (the blocking time of the attempt's last save), ``step_s`` (a moving average of the
+  training step time, as the ranks' progress reports last said).
+- ``measure``: ``attempt``, ``save_blocking_s``, ``step_s``: written once per attempt,
+  at its first save, so that ``status`` can advise an interval before any failure.
 - ``give_up``: ``reason`` (str), ``code`` (int exit status), ``class``.
-- ``unhealthy``: ``checks`` (list of {name, ok, detail}).
+- ``unhealthy``: ``checks`` (the failed ones: list of {name, ok, detail, value}),
+  ``reason`` (str); the last event of a run that stopped on an unhealthy node.
 - ``finish``: ``attempt``, ``step`` (last step), ``save_blocking_s``, ``step_s``.
 
 Any event may carry ``save_blocking_s`` / ``step_s``; status takes the latest of each.

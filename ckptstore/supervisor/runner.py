@@ -17,6 +17,7 @@ import os
 import random
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -26,7 +27,7 @@ from dataclasses import asdict, dataclass
 from .. import format as fmt
 from ..storage import Storage, open_storage
 from .classify import Verdict, classify
-from .health import check_node, checks_json, healthy
+from .health import EXIT_UNHEALTHY, HealthLimits, check_node, checks_json, healthy
 from .journal import Journal, new_run_id
 from .progress import ENV_DIR, read_progress
 
@@ -35,8 +36,7 @@ EXIT_FINISHED = 0
 EXIT_DETERMINISTIC = 10
 EXIT_RESTART_LIMIT = 11
 EXIT_NO_PROGRESS = 12
-EXIT_UNHEALTHY = 13
-EXIT_RUN_TIMEOUT = 14
+EXIT_RUN_TIMEOUT = 14  # (13, EXIT_UNHEALTHY: health.py)
 EXIT_STOPPED = 143  # the supervisor itself got SIGTERM (the whole job preempted): no restart
 
 POLL_S = 0.5  # how often the supervisor looks at the job (progress files, exit)
@@ -54,6 +54,7 @@ class Policy:
     run_timeout_s: float | None = None
     no_progress_restarts: int = 3  # failures in a row without a newer committed step
     alert: str | None = None  # a shell command; the event arrives as JSON on its stdin
+    health: HealthLimits = HealthLimits()
 
 
 class Supervisor:
@@ -70,23 +71,30 @@ class Supervisor:
         self._stop_signal: int | None = None
         self._proc: subprocess.Popen | None = None
         self._previous_sig: str | None = None  # the last failure's signature (classify.py)
+        self._worker_pids: set[int] = set()  # the current attempt's ranks (progress files)
+        self._progress_dir = ""
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> int:
         started = time.monotonic()
         self._install_signals()
+        policy = asdict(self.policy)
+        policy["alert"] = bool(self.policy.alert)  # the command may hold a secret (a webhook URL)
         self._event("run_start", command=self.launcher_args, world_size=self.world_size, nnodes=self.nnodes,
-                    policy=asdict(self.policy))
+                    hosts=[socket.gethostname()], policy=policy)
         failures: list[tuple[float, Verdict]] = []
         stalled, consecutive = 0, 0
         last_ckpt = self._checkpoint()[0]
         attempt = 0
         while True:
-            checks = check_node(self.store_url, list(self.staging_dirs))
+            checks = check_node(self.store_url, list(self.staging_dirs), self.policy.health)
             if not healthy(checks):
-                self._event("unhealthy", checks=checks_json(checks))
-                return self._give_up("unhealthy node: " + "; ".join(f"{c.name}: {c.detail}" for c in checks
-                                                                     if not c.ok), EXIT_UNHEALTHY, "unhealthy")
+                # the last event: `status` reads the run as ended on an unhealthy node
+                self._event("unhealthy", checks=[c for c in checks_json(checks) if not c["ok"]],
+                            reason="; ".join(f"{c.name}: {c.detail}" for c in checks if not c.ok))
+                print("ckptstore run: unhealthy node: " + "; ".join(f"{c.name}: {c.detail}" for c in checks
+                                                                     if not c.ok), file=sys.stderr, flush=True)
+                return EXIT_UNHEALTHY
             self._event("attempt_start", attempt=attempt)
             outcome = self._attempt(attempt, started)
             if outcome.klass == "finished":
@@ -109,7 +117,10 @@ class Supervisor:
             if outcome.klass != "preempted":
                 self._previous_sig = outcome.signature
             ckpt = self._checkpoint()[0]
-            stalled = stalled + 1 if (ckpt == last_ckpt and outcome.klass != "preempted") else 0
+            advanced = ckpt != last_ckpt
+            stalled = stalled + 1 if (not advanced and outcome.klass != "preempted") else 0
+            if advanced:
+                consecutive = 1 if outcome.klass != "preempted" else 0  # backoff grows only while stuck
             last_ckpt = ckpt
             if stalled >= self.policy.no_progress_restarts:
                 return self._give_up(f"no checkpoint newer than step {ckpt} in {stalled} failures in a row",
@@ -122,6 +133,9 @@ class Supervisor:
                 return self._give_up(f"{len(hour)} failures within an hour (limit "
                                      f"{self.policy.max_restarts_per_hour})", EXIT_RESTART_LIMIT, "restart_limit")
             self._backoff(consecutive if outcome.klass != "preempted" else 0)
+            if self._stop_signal is not None:  # stopped while waiting: no new launch
+                return self._give_up(f"the supervisor was stopped by {signal.Signals(self._stop_signal).name}",
+                                     EXIT_STOPPED, "preempted")
             attempt += 1
 
     # ------------------------------------------------------------------ one attempt
@@ -136,8 +150,10 @@ class Supervisor:
         launched = time.monotonic()
         launched_t = time.time()
         self._proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+        self._worker_pids = set()
+        self._progress_dir = progress_dir
         watch = _ProgressWatch(launched)
-        resumed_logged = False
+        resumed_logged = measured = False
         verdict: Verdict | None = None
         try:
             while True:
@@ -148,7 +164,12 @@ class Supervisor:
                     pass
                 progress = read_progress(progress_dir)
                 watch.update(progress)
+                self._worker_pids.update(p["pid"] for p in progress.values() if isinstance(p.get("pid"), int))
                 resumed_logged = resumed_logged or self._log_resume(attempt, watch, progress, launched_t)
+                if not measured and watch.save_blocking_s is not None and watch.step_s is not None:
+                    measured = True  # the save cost, for `status`'s interval advice before any failure
+                    self._event("measure", attempt=attempt, save_blocking_s=watch.save_blocking_s,
+                                step_s=watch.step_s)
                 if self.policy.run_timeout_s is not None and time.monotonic() - started > self.policy.run_timeout_s:
                     self._kill(signal.SIGTERM)
                     return Verdict("timeout", f"run timeout of {self.policy.run_timeout_s}s reached")
@@ -191,31 +212,33 @@ class Supervisor:
         return True
 
     def _kill(self, signum: int) -> None:
-        """SIGKILL: the whole attempt at once (the launcher and every worker share one
-        process group, so no orphan outlives it). Another signal goes to the launcher,
-        which forwards it to its workers once (a Checkpointer saves, then stops), as
-        torchrun does; the group is killed if it is not gone within the grace."""
+        """SIGKILL: the launcher and every process below it, at once. Another signal
+        goes to the launcher, which forwards it to its workers once (a Checkpointer
+        saves, then stops), as torchrun does; whatever is left after the grace is
+        killed."""
         proc = self._proc
+        if signum == signal.SIGKILL:
+            _kill_tree(proc.pid)
+            return
         try:
-            if signum == signal.SIGKILL:
-                os.killpg(proc.pid, signum)
-                return
             os.kill(proc.pid, signum)
         except ProcessLookupError:
             return
         try:
             proc.wait(timeout=STOP_GRACE_S)
         except subprocess.TimeoutExpired:
-            pass
+            _kill_tree(proc.pid)
 
     def _reap(self) -> None:
+        """The attempt is over: no process of it may outlive it. torch's launcher starts
+        each worker in a session of its own, so the launcher's process group does not
+        hold them: the workers are found as its descendants (and, once it is gone, by
+        the pids their progress files name) and killed."""
         proc = self._proc
         if proc.poll() is None:
             proc.wait()
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # anything of the attempt still alive
-        except (ProcessLookupError, PermissionError):
-            pass
+        for pid in self._worker_pids:
+            _kill_worker(pid, self._progress_dir)
 
     # ------------------------------------------------------------------ records
     def _record_failure(self, attempt: int, v: Verdict) -> None:
@@ -261,7 +284,9 @@ class Supervisor:
         if consecutive <= 0:
             return
         delay = min(self.policy.backoff_max_s, self.policy.backoff_s * 2 ** (consecutive - 1))
-        time.sleep(random.uniform(delay / 2, delay))  # jitter: nodes do not relaunch in lockstep
+        end = time.monotonic() + random.uniform(delay / 2, delay)  # jitter: nodes do not relaunch in lockstep
+        while self._stop_signal is None and time.monotonic() < end:
+            time.sleep(min(POLL_S, max(0.0, end - time.monotonic())))
 
     def _install_signals(self) -> None:
         def on_signal(signum, frame):
@@ -315,6 +340,34 @@ class _ProgressWatch:
         if now - self.last_change > policy.hang_timeout_s:
             return f"no rank reported progress for {policy.hang_timeout_s:.0f}s (last step {self.max_step})"
         return None
+
+
+def _kill_tree(pid: int) -> None:
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+
+
+def _kill_worker(pid: int, progress_dir: str) -> None:
+    """SIGKILL ``pid`` if it still is a worker of this attempt (its environment names
+    the attempt's progress directory: a pid reused since is left alone)."""
+    import psutil
+
+    try:
+        p = psutil.Process(pid)
+        if p.environ().get(ENV_DIR) == progress_dir:
+            p.kill()
+    except psutil.Error:
+        pass
 
 
 def _read_json(path: str) -> dict | None:
