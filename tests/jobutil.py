@@ -78,3 +78,13 @@ class Job:
 
     def output(self) -> str:
         return "\n".join(self.lines)
+
+
+def assert_bit_identical(final_path, reference: dict) -> None:
+    """The parameters a job wrote (torch.save) equal ``reference`` bit for bit."""
+    import torch
+
+    got = torch.load(final_path)
+    assert sorted(got) == sorted(reference)
+    for k in reference:
+        assert torch.equal(got[k].view(torch.int32), reference[k].view(torch.int32)), k

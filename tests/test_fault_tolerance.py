@@ -25,7 +25,7 @@ import ckptstore
 from ckptstore import names
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from jobutil import Job  # noqa: E402
+from jobutil import Job, assert_bit_identical  # noqa: E402
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "docs" / "examples" / "fault_tolerant_training.py"
 STEPS = 30
@@ -56,12 +56,6 @@ def reference(tmp_path_factory) -> dict:
     run = run_to_end(tmp / "store", tmp)
     return torch.load(run.final)
 
-
-def assert_bit_identical(final_path: Path, reference: dict) -> None:
-    got = torch.load(final_path)
-    assert sorted(got) == sorted(reference)
-    for k in reference:
-        assert torch.equal(got[k].view(torch.int32), reference[k].view(torch.int32)), k
 
 
 def _resumed(run: Run, rank: int) -> str:

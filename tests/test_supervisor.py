@@ -20,14 +20,13 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-import ckptstore
 from ckptstore.storage import open_storage
 from ckptstore.supervisor import runner
 from ckptstore.supervisor.cli_run import split_argv
 from ckptstore.supervisor.journal import Journal, latest_run
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from jobutil import Job  # noqa: E402
+from jobutil import Job, assert_bit_identical  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parent / "procs" / "supervised_train.py"
 STEPS = 30
@@ -77,12 +76,6 @@ def reference(tmp_path_factory) -> dict:
     assert job.finish() == 0, job.output()[-3000:]
     return torch.load(job.final)
 
-
-def assert_bit_identical(path: Path, reference: dict) -> None:
-    got = torch.load(path)
-    assert sorted(got) == sorted(reference)
-    for k in reference:
-        assert torch.equal(got[k].view(torch.int32), reference[k].view(torch.int32)), k
 
 
 # ------------------------------------------------------------------ argument splitting

@@ -24,7 +24,6 @@ import pytest
 pytest.importorskip("boto3")
 pytest.importorskip("moto.server")
 
-import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import s3util  # noqa: E402
@@ -34,6 +33,7 @@ from test_supervisor import (  # noqa: E402  (no test_* name imported: pytest wo
     journal,
     kinds,
     nonzero,
+    reference,  # noqa: F401 (the module fixture: an uninterrupted run, checkpoints on local disk)
     status,
 )
 
@@ -65,15 +65,6 @@ def bucket(endpoint):
     s3util.empty_bucket(name, endpoint)
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> dict:
-    """An uninterrupted run's final parameters, its checkpoints on local disk."""
-    tmp = tmp_path_factory.mktemp("reference")
-    job = Supervised(tmp / "store", tmp)
-    assert job.finish() == 0, job.output()[-3000:]
-    return torch.load(job.final)
-
-
 def s3_keys(bucket: str, prefix: str) -> list[str]:
     client = s3util.admin_client()
     keys = []
@@ -89,7 +80,7 @@ def assert_nothing_local(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------- scenarios
-def test_a_killed_rank_recovers_bit_identical_with_the_store_on_s3(tmp_path, s3env, bucket, reference):
+def test_a_killed_rank_recovers_bit_identical_with_the_store_on_s3(tmp_path, s3env, bucket, reference):  # noqa: F811
     store = f"s3://{bucket}/run"
     job = Supervised(store, tmp_path, env=s3env)
     job.committed(5)
