@@ -91,7 +91,9 @@ def test_sigterm_with_a_dead_voter_aborts_naming_it_and_exits_by_sigterm(tmp_pat
     finally:
         kill_all(kids)
     assert code0 == -signal.SIGTERM, report(kids)
-    assert rest == ["after_drain failed CommitError"], report(kids)
+    # The drain ends when the save failed, or as soon as this rank's heartbeat thread saw
+    # the abort marker (written by its own commit thread): either way it cannot commit.
+    assert rest in (["after_drain failed CommitError"], ["after_drain aborted"]), report(kids)
     reason = abort_reason(root, attempt)
     assert "ranks [1] presumed dead by rank 0" in reason, reason
     assert manifests(root) == []
@@ -116,7 +118,9 @@ def test_sigterm_with_a_dead_committer_aborts_naming_it_and_exits_by_sigterm(tmp
     finally:
         kill_all(kids)
     assert code1 == -signal.SIGTERM, report(kids)
-    assert rest == ["after_drain failed CommitError"], report(kids)
+    # The drain ends when the save failed, or as soon as this rank's heartbeat thread saw
+    # the abort marker (written by its own commit thread): either way it cannot commit.
+    assert rest in (["after_drain failed CommitError"], ["after_drain aborted"]), report(kids)
     reason = abort_reason(root, attempt)
     assert "ranks [0] presumed dead by rank 1" in reason, reason
     assert manifests(root) == []
