@@ -241,6 +241,11 @@ def _has_typed_storage(dtype: torch.dtype) -> bool:
     return True
 
 
+# Types the pickler meets most that are never a storage (persistent_id's fast path).
+_NEVER_STORAGE = frozenset({int, float, bool, str, bytes, tuple, list, dict, type(None), OrderedDict, torch.Size,
+                            torch.dtype, torch.device, type(torch._utils._rebuild_tensor_v2)})
+
+
 def flatten(obj, on_storage: Callable[[StorageRef], None], pickle_protocol: int = 2, *,
             on_dtensor: Callable[[DTensorRef], None] | None = None,
             replicated: Callable[[str], bool] | None = None, pickle_module=pickle) -> bytes:
@@ -269,7 +274,9 @@ def flatten(obj, on_storage: Callable[[StorageRef], None], pickle_protocol: int 
         return o, torch.uint8, torch.UntypedStorage, o.nbytes()
 
     def persistent_id(o):
-        if not (isinstance(o, torch.storage.TypedStorage) or torch.is_storage(o)):
+        # The pickler asks this of every object (about 19 per tensor): answer the
+        # common ones with one set lookup.
+        if type(o) in _NEVER_STORAGE or not (isinstance(o, torch.storage.TypedStorage) or torch.is_storage(o)):
             return None
         storage, dtype, storage_type, numel = storage_pid(o)
         cdata = storage._cdata
