@@ -1,0 +1,138 @@
+#!/usr/bin/env python
+"""Cost per tensor: many small tensors, ckptstore beside its peers in the same run.
+
+For each count N (``--counts``, default 1,000 and 10,000; add 100000 for the
+mixture-of-experts scale) a state of N fp32 tensors of ``--numel`` elements (default
+1024: 4 KiB each) is saved and loaded, the peers interleaved with ckptstore in every
+repeat (the machine is shared: ratios of the same run are what count):
+
+- **blocking**: ``ckptstore.save`` until it returns (staged) against
+  ``dcp.async_save`` until it returns and a bare ``copy_`` of every tensor into
+  preallocated ones; ``per tensor`` is (blocking - copy) / N;
+- **committed and durable**: ``ckptstore.save(...).result()`` against ``torch.save`` +
+  flush + fsync;
+- **load**: ``ckptstore.load`` against ``torch.load(weights_only=True)``, page cache warm.
+
+Steady state: one untimed save of each first (the staging pool is sized and faulted).
+Prints a table of medians and writes JSON (``--out``).
+
+Usage::
+
+    python bench/bench_tensors.py [--counts 1000,10000] [--numel 1024] [--repeats 3] [--out ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import os
+import shutil
+import statistics
+import tempfile
+import time
+import warnings
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+
+from _common import cpu_model, write_json
+
+warnings.simplefilter("ignore")
+import ckptstore  # noqa: E402
+
+
+def fsync_torch_save(state, path: str) -> None:
+    with open(path, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def measure(n: int, numel: int, repeats: int, root: str) -> dict:
+    g = torch.Generator().manual_seed(n)
+    state = {f"layers.{i}.weight": torch.randn(numel, generator=g) for i in range(n)}
+    copies = {k: torch.empty_like(v) for k, v in state.items()}
+    times: dict[str, list[float]] = {k: [] for k in (
+        "copy_", "ckptstore blocking", "dcp.async_save blocking", "ckptstore committed", "torch.save+fsync",
+        "ckptstore.load", "torch.load")}
+
+    def fresh(name: str) -> str:
+        path = os.path.join(root, f"{name}-{time.monotonic_ns()}")
+        return path
+
+    # warm-up: pools sized and faulted, code paths imported
+    ckptstore.save(state, fresh("warm")).result()
+    dcp.async_save(state, storage_writer=FileSystemWriter(fresh("warm-dcp")), no_dist=True).result()
+    last_ck = last_torch = None
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for k, v in state.items():
+            copies[k].copy_(v)
+        times["copy_"].append(time.perf_counter() - t)
+
+        path = fresh("ck")
+        t = time.perf_counter()
+        fut = ckptstore.save(state, path)
+        times["ckptstore blocking"].append(time.perf_counter() - t)
+        fut.result()
+        times["ckptstore committed"].append(time.perf_counter() - t)
+        last_ck = path
+
+        t = time.perf_counter()
+        dfut = dcp.async_save(state, storage_writer=FileSystemWriter(fresh("dcp")), no_dist=True)
+        times["dcp.async_save blocking"].append(time.perf_counter() - t)
+        dfut.result()
+
+        path = fresh("torch") + ".pt"
+        t = time.perf_counter()
+        fsync_torch_save(state, path)
+        times["torch.save+fsync"].append(time.perf_counter() - t)
+        last_torch = path
+
+        t = time.perf_counter()
+        ckptstore.load(last_ck)
+        times["ckptstore.load"].append(time.perf_counter() - t)
+        t = time.perf_counter()
+        torch.load(last_torch, weights_only=True)
+        times["torch.load"].append(time.perf_counter() - t)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    med["per tensor beyond copy_ (us)"] = (med["ckptstore blocking"] - med["copy_"]) / n * 1e6
+    return {"n": n, "numel": numel, "median_s": med, "all_s": times}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--counts", default="1000,10000")
+    ap.add_argument("--numel", type=int, default=1024)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dir", default=None, help="parent directory (a disk, not tmpfs)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    root = tempfile.mkdtemp(prefix="bench-tensors-", dir=args.dir)
+    rows = []
+    try:
+        for n in (int(c) for c in args.counts.split(",")):
+            rows.append(measure(n, args.numel, args.repeats, root))
+            shutil.rmtree(root, ignore_errors=True)
+            os.makedirs(root, exist_ok=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print(f"{'tensors':>8} {'measure':<24} {'ckptstore s':>11} {'peer':<24} {'peer s':>8} {'ratio':>6}")
+    for r in rows:
+        m = r["median_s"]
+        for what, ours, peer in (("blocking", "ckptstore blocking", "dcp.async_save blocking"),
+                                 ("blocking", "ckptstore blocking", "copy_"),
+                                 ("committed and durable", "ckptstore committed", "torch.save+fsync"),
+                                 ("load (warm)", "ckptstore.load", "torch.load")):
+            print(f"{r['n']:>8} {what:<24} {m[ours]:>11.3f} {peer:<24} {m[peer]:>8.3f} {m[ours] / m[peer]:>5.2f}x")
+        print(f"{r['n']:>8} {'per tensor beyond copy_':<24} {m['per tensor beyond copy_ (us)']:>9.0f}us")
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    write_json(args.out or os.path.join(os.path.dirname(__file__), "results", f"tensors-{stamp}.json"),
+               {"bench": "tensors", "cpu": cpu_model(), "cores": os.cpu_count(), "rows": rows,
+                "at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                "args": vars(args)})
+
+
+if __name__ == "__main__":
+    main()
