@@ -152,7 +152,8 @@ def ls(url: str, as_json: bool, show_all: bool) -> None:
                      "" if r["world_size"] is None else str(r["world_size"]),
                      _human_bytes(r["bytes"]), _human_bytes(r["raw_bytes"]),
                      ("pinned " if r["pinned"] else "") + metrics
-                     + (f" SKIPPED BY RESUME: {r['skipped_by_resume']['reason']}" if "skipped_by_resume" in r else "")
+                     + (f" SKIPPED BY RESUME: {_printable(r['skipped_by_resume']['reason'])}"
+                        if "skipped_by_resume" in r else "")
                      + (f"UNREADABLE MANIFEST: {r['error']}" if r.get("error") else "")])
         for a in r.get("attempts", []):
             if not a["committed"]:
@@ -160,6 +161,11 @@ def ls(url: str, as_json: bool, show_all: bool) -> None:
                              f"voted {a['voted']}", _human_bytes(a["bytes"]), "",
                              "aborted" if a["aborted"] else ""])
     click.echo(_table(["NAME", "STEP", "COMMITTED (UTC)", "RANKS", "STORED", "RAW", "NOTES"], rows))
+
+
+def _printable(text: str) -> str:
+    """Untrusted text (a skip mark's reason) for a terminal: control characters escaped."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def _attempt_records(loc: Location, now: float) -> list[dict]:

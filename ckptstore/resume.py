@@ -204,6 +204,10 @@ def _rederive_rng(obj, rank: int):
         for i, v in enumerate(obj):
             obj[i], hit = _rederive_rng(v, rank)
             found |= hit
+    elif isinstance(obj, tuple) and not hasattr(obj, "_fields"):  # a namedtuple is left as it is
+        items = [_rederive_rng(v, rank) for v in obj]
+        if any(hit for _, hit in items):
+            return type(obj)(v for v, _ in items), True
     return obj, found
 
 

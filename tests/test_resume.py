@@ -235,3 +235,16 @@ def test_retention_and_gc_do_not_count_a_skipped_step_as_the_newest(tmp_path):
     out = CliRunner().invoke(cli, ["gc", store.url, "--keep-last", "1", "--grace", "0s", "--json"])
     assert out.exit_code == 0, out.output
     assert store.steps() == [25]  # never everything: when every step was skipped, the newest stays
+
+
+def test_rng_states_in_tuples_are_rederived_and_hostile_skip_reasons_print_escaped(tmp_path):
+    from ckptstore.resume import _rederive_rng
+
+    state = {"pair": (ckptstore.rng_state(), 3)}
+    out, found = _rederive_rng(state, rank=5)
+    assert found and out["pair"][0]["rank"] == 5 and out["pair"][1] == 3
+    store = _store_with_steps(tmp_path / "s", (1, 2))
+    mark = {"step": 2, "generation": 1, "reason": "bad\x1b[2J\rbyte", "at": "x"}
+    (tmp_path / "s" / names.step_dir_name(2) / names.SKIPPED_NAME).write_text(json.dumps(mark))
+    table = CliRunner().invoke(cli, ["ls", store.url]).output
+    assert "\x1b" not in table and "\r" not in table and "bad\\x1b[2J\\rbyte" in table
