@@ -15,13 +15,13 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import torch.distributed as dist
 
 from . import format as fmt
 from . import names
 from . import rng
+from .checkpoint.commit import generations
 from .checkpoint.fencing import claim_epoch
-from .checkpoint.group import rank_and_world
+from .checkpoint.group import from_rank0, gather, rank_and_world
 from .errors import (
     CheckpointNotFoundError,
     CkptStoreError,
@@ -106,7 +106,7 @@ def resume(store, template=None, *, map_location=None, weights_only: bool = True
     # that lands after the claim is refused, so the steps listed here are all there is.
     # Whatever rank 0 meets here reaches every rank (none may wait in a collective for
     # a rank that raised).
-    start = _from_rank0(_claim_and_list(store, claim) if rank == 0 else None, group)
+    start = from_rank0(_claim_and_list(store, claim) if rank == 0 else None, group)
     if start[0] == "error":
         raise ResumeError(f"{store.url}: rank 0 could not start the resume: {start[1]}")
     _, epoch, steps = start
@@ -136,7 +136,7 @@ def _first_usable(store, steps, template, map_location, weights_only, validate, 
                   rank, world, epoch, group):
     for step in reversed(steps):
         state, info, verdict, own_error = _try_step(store, step, template, map_location, weights_only, validate)
-        verdicts = _gather(verdict, group)
+        verdicts = gather(verdict, group)
         failed = [(r, text) for r, (kind, text) in enumerate(verdicts) if kind == "error"]
         if failed:
             if own_error is not None and verdict[0] == "error":
@@ -215,25 +215,8 @@ def _mark_skipped(store, step: int, reason: str) -> None:
     """Leave a note in the step (``ckptstore ls`` shows it); best effort."""
     try:
         loc = store.location(step)
-        generation = store.manifest(step).generation
+        generation = generations(loc)[-1]  # the visible one: a listing, not a second parse
         note = {"step": step, "generation": generation, "reason": reason[:4096], "at": fmt.utc_now()}
         loc.put(names.SKIPPED_NAME, json.dumps(note).encode())
     except Exception:
         pass  # the note is for people; the resume itself already moved on
-
-
-def _from_rank0(value, group):
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
-        return value
-    box = [value]
-    src = 0 if group is None else dist.get_global_rank(group, 0)
-    dist.broadcast_object_list(box, src=src, group=group)
-    return box[0]
-
-
-def _gather(verdict, group) -> list:
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
-        return [verdict]
-    out = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, verdict, group=group)
-    return out

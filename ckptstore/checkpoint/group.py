@@ -18,14 +18,28 @@ def rank_and_world(group=None) -> tuple[int, int]:
     return 0, 1
 
 
+def from_rank0(value, group=None):
+    """Rank 0's ``value`` on every rank of ``group`` (collective; other ranks' values are
+    ignored). Without a group of several ranks, ``value`` itself."""
+    if rank_and_world(group)[1] == 1:
+        return value
+    box = [value]
+    src = 0 if group is None else dist.get_global_rank(group, 0)
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+def gather(value, group=None) -> list:
+    """Every rank's ``value``, by rank (collective)."""
+    world = rank_and_world(group)[1]
+    if world == 1:
+        return [value]
+    out = [None] * world
+    dist.all_gather_object(out, value, group=group)
+    return out
+
+
 def agree_on_attempt(step: int | None, group=None) -> tuple[str, int | None]:
     """A fresh attempt id that every rank of ``group`` shares, and rank 0's step
     (collective). The caller checks that its own step is rank 0's."""
-    rank, world = rank_and_world(group)
-    attempt = names.new_attempt_id()
-    if world == 1:
-        return attempt, step
-    payload = [attempt, step] if rank == 0 else [None, None]
-    src = 0 if group is None else dist.get_global_rank(group, 0)
-    dist.broadcast_object_list(payload, src=src, group=group)
-    return payload[0], payload[1]
+    return from_rank0((names.new_attempt_id(), step), group)
