@@ -15,7 +15,6 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-
 from . import format as fmt
 from . import names
 from . import rng

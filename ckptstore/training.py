@@ -96,7 +96,8 @@ class Checkpointer:
         self._previous: dict[int, Any] = {}
         self._install(signals)
         # Under `ckptstore run`: progress for the supervisor (hangs, lost work, intervals).
-        self._reporter = ProgressReporter.from_env(rank_and_world(self.store.process_group)[0])
+        self._rank = rank_and_world(self.store.process_group)[0]
+        self._reporter = ProgressReporter.from_env(self._rank)
         if self._reporter is not None:
             guard_worker()
         self._last_step_time: float | None = None
@@ -268,7 +269,7 @@ class Checkpointer:
         """The last step reached, for the run's journal (lost work = this - the resumed
         step). Rank 0 only, and at most every PROGRESS_EVERY seconds."""
         now = time.monotonic()
-        if rank_and_world(self.store.process_group)[0] != 0:
+        if self._rank != 0:
             return
         if not force and now - self._last_progress < PROGRESS_EVERY:
             return
@@ -301,19 +302,6 @@ def write_progress(storage: Storage, step: int) -> None:
         storage.put(names.PROGRESS_NAME, json.dumps(record).encode())
     except Exception:
         pass
-
-
-def read_progress(storage: Storage) -> dict | None:
-    """The last progress record of the run at ``storage``, or None."""
-    from .checkpoint.commit import read_capped
-    from .errors import CkptStoreError
-
-    try:
-        record = fmt.loads_json(read_capped(storage, names.PROGRESS_NAME, fmt.MAX_MARKER_BYTES, "progress"),
-                                "progress")
-    except CkptStoreError:
-        return None
-    return record if isinstance(record, dict) and isinstance(record.get("step"), int) else None
 
 
 def _journal_mtbf(storage: Storage) -> float:
