@@ -30,6 +30,7 @@ from .classify import Verdict, classify
 from .health import EXIT_UNHEALTHY, HealthLimits, check_node, checks_json, healthy
 from .journal import Journal, new_run_id
 from .progress import ENV_DIR, read_progress
+from .status import newest_checkpoint
 
 # Exit status of `ckptstore run` (docs/runbook.md).
 EXIT_FINISHED = 0
@@ -82,18 +83,17 @@ class Supervisor:
         policy["alert"] = bool(self.policy.alert)  # the command may hold a secret (a webhook URL)
         self._event("run_start", command=self.launcher_args, world_size=self.world_size, nnodes=self.nnodes,
                     hosts=[socket.gethostname()], policy=policy)
-        failures: list[tuple[float, Verdict]] = []
+        failure_times: list[float] = []  # of the failures that count against the limits
         stalled, consecutive = 0, 0
         last_ckpt = self._checkpoint()[0]
         attempt = 0
         while True:
             checks = check_node(self.store_url, list(self.staging_dirs), self.policy.health)
             if not healthy(checks):
+                reason = "; ".join(f"{c.name}: {c.detail}" for c in checks if not c.ok)
                 # the last event: `status` reads the run as ended on an unhealthy node
-                self._event("unhealthy", checks=[c for c in checks_json(checks) if not c["ok"]],
-                            reason="; ".join(f"{c.name}: {c.detail}" for c in checks if not c.ok))
-                print("ckptstore run: unhealthy node: " + "; ".join(f"{c.name}: {c.detail}" for c in checks
-                                                                     if not c.ok), file=sys.stderr, flush=True)
+                self._event("unhealthy", checks=[c for c in checks_json(checks) if not c["ok"]], reason=reason)
+                print(f"ckptstore run: unhealthy node: {reason}", file=sys.stderr, flush=True)
                 return EXIT_UNHEALTHY
             self._event("attempt_start", attempt=attempt)
             outcome = self._attempt(attempt, started)
@@ -104,38 +104,36 @@ class Supervisor:
                 return EXIT_FINISHED
             if outcome.klass == "timeout":
                 return self._give_up(outcome.reason, EXIT_RUN_TIMEOUT, "timeout")
-            self._record_failure(attempt, outcome)
+            ckpt = self._checkpoint()
+            self._record_failure(attempt, outcome, *ckpt)
             if self._stop_signal is not None:
-                return self._give_up(f"the supervisor was stopped by {signal.Signals(self._stop_signal).name}",
-                                     EXIT_STOPPED, "preempted")
+                return self._stopped()
             if outcome.klass == "deterministic":
                 return self._give_up(f"deterministic error: {outcome.reason}", EXIT_DETERMINISTIC, "deterministic")
             now = time.monotonic()
-            if outcome.klass != "preempted":  # a preemption is not the job's fault: no budget spent
-                failures.append((now, outcome))
-                consecutive += 1
-            if outcome.klass != "preempted":
+            counted = outcome.klass != "preempted"  # a preemption is not the job's fault: no budget spent
+            if counted:
+                failure_times.append(now)
                 self._previous_sig = outcome.signature
-            ckpt = self._checkpoint()[0]
+            ckpt = ckpt[0]
             advanced = ckpt != last_ckpt
-            stalled = stalled + 1 if (not advanced and outcome.klass != "preempted") else 0
-            if advanced:
-                consecutive = 1 if outcome.klass != "preempted" else 0  # backoff grows only while stuck
+            stalled = stalled + 1 if (counted and not advanced) else 0
+            # backoff grows only while stuck: a newer checkpoint starts it over
+            consecutive = (1 if counted else 0) if advanced else consecutive + counted
             last_ckpt = ckpt
             if stalled >= self.policy.no_progress_restarts:
                 return self._give_up(f"no checkpoint newer than step {ckpt} in {stalled} failures in a row",
                                      EXIT_NO_PROGRESS, "no_progress")
-            if len(failures) > self.policy.max_restarts:
+            if len(failure_times) > self.policy.max_restarts:
                 return self._give_up(f"restart limit reached ({self.policy.max_restarts})", EXIT_RESTART_LIMIT,
                                      "restart_limit")
-            hour = [t for t, _ in failures if now - t < 3600]
+            hour = [t for t in failure_times if now - t < 3600]
             if self.policy.max_restarts_per_hour is not None and len(hour) > self.policy.max_restarts_per_hour:
                 return self._give_up(f"{len(hour)} failures within an hour (limit "
                                      f"{self.policy.max_restarts_per_hour})", EXIT_RESTART_LIMIT, "restart_limit")
-            self._backoff(consecutive if outcome.klass != "preempted" else 0)
+            self._backoff(consecutive if counted else 0)
             if self._stop_signal is not None:  # stopped while waiting: no new launch
-                return self._give_up(f"the supervisor was stopped by {signal.Signals(self._stop_signal).name}",
-                                     EXIT_STOPPED, "preempted")
+                return self._stopped()
             attempt += 1
 
     # ------------------------------------------------------------------ one attempt
@@ -241,9 +239,8 @@ class Supervisor:
             _kill_worker(pid, self._progress_dir)
 
     # ------------------------------------------------------------------ records
-    def _record_failure(self, attempt: int, v: Verdict) -> None:
+    def _record_failure(self, attempt: int, v: Verdict, ckpt_step: int | None, ckpt_t: float | None) -> None:
         step = v.evidence.get("step")
-        ckpt_step, ckpt_t = self._checkpoint()
         lost = None if step is None else step - (ckpt_step if ckpt_step is not None else -1)
         step_s = v.evidence.get("step_s")
         self._event("failure", attempt=attempt, **{"class": v.klass}, reason=v.reason, exit_code=v.exit_code,
@@ -252,6 +249,10 @@ class Supervisor:
                     checkpoint_age_s=None if ckpt_t is None else max(0.0, time.time() - ckpt_t),
                     lost_steps=lost, lost_s=None if (lost is None or step_s is None) else lost * step_s,
                     save_blocking_s=v.evidence.get("save_blocking_s"), step_s=step_s)
+
+    def _stopped(self) -> int:
+        return self._give_up(f"the supervisor was stopped by {signal.Signals(self._stop_signal).name}",
+                             EXIT_STOPPED, "preempted")
 
     def _give_up(self, reason: str, code: int, klass: str) -> int:
         self._event("give_up", reason=reason, code=code, **{"class": klass})
@@ -268,17 +269,13 @@ class Supervisor:
             _alert(self.policy.alert, event)
 
     def _checkpoint(self) -> tuple[int | None, float | None]:
-        """The newest committed step and its commit time (unix seconds)."""
-        from ..api import Store
-
+        """The newest committed step and its commit time (unix seconds): what a resume
+        would start from (status.newest_checkpoint; None, None when unknown)."""
         try:
-            store = Store(self.store_url)
-            step = store.latest()
-            if step is None:
-                return None, None
-            return step, fmt.parse_time(store.manifest(step).committed_at)
+            newest = newest_checkpoint(self.storage)
         except Exception:
-            return None, None
+            newest = None
+        return (newest["step"], newest["committed_at_t"]) if newest else (None, None)
 
     def _backoff(self, consecutive: int) -> None:
         if consecutive <= 0:
