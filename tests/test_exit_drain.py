@@ -106,7 +106,7 @@ def test_sigterm_with_a_dead_voter_aborts_naming_it_and_exits_by_sigterm(tmp_pat
 def test_sigterm_with_a_dead_committer_aborts_naming_it_and_exits_by_sigterm(tmp_path):
     """The mirror: rank 0 dies after its vote, where it would commit; rank 1, voted and
     waiting for the outcome, is SIGTERMed: it presumes rank 0 dead (rank 0 voted, so it
-    promised a heartbeat every HEARTBEAT_EVERY s), aborts naming it and dies by SIGTERM."""
+    promised a heartbeat every SAVE_BEAT_EVERY s), aborts naming it and dies by SIGTERM."""
     root = str(tmp_path / "run")
     kids = start_group("committer_dies", root)
     try:

@@ -14,7 +14,7 @@ commit still needs by their heartbeats (:class:`PeerWatch`), so a dead peer ends
 wait within the liveness window instead of the commit timeout:
 
 - rank 0 judges the ranks whose vote is missing, each by the cadence it promised (every
-  rank of a multi-rank save beats every ``HEARTBEAT_EVERY`` seconds from start to end,
+  rank of a multi-rank save beats every ``SAVE_BEAT_EVERY`` seconds from start to end,
   and fast once it exits): one whose heartbeat says it exits and did not change for the
   window, or any other whose heartbeat did not change for the period plus the window,
   is presumed dead;
@@ -50,40 +50,27 @@ from ..storage import Storage
 from . import exiting
 
 
-HEARTBEAT_EVERY = 10.0  # seconds between heartbeats of a rank waiting in the commit (normal mode)
-# Every rank of a multi-rank save also beats this often from its start to its end
-# (exiting.Heartbeat; a save shorter than this writes none): what a peer in exit mode
-# holds a silent rank to.
+# Every rank of a multi-rank save beats its heartbeat this often from its start to its
+# end, commit waits included (exiting.Heartbeat; a save shorter than this writes none):
+# what gc's grace and a peer in exit mode hold a silent rank to.
 SAVE_BEAT_EVERY = 3.0
 
 
 class Deadline:
     """Polling with backoff until a deadline: waits on storage, never on the training
     process group (votes travel through storage, so background threads need no
-    collectives).
+    collectives). The waiting rank's heartbeat, which keeps gc from taking its attempt
+    for abandoned (I7), is beaten by the save's own thread (exiting.Heartbeat) from the
+    start of the save to its end, waits included."""
 
-    While it waits, the rank rewrites a heartbeat file in its attempt now and then:
-    gc judges an attempt's age by its newest file, so an attempt whose ranks are still
-    waiting never looks abandoned (I7).
-    """
-
-    def __init__(self, timeout: float, storage: Storage | None = None, attempt: str = "", rank: int = 0):
+    def __init__(self, timeout: float):
         self.end = time.monotonic() + timeout
         self.delay = 0.002
-        self._beat = (storage, names.heartbeat_name(attempt, rank)) if storage else None
-        self._last_beat = time.monotonic()
 
     def sleep_or_expire(self) -> bool:
-        now = time.monotonic()
-        left = self.end - now
+        left = self.end - time.monotonic()
         if left <= 0:
             return False
-        if self._beat is not None and now - self._last_beat >= HEARTBEAT_EVERY:
-            self._last_beat = now
-            try:
-                self._beat[0].put(self._beat[1], exiting.heartbeat_bytes())
-            except Exception:
-                pass  # a missed heartbeat only makes gc's view older, never wrong data
         time.sleep(min(self.delay, left))
         self.delay = min(self.delay * 2, 0.25)
         return True
@@ -213,7 +200,7 @@ def commit(storage: Storage, own: fmt.Vote, world_size: int, created_at: str, me
     attempt = own.attempt
     where = storage.describe()
     votes = {0: own}
-    deadline = Deadline(timeout, storage, attempt, 0)
+    deadline = Deadline(timeout)
     watch: PeerWatch | None = None
     while True:
         entries: list[str] = []
@@ -399,7 +386,7 @@ def read_abort_reason(storage: Storage, attempt: str) -> str:
 def await_outcome(storage: Storage, attempt: str, timeout: float, rank: int = 1) -> fmt.Manifest:
     """Ranks other than 0: wait until rank 0 committed this attempt or gave up."""
     where = storage.describe()
-    deadline = Deadline(timeout, storage, attempt, rank)
+    deadline = Deadline(timeout)
     seen: set[int] = set()
     watch: PeerWatch | None = None
     while True:
