@@ -8,16 +8,15 @@ from __future__ import annotations
 
 import datetime as _dt
 import functools
-import gc
 import json
 import math
 import re
-import threading
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import torch
 
+from ._gc import gc_paused
 from .config import config
 from .errors import FormatError, UnsupportedVersionError
 
@@ -97,31 +96,6 @@ def _time(v: Any, what: str) -> str:
     except (ValueError, OverflowError, OSError) as e:
         raise FormatError(f"{what} {v[:64]!r} is not an ISO 8601 time") from e
     return v
-
-
-class _GcPaused:
-    """Pause the cyclic garbage collector while a large document is parsed: its
-    hundreds of thousands of new, acyclic dicts and lists otherwise trigger collections
-    of the whole heap (measured: half of a 10,000-tensor manifest's parse time in a
-    process holding torch). Nested and concurrent uses are counted; the collector's
-    previous state comes back when the last one ends."""
-
-    _lock = threading.Lock()
-    _depth = 0
-    _was_enabled = False
-
-    def __enter__(self):
-        with self._lock:
-            if _GcPaused._depth == 0:
-                _GcPaused._was_enabled = gc.isenabled()
-                gc.disable()
-            _GcPaused._depth += 1
-
-    def __exit__(self, *exc):
-        with self._lock:
-            _GcPaused._depth -= 1
-            if _GcPaused._depth == 0 and _GcPaused._was_enabled:
-                gc.enable()
 
 
 def loads_json(data: bytes, what: str) -> Any:
@@ -472,7 +446,7 @@ class Vote:
 
     @classmethod
     def from_bytes(cls, data: bytes, what: str = "vote") -> "Vote":
-        with _GcPaused():
+        with gc_paused():
             return cls.from_json(loads_json(data, what))
 
 
@@ -568,7 +542,7 @@ class Manifest:
         if len(data) > cap:
             raise FormatError(f"manifest holds {len(data)} bytes, more than the cap of {cap} "
                               "(CKPTSTORE_MAX_MANIFEST_BYTES)")
-        with _GcPaused():
+        with gc_paused():
             return cls.from_json(loads_json(data, "manifest"))
 
     # -- summaries
@@ -626,6 +600,12 @@ def validate_coverage(entry: TensorEntry, what: str) -> None:
     shape = entry.shape
     nd = len(shape)
     size = itemsize(entry.dtype)
+    chunks = entry.chunks
+    if len(chunks) == 1 and chunks[0].sizes == shape and len(chunks[0].offsets) == nd and not any(chunks[0].offsets):
+        # one chunk, the whole tensor (most tensors): only its length is left to check
+        if chunks[0].blob.raw_length != math.prod(shape) * size:
+            raise FormatError(f"{what}: chunk 0 raw_length {chunks[0].blob.raw_length} != {math.prod(shape) * size}")
+        return
     total = 0
     boxes = []
     for i, c in enumerate(entry.chunks):

@@ -15,6 +15,7 @@ import threading
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
+from typing import Callable
 
 from . import format as fmt
 from .codecs import CompressionPolicy, encode
@@ -95,6 +96,13 @@ class RankWriter:
         """
         self._pending.append((self._chunk_task, (key, offsets, sizes, itemsize, buf, scope, write), buf))
 
+    def submit_pack(self, buf: StagingBuffer, entries: list[tuple]) -> None:
+        """Hand over one buffer holding several whole rank-local tensors back to back
+        (``StagingCopier.gather``): ``entries`` are (key, byte offset in ``buf``, nbytes,
+        itemsize, shape). Each tensor stays a chunk of its own, hashed and encoded as
+        one; a worker appends the pack's stored bytes in one write."""
+        self._pending.append((self._pack_task, (buf, entries), buf))
+
     def flush(self) -> None:
         """Start the background work handed over so far.
 
@@ -112,9 +120,11 @@ class RankWriter:
                 self._pending = pending[start:] + self._pending  # abort() returns their buffers
                 raise
 
-    def submit_skeleton(self, data: bytes) -> None:
-        """The last blob of a snapshot: starts every held-back chunk too."""
-        self._pending.append((self._skeleton_task, (memoryview(data),), None))
+    def submit_skeleton(self, data: bytes | Callable[[], bytes]) -> None:
+        """The last blob of a snapshot: starts every held-back chunk too. ``data`` may
+        be a function that makes the bytes: a worker calls it (a captured state's
+        skeleton is pickled off the caller's thread)."""
+        self._pending.append((self._skeleton_task, (data,), None))
         self.flush()
 
     @property
@@ -167,10 +177,44 @@ class RankWriter:
         finally:
             release()
 
-    def _skeleton_task(self, data: memoryview) -> None:
+    def _pack_task(self, buf: StagingBuffer, entries: list[tuple]) -> None:
+        try:
+            if self._error is not None:
+                return
+            view, memo, policy = buf.view, self.rt.codec_memo, self.policy
+            stored_parts, records, all_raw = [], [], True
+            for key, start, nbytes, itemsize, shape in entries:
+                raw = view[start:start + nbytes]
+                offsets = (0,) * len(shape)
+                chain, stored = encode(raw, itemsize, policy, (Scope.LOCAL, key, offsets), memo)
+                all_raw = all_raw and not chain
+                stored_parts.append(stored)
+                records.append((key, offsets, shape, len(stored), nbytes, tuple(chain), digest(raw)))
+            if all_raw:  # the stored bytes are the buffer's, in order: one write, no copy
+                end = entries[-1][1] + entries[-1][2]
+                data = view[entries[0][1]:end]
+            else:
+                data = b"".join(stored_parts)
+            at = self._writer().append(data) if len(data) else 0
+            chunks = []
+            for key, offsets, shape, length, nbytes, chain, raw_hash in records:
+                chunks.append((key, fmt.Chunk(offsets, shape, fmt.Blob(self.file, at if length else 0, length,
+                                                                        nbytes, chain, raw_hash))))
+                at += length
+            with self._lock:
+                for key, chunk in chunks:
+                    self._chunks.setdefault((Scope.LOCAL, key), []).append(chunk)
+        except BaseException as e:
+            self._fail(e, f"tensor {entries[0][0]!r} (or one of the {len(entries) - 1} packed after it)")
+        finally:
+            self.rt.pool.release(buf)
+
+    def _skeleton_task(self, data) -> None:
         try:
             if self._error is None:
-                self._skeleton = self._store(data, 1)
+                if callable(data):
+                    data = data()
+                self._skeleton = self._store(memoryview(data), 1)
         except BaseException as e:
             self._fail(e, "object skeleton")
 

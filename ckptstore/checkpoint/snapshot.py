@@ -21,7 +21,9 @@ import xxhash
 
 from .. import format as fmt
 from ..pipeline import RankWriter
+from .._gc import gc_paused
 from ..staging import StagingCopier, StagingPool
+from .capture import Captured, capture, pickle_captured
 from .flatten import (
     GLOBAL,
     LOCAL,
@@ -74,7 +76,7 @@ def snapshot(obj, writer: RankWriter, pool: StagingPool, chunk_bytes: int = DEFA
         zero = (0,) * len(ref.shape)
         if ref.scope == LOCAL:
             out.local[ref.key] = entry
-            stage(ref.key, ref.storage, 0, ref.shape, zero, ref.dtype.itemsize, LOCAL, lambda o, n: True)
+            stage(ref.key, ref.storage, 0, ref.shape, zero, ref.dtype.itemsize, LOCAL, _writes_all)
         else:
             out.shards[ref.key] = entry
 
@@ -108,11 +110,67 @@ def snapshot(obj, writer: RankWriter, pool: StagingPool, chunk_bytes: int = DEFA
     # device-to-host transfer per batch on a staging stream). ``before_wait`` starts
     # the workers before it waits for the pool, since only they free buffers.
     copier = StagingCopier(pool, before_wait=writer.flush)
-    with copier:  # on a clean exit every byte has landed and every buffer is with the writer
-        skeleton = flatten(obj, on_storage, pickle_protocol, on_dtensor=on_dtensor, replicated=is_replicated,
-                           pickle_module=pickle_module)
+    with gc_paused():  # the walk makes many short-lived objects: no whole-heap collections meanwhile
+        plain_pickle = pickle_module is pickle and pickle_protocol == 2
+        captured = capture(obj) if plain_pickle and not patterns else None
+        with copier:  # on a clean exit every byte has landed and every buffer is with the writer
+            if captured is None:
+                skeleton = flatten(obj, on_storage, pickle_protocol, on_dtensor=on_dtensor, replicated=is_replicated,
+                                   pickle_module=pickle_module)
+            else:
+                _stage_captured(captured, out, writer, copier, stage, limit)
+                frozen = captured.frozen
+                skeleton = lambda: pickle_captured(frozen)  # noqa: E731 (a worker calls it)
     writer.submit_skeleton(skeleton)
     return out
+
+
+PACK_BYTES = 4 << 20  # small tensors are copied and handed over in buffers of about this much
+SMALL_TENSOR_BYTES = 1 << 20  # at most this size, a tensor goes into a pack
+
+
+def _stage_captured(captured: Captured, out: Snapshot, writer: RankWriter, copier: StagingCopier, stage,
+                    limit: int) -> None:
+    """Stage a captured state's storages: the small ones packed into shared buffers
+    (one reservation, copy and hand-over per pack, not per tensor), the others in
+    chunks as ``flatten``'s callback does."""
+    pack_limit = min(PACK_BYTES, limit)
+    small = min(SMALL_TENSOR_BYTES, pack_limit)
+    entries: list[tuple] = []
+    pointers: list[int] = []
+    sizes: list[int] = []
+    packed = 0
+
+    def send() -> None:
+        nonlocal entries, pointers, sizes, packed
+        if writer.failed is not None:
+            raise writer.failed  # stop staging a save that cannot commit
+        pack = entries
+        copier.gather(pointers, sizes, lambda buf: writer.submit_pack(buf, pack))
+        entries, pointers, sizes, packed = [], [], [], 0
+
+    for ref, ptr in captured.storages:
+        shape = ref.shape
+        out.local[ref.key] = (fmt.dtype_name(ref.dtype), shape)
+        itemsize = ref.dtype.itemsize
+        nbytes = math.prod(shape) * itemsize
+        if nbytes == 0:
+            continue
+        if nbytes > small:
+            stage(ref.key, ref.storage, 0, shape, (0,) * len(shape), itemsize, LOCAL, _writes_all)
+            continue
+        if packed + nbytes > pack_limit:
+            send()
+        entries.append((ref.key, packed, nbytes, itemsize, shape))
+        pointers.append(ptr)
+        sizes.append(nbytes)
+        packed += nbytes
+    if entries:
+        send()
+
+
+def _writes_all(offsets, nbytes) -> bool:
+    return True
 
 
 def _stable_hash(key: str, offsets) -> int:

@@ -91,12 +91,7 @@ class StagingCopier:
 
     def copy(self, storage: torch.UntypedStorage, byte_offset: int, nbytes: int,
              then: Callable[[StagingBuffer], None]) -> None:
-        buf = self.pool.try_acquire(nbytes)
-        if buf is None:
-            self._drain()  # our own buffers go to `then`, whose consumer frees them
-            if self.before_wait is not None:
-                self.before_wait()
-            buf = self.pool.acquire(nbytes, overflow_after=None)
+        buf = self._acquire(nbytes)
         kind = storage.device.type
         if kind == "cuda":
             self._dev.append(QueuedCopy(storage, byte_offset, nbytes, buf, then))
@@ -119,6 +114,23 @@ class StagingCopier:
                 raise
             then(buf)
 
+    def gather(self, pointers: list[int], sizes: list[int], then: Callable[[StagingBuffer], None]) -> None:
+        """Copy several CPU byte ranges back to back into one buffer of their total size,
+        now, then call ``then(buf)``. For many small tensors: one pool reservation, one
+        parallel copy and one hand-over for all of them. The caller keeps the sources
+        alive until this returns."""
+        buf = self._acquire(sum(sizes))
+        try:
+            destinations, at = [], buf.ptr
+            for n in sizes:
+                destinations.append(at)
+                at += n
+            native.copy_many(destinations, pointers, sizes)
+        except BaseException:
+            self.pool.release(buf)
+            raise
+        then(buf)
+
     def finish(self) -> None:
         """Complete every queued copy and hand every buffer over."""
         self._drain()
@@ -139,6 +151,15 @@ class StagingCopier:
             self._release(copies)
 
     # -- internals
+    def _acquire(self, nbytes: int) -> StagingBuffer:
+        buf = self.pool.try_acquire(nbytes)
+        if buf is None:
+            self._drain()  # our own buffers go to `then`, whose consumer frees them
+            if self.before_wait is not None:
+                self.before_wait()
+            buf = self.pool.acquire(nbytes, overflow_after=None)
+        return buf
+
     def _release(self, copies: list[QueuedCopy]) -> None:
         for c in copies:
             self.pool.release(c.buf)
