@@ -123,14 +123,25 @@ def _no_constant(name: str):
 
 
 # ---------------------------------------------------------------------------- dtypes
+# Canonical stored names (``float32``, never an alias like ``float``), looked up once:
+# every chunk record of a manifest names its dtype.
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+_DTYPES: dict[str, torch.dtype] = {}
+for _dtype in {v for v in vars(torch).values() if isinstance(v, torch.dtype)}:
+    _DTYPE_NAMES[_dtype] = str(_dtype).removeprefix("torch.")
+    _DTYPES[_DTYPE_NAMES[_dtype]] = _dtype
+del _dtype
+
+
 def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+    name = _DTYPE_NAMES.get(dtype)
+    return name if name is not None else str(dtype).removeprefix("torch.")
 
 
 def dtype_from_name(name: str) -> torch.dtype:
     """The dtype of its canonical stored name (``float32``, never an alias like ``float``)."""
-    dt = getattr(torch, name, None) if isinstance(name, str) else None
-    if not isinstance(dt, torch.dtype) or dtype_name(dt) != name:
+    dt = _DTYPES.get(name) if type(name) is str else None
+    if dt is None:
         raise FormatError(f"unknown dtype {name!r}")
     return dt
 
@@ -169,7 +180,9 @@ def _int_list(v: Any, what: str, field: str = "", max_len: int = MAX_NDIM) -> tu
     if len(v) > max_len:
         raise FormatError(f"{what}{field} has {len(v)} entries, at most {max_len} are allowed")
     for x in v:
-        if not 0 <= _expect(x, int, what, field) <= MAX_BYTES:
+        if type(x) is not int:
+            _expect(x, int, what, field)
+        if not 0 <= x <= MAX_BYTES:
             raise FormatError(f"{what}{field} holds {x}, outside 0 .. 2**62")
     return tuple(v)
 
@@ -499,7 +512,8 @@ class Manifest:
         return d
 
     def to_bytes(self) -> bytes:
-        return json.dumps(self.to_json(), separators=(",", ":"), allow_nan=False).encode()
+        with gc_paused():  # a record per chunk: no whole-heap collections meanwhile
+            return json.dumps(self.to_json(), separators=(",", ":"), allow_nan=False).encode()
 
     @classmethod
     def from_json(cls, d: Any) -> "Manifest":
@@ -570,6 +584,11 @@ class Manifest:
 # ---------------------------------------------------------------------------- validation
 def validate_ranks(ranks: tuple[RankState, ...], world_size: int) -> None:
     """I5: one state per rank 0..world_size-1, and chunks covering each tensor exactly once."""
+    with gc_paused():
+        _validate_ranks(ranks, world_size)
+
+
+def _validate_ranks(ranks: tuple[RankState, ...], world_size: int) -> None:
     if not 1 <= world_size <= MAX_WORLD_SIZE:
         raise FormatError(f"world_size must be in 1 .. {MAX_WORLD_SIZE}, got {world_size}")
     seen = sorted(r.rank for r in ranks)
