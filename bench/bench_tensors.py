@@ -40,6 +40,9 @@ from _common import cpu_model, write_json
 
 warnings.simplefilter("ignore")
 import ckptstore  # noqa: E402
+from ckptstore import names  # noqa: E402
+from ckptstore.checkpoint.commit import generations, read_manifest  # noqa: E402
+from ckptstore.storage import LocalStorage  # noqa: E402
 
 
 def fsync_torch_save(state, path: str) -> None:
@@ -97,6 +100,17 @@ def measure(n: int, numel: int, repeats: int, root: str) -> dict:
         torch.load(last_torch, weights_only=True)
         times["torch.load"].append(time.perf_counter() - t)
     med = {k: statistics.median(v) for k, v in times.items()}
+    # Manifest size and parse time (one chunk per tensor here), per 100,000 chunks.
+    storage = LocalStorage(last_ck)
+    gen = generations(storage)[-1]
+    size = storage.stat(names.manifest_name(gen)).size
+    parse = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        read_manifest(storage, gen)
+        parse.append(time.perf_counter() - t)
+    med["manifest MB per 100k chunks"] = size / n * 100_000 / 1e6
+    med["manifest read+parse s per 100k chunks"] = statistics.median(parse) / n * 100_000
     med["per tensor beyond copy_ (us)"] = (med["ckptstore blocking"] - med["copy_"]) / n * 1e6
     return {"n": n, "numel": numel, "median_s": med, "all_s": times}
 
@@ -104,7 +118,7 @@ def measure(n: int, numel: int, repeats: int, root: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--counts", default="1000,10000")
-    ap.add_argument("--numel", type=int, default=1024)
+    ap.add_argument("--numel", type=int, default=1024, help="elements per tensor (16384: 64 KiB)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dir", default=None, help="parent directory (a disk, not tmpfs)")
     ap.add_argument("--out", default=None)
@@ -127,6 +141,8 @@ def main() -> None:
                                  ("load (warm)", "ckptstore.load", "torch.load")):
             print(f"{r['n']:>8} {what:<24} {m[ours]:>11.3f} {peer:<24} {m[peer]:>8.3f} {m[ours] / m[peer]:>5.2f}x")
         print(f"{r['n']:>8} {'per tensor beyond copy_':<24} {m['per tensor beyond copy_ (us)']:>9.0f}us")
+        print(f"{r['n']:>8} {'manifest per 100k chunks':<24} {m['manifest MB per 100k chunks']:>9.1f}MB "
+              f"read+parse {m['manifest read+parse s per 100k chunks']:.2f}s")
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     write_json(args.out or os.path.join(os.path.dirname(__file__), "results", f"tensors-{stamp}.json"),
                {"bench": "tensors", "cpu": cpu_model(), "cores": os.cpu_count(), "rows": rows,

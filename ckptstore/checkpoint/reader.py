@@ -45,7 +45,6 @@ def verified(storage: Storage | None, blob: fmt.Blob, what: str, out,
     allocates it: a compressed blob's destination is then allocated only once its
     stored bytes are read and its zstd frame states exactly ``raw_length``, so a
     frame that lies costs nothing."""
-    where = _where(blob, what)
     try:
         if blob.length != blob.raw_length and not blob.codec:
             raise FormatError(f"raw blob length {blob.length} != raw_length {blob.raw_length}")
@@ -65,15 +64,15 @@ def verified(storage: Storage | None, blob: fmt.Blob, what: str, out,
             decode_into(blob.codec, stored, out, "stored bytes")
             raw, actual = out, digest(out)
     except ObjectNotFoundError as e:
-        raise IntegrityError(f"{where}: file is missing: {e}") from e
+        raise IntegrityError(f"{_where(blob, what)}: file is missing: {e}") from e
     except NotRegularObjectError as e:
-        raise IntegrityError(f"{where}: not a regular file: {e}") from e
+        raise IntegrityError(f"{_where(blob, what)}: not a regular file: {e}") from e
     except TruncatedObjectError as e:
-        raise IntegrityError(f"{where}: file is truncated: {e}") from e
+        raise IntegrityError(f"{_where(blob, what)}: file is truncated: {e}") from e
     except FormatError as e:
-        raise IntegrityError(f"{where}: cannot decode: {e}") from e
+        raise IntegrityError(f"{_where(blob, what)}: cannot decode: {e}") from e
     if actual != blob.xxh3_128:
-        raise IntegrityError(f"{where}: xxh3-128 mismatch (stored {blob.xxh3_128}, read {actual})")
+        raise IntegrityError(f"{_where(blob, what)}: xxh3-128 mismatch (stored {blob.xxh3_128}, read {actual})")
     return raw
 
 

@@ -14,6 +14,7 @@ import pickle
 import torch
 
 from .. import format as fmt
+from .._gc import gc_paused
 from ..errors import (
     CheckpointNotFoundError,
     CkptStoreError,
@@ -61,14 +62,20 @@ def _tensor_reads(tensors: dict[str, fmt.TensorEntry], where: str,
     out: dict[str, torch.UntypedStorage] = {}
     for key, entry in tensors.items():
         size = fmt.itemsize(entry.dtype)
+        nbytes = entry.nbytes
         try:
-            data = torch.empty(entry.nbytes, dtype=torch.uint8)
+            data = torch.empty(nbytes, dtype=torch.uint8)
         except RuntimeError as e:  # the manifest's claim is within the format's bounds, not this machine's
-            raise MemoryError(f"{where}: tensor {key!r} needs {entry.nbytes} bytes, which cannot be "
+            raise MemoryError(f"{where}: tensor {key!r} needs {nbytes} bytes, which cannot be "
                               f"allocated here: {e}") from e
-        view = memoryview(data.numpy()) if entry.nbytes else memoryview(bytearray())
+        view = memoryview(data.numpy()) if nbytes else memoryview(bytearray())
         what = f"{where}: tensor {key!r}"
-        for c in entry.chunks:
+        chunks = entry.chunks
+        if len(chunks) == 1 and chunks[0].sizes == entry.shape:  # the whole tensor (most tensors)
+            reads.append(BlobRead(chunks[0].blob, what, view))
+            out[key] = data.untyped_storage()
+            continue
+        for c in chunks:
             if _contiguous_region(entry.shape, c.offsets, c.sizes):
                 start = region_byte_offset(entry.shape, c.offsets, size)
                 reads.append(BlobRead(c.blob, what, view[start:start + c.blob.raw_length]))
@@ -158,8 +165,9 @@ def restore(storage: Storage, manifest: fmt.Manifest, rank: int, map_location=No
     # the skeleton; the skeleton comes last: a damaged file then reports the tensor it
     # hit, not the skeleton.
     reads: list[BlobRead] = []
-    raw = _tensor_reads(state.tensors, where, reads)
-    raw_globals = {} if globals_as_meta else _tensor_reads(dict(manifest.tensors), where, reads)
+    with gc_paused():  # a tensor and a read per stored tensor: no whole-heap collections meanwhile
+        raw = _tensor_reads(state.tensors, where, reads)
+        raw_globals = {} if globals_as_meta else _tensor_reads(dict(manifest.tensors), where, reads)
     skeleton: list[torch.Tensor] = []  # allocated only once its stored bytes passed their checks
     reads.append(BlobRead(state.skeleton, f"{where}: object skeleton of rank {rank}", None, skeleton.append))
     read_blobs(storage, reads, pool, extents_checked=True)
@@ -206,7 +214,8 @@ def restore(storage: Storage, manifest: fmt.Manifest, rank: int, map_location=No
         unpickler = _full_unpickler(pickle_module)(stream, **args)
     unpickler.persistent_load = persistent_load
     try:
-        result = unpickler.load()
+        with gc_paused():  # rebuilds every tensor: no whole-heap collections meanwhile
+            result = unpickler.load()
     except CkptStoreError:
         raise
     except pickle.UnpicklingError as e:
