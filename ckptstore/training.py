@@ -68,6 +68,7 @@ class Checkpointer:
                  on_commit: Callable[[int], None] | None = None, map_location=None):
         self.store = store if isinstance(store, Store) else Store(store)
         self.model, self.optimizer, self.rng = model, optimizer, rng
+        self._prepared = None  # the staging warm-up started after the first step (ckptstore.prepare)
         self.objects = dict(state or {})
         for name, obj in self.objects.items():
             if name in _RESERVED:
@@ -139,6 +140,7 @@ class Checkpointer:
         self._last_step_time = now
         if first:  # the supervisor measures launch-to-first-step from this
             self._report("train", step, force=True, first_step_t=time.time())
+            self._prepare()
         else:
             self._report("train", step)
         preempted, due_time = self._agree(self._signalled.is_set(), self._due_by_time())
@@ -153,6 +155,19 @@ class Checkpointer:
             self._report("preempted", step, force=True)
         self._last_step_time = time.monotonic()  # a save's blocking time is not step time
         return preempted
+
+    def _prepare(self) -> None:
+        """After the first step, when the optimizer has made its state: the staging
+        memory of the first save is made ready in the background (ckptstore.prepare),
+        so that save copies without page faults."""
+        from .api import prepare
+
+        parts: list = []
+        if self.model is not None:
+            parts += [list(self.model.parameters()), list(self.model.buffers())]
+        if self.optimizer is not None:
+            parts.append(list(self.optimizer.state.values()))
+        self._prepared = prepare(parts)
 
     def save(self, step: int, metrics: dict | None = None):
         """Save now (collective); returns the :class:`~ckptstore.SaveFuture`."""

@@ -107,6 +107,29 @@ Slab::~Slab() {
     }
 }
 
+void Slab::prefault() {
+    if (pinned || !base || !map_len) return;
+#ifdef MADV_POPULATE_WRITE
+    if (madvise(reinterpret_cast<void*>(base), map_len, MADV_POPULATE_WRITE) == 0) {
+        populated = map_len;
+        return;
+    }
+#endif
+    volatile char* p = reinterpret_cast<volatile char*>(base);  // older kernels: touch each page
+    for (std::size_t i = 0; i < map_len; i += page_size()) p[i] = 0;
+    populated = map_len;
+}
+
+void Slab::populate(std::size_t from, std::size_t to) const {
+#ifdef MADV_POPULATE_WRITE
+    if (!pinned && to > from)
+        madvise(reinterpret_cast<void*>(base + from), to - from, MADV_POPULATE_WRITE);
+#else
+    (void)from;
+    (void)to;
+#endif
+}
+
 OverflowMem::OverflowMem(std::size_t n) {
     if (posix_memalign(&p, 4096, n ? n : 1) != 0) throw std::bad_alloc();
 }
@@ -241,15 +264,7 @@ bool HostPool::try_alloc(std::size_t nbytes, Block& out, bool overflow) {
                 throw;
             }
             lk.lock();
-            s->id = next_slab_id_++;
-            slabs_[s->id] = s;
-            ++slab_allocs_;
-            if (pinning_ && !s->pinned) {
-                ++pin_failures_;
-                pin_error_ = s->pin_error;
-            }
-            s->free[0] = want;
-            by_size_.insert(FreeKey{want, s->id, 0});
+            adopt(s);
             carve(*s, 0, want, span);
             slab = s;
             off = 0;
@@ -288,10 +303,64 @@ bool HostPool::try_alloc(std::size_t nbytes, Block& out, bool overflow) {
     b.ptr = slab->base + off;
     b.span = span;
     b.offset = off;
+    // First use of this part of the slab: have the kernel provide its pages in one
+    // call, not in a fault per page during the copy (measured: 0.75 GiB copied into
+    // fresh slabs took 0.35-0.84 s faulting, 0.07 s populated + 0.04 s copied).
+    std::size_t pop_from = 0, pop_to = 0;
+    if (!slab->pinned && slab->populated < off + span) {
+        pop_from = slab->populated;
+        pop_to = std::min(round_up(off + span, page_size()), slab->map_len);
+        slab->populated = pop_to;
+    }
+    std::shared_ptr<Slab> to_populate = pop_to > pop_from ? slab : nullptr;
     b.slab = std::move(slab);
     note_peak();
     out = std::move(b);
+    lk.unlock();
+    if (to_populate) to_populate->populate(pop_from, pop_to);
     return true;
+}
+
+void HostPool::adopt(const std::shared_ptr<Slab>& s) {
+    s->id = next_slab_id_++;
+    slabs_[s->id] = s;
+    ++slab_allocs_;
+    if (pinning_ && !s->pinned) {
+        ++pin_failures_;
+        pin_error_ = s->pin_error;
+    }
+    s->free[0] = s->size;
+    by_size_.insert(FreeKey{s->size, s->id, 0});
+    note_peak();
+}
+
+std::size_t HostPool::warm(std::size_t nbytes) {
+    std::size_t made = 0;
+    while (true) {
+        std::size_t want = 0;
+        {
+            std::lock_guard<std::mutex> lk(m_);
+            const std::size_t target = std::min(round_up(nbytes, align_), limit_);
+            if (held_ >= target) break;
+            const std::size_t room = (limit_ - held_) / align_ * align_;
+            want = std::min(std::max(slab_bytes_, kHuge), room);
+            if (want == 0) break;
+            held_ += want;  // reserved while the slab is made and faulted without the lock
+        }
+        std::shared_ptr<Slab> s;
+        try {
+            s = std::make_shared<Slab>(want, pinning_, device_);
+            s->prefault();  // before anyone can be lent its memory
+        } catch (...) {
+            std::lock_guard<std::mutex> lk(m_);
+            held_ -= want;
+            throw;
+        }
+        std::lock_guard<std::mutex> lk(m_);
+        adopt(s);
+        made += want;
+    }
+    return made;
 }
 
 void HostPool::free(Block& b) {

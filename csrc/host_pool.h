@@ -23,6 +23,13 @@ struct Slab {
     ~Slab();
     Slab(const Slab&) = delete;
     Slab& operator=(const Slab&) = delete;
+    // Has the kernel provide every page now (MADV_POPULATE_WRITE, else a write per
+    // page) so copies into it later take no page faults. Only before the slab is
+    // lent: the fallback writes zeros. Pinned slabs are resident already.
+    void prefault();
+    // Populates [from, to) with MADV_POPULATE_WRITE, which never changes contents (safe
+    // while other parts of the range are lent); best effort: a no-op before Linux 5.14.
+    void populate(std::size_t from, std::size_t to) const;
 
     std::uintptr_t base = 0;
     std::size_t size = 0;      // usable bytes
@@ -34,6 +41,7 @@ struct Slab {
     // Guarded by the owning pool's mutex:
     std::map<std::size_t, std::size_t> free;  // offset -> length, coalesced
     std::size_t used = 0;                     // bytes lent (spans)
+    std::size_t populated = 0;                // bytes from the start whose pages were populated
 };
 
 // Ordinary memory lent when no slab has room (fragmentation); freed with the Block.
@@ -92,6 +100,11 @@ class HostPool {
     void free(Block& b);
     // Frees every slab that lends nothing; returns the bytes freed.
     std::size_t trim();
+    // Makes new slabs, their pages faulted in, until the pool holds at least
+    // min(nbytes, capacity) bytes; lends nothing. For a caller that knows how much
+    // the next save will stage: its copies then take no page faults. Returns the
+    // bytes of the new slabs (0 when the pool holds enough already).
+    std::size_t warm(std::size_t nbytes);
     PoolStats stats() const;
     std::size_t in_use() const;
 
@@ -105,6 +118,7 @@ class HostPool {
     bool fit(std::size_t span, std::shared_ptr<Slab>& slab, std::size_t& off);
     void drop_slab(std::uint64_t id, std::vector<std::shared_ptr<Slab>>& out);
     void note_peak();
+    void adopt(const std::shared_ptr<Slab>& s);  // a new slab joins the pool (its bytes already in held_)
 
     const std::size_t capacity_, slab_bytes_, align_, limit_;  // limit_: slab bytes bound
     const bool pinning_;

@@ -179,6 +179,9 @@ NB_MODULE(_C, m) {
              "Return a block (ValueError if freed twice or not from this pool).")
         .def("trim", &ckpt::HostPool::trim, nb::call_guard<nb::gil_scoped_release>(),
              "Free every slab that lends nothing; returns the bytes freed.")
+        .def("warm", &ckpt::HostPool::warm, nb::arg("nbytes"), nb::call_guard<nb::gil_scoped_release>(),
+             "Make new slabs, their pages faulted in, until the pool holds at least "
+             "min(nbytes, capacity) bytes; returns the bytes of the new slabs.")
         .def("stats", [](const ckpt::HostPool& p) { return pool_stats_dict(p.stats()); })
         .def_prop_ro("capacity", &ckpt::HostPool::capacity)
         .def_prop_ro("in_use", &ckpt::HostPool::in_use, "bytes lent (cheaper than stats())")

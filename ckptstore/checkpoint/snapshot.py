@@ -110,17 +110,20 @@ def snapshot(obj, writer: RankWriter, pool: StagingPool, chunk_bytes: int = DEFA
     # device-to-host transfer per batch on a staging stream). ``before_wait`` starts
     # the workers before it waits for the pool, since only they free buffers.
     copier = StagingCopier(pool, before_wait=writer.flush)
-    with gc_paused():  # the walk makes many short-lived objects: no whole-heap collections meanwhile
-        plain_pickle = pickle_module is pickle and pickle_protocol == 2
+    # The walks make many short-lived objects: no whole-heap collections meanwhile.
+    plain_pickle = pickle_module is pickle and pickle_protocol == 2
+    with gc_paused():
         captured = capture(obj) if plain_pickle and not patterns else None
-        with copier:  # on a clean exit every byte has landed and every buffer is with the writer
-            if captured is None:
+    with copier:  # on a clean exit every byte has landed and every buffer is with the writer
+        if captured is None:
+            with gc_paused():
                 skeleton = flatten(obj, on_storage, pickle_protocol, on_dtensor=on_dtensor, replicated=is_replicated,
                                    pickle_module=pickle_module)
-            else:
+        else:
+            with gc_paused():  # (a pool wait in here allocates nothing, so pausing across it costs nothing)
                 _stage_captured(captured, out, writer, copier, stage, limit)
-                frozen = captured.frozen
-                skeleton = lambda: pickle_captured(frozen)  # noqa: E731 (a worker calls it)
+            frozen = captured.frozen
+            skeleton = lambda: pickle_captured(frozen)  # noqa: E731 (a worker calls it)
     writer.submit_skeleton(skeleton)
     return out
 
@@ -145,6 +148,8 @@ def _stage_captured(captured: Captured, out: Snapshot, writer: RankWriter, copie
         nonlocal entries, pointers, sizes, packed
         if writer.failed is not None:
             raise writer.failed  # stop staging a save that cannot commit
+        if copier.pool.in_use + packed > copier.pool.capacity // 2:
+            writer.flush()  # the pool is filling: let the workers start freeing buffers
         pack = entries
         copier.gather(pointers, sizes, lambda buf: writer.submit_pack(buf, pack))
         entries, pointers, sizes, packed = [], [], [], 0

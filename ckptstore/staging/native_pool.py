@@ -106,6 +106,18 @@ class NativeStagingPool(StagingPool):
         """Free every slab that lends nothing."""
         self._slabs.trim()
 
+    def warm(self, nbytes: int) -> int:
+        """New slabs, populated (MADV_POPULATE_WRITE), until the pool holds
+        ``min(nbytes, capacity)``; the GIL is released meanwhile."""
+        try:
+            return self._slabs.warm(self.check_size(min(int(nbytes), self.capacity)))
+        finally:
+            # An acquire that found no room while warm held it (slabs being made) waits
+            # for a release: the new slabs count as one, or it would wait for ever.
+            with self._cond:
+                self._releases += 1
+                self._cond.notify_all()
+
 
 def _buffer(block) -> StagingBuffer:
     if block.nbytes == 0:  # torch.frombuffer refuses empty buffers

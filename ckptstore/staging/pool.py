@@ -181,6 +181,13 @@ class StagingPool(ABC):
     def trim(self) -> None:
         """Free the memory the pool holds but does not lend."""
 
+    def warm(self, nbytes: int) -> int:
+        """Grow the pool to hold ``min(nbytes, capacity)`` bytes with its pages already
+        provided by the kernel, lending nothing, so that the next save's copies take
+        no page faults; returns the bytes added. Blocking (``ckptstore.prepare`` runs
+        it on a worker). This base pool allocates per request size: nothing to warm."""
+        return 0
+
 
 def _pin(pin_memory: bool | None) -> bool:
     return torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
