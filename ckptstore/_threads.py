@@ -6,7 +6,14 @@ import collections
 import threading
 from concurrent.futures import Future
 
-__all__ = ["DaemonThreadPool"]
+__all__ = ["DaemonThreadPool", "in_background_thread"]
+
+_local = threading.local()
+
+
+def in_background_thread() -> bool:
+    """Whether the calling thread is one of ckptstore's pool threads (not the caller's)."""
+    return getattr(_local, "background", False)
 
 
 class DaemonThreadPool:
@@ -52,6 +59,7 @@ class DaemonThreadPool:
         return future
 
     def _run(self) -> None:
+        _local.background = True
         while True:
             with self._cv:
                 self._idle += 1

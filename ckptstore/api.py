@@ -110,7 +110,7 @@ def prepare(state: Any = None, *, nbytes: int | None = None) -> Future:
     holds no memory a save of ``state`` would not take anyway."""
     if nbytes is None:
         nbytes = state_nbytes(state)
-    return runtime().workers.submit(runtime().pool.warm, int(nbytes))
+    return lifecycle.track_preparation(runtime().workers.submit(runtime().pool.warm, int(nbytes)))
 
 
 def state_nbytes(state: Any) -> int:

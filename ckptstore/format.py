@@ -512,8 +512,7 @@ class Manifest:
         return d
 
     def to_bytes(self) -> bytes:
-        with gc_paused():  # a record per chunk: no whole-heap collections meanwhile
-            return json.dumps(self.to_json(), separators=(",", ":"), allow_nan=False).encode()
+        return json.dumps(self.to_json(), separators=(",", ":"), allow_nan=False).encode()
 
     @classmethod
     def from_json(cls, d: Any) -> "Manifest":
@@ -584,11 +583,6 @@ class Manifest:
 # ---------------------------------------------------------------------------- validation
 def validate_ranks(ranks: tuple[RankState, ...], world_size: int) -> None:
     """I5: one state per rank 0..world_size-1, and chunks covering each tensor exactly once."""
-    with gc_paused():
-        _validate_ranks(ranks, world_size)
-
-
-def _validate_ranks(ranks: tuple[RankState, ...], world_size: int) -> None:
     if not 1 <= world_size <= MAX_WORLD_SIZE:
         raise FormatError(f"world_size must be in 1 .. {MAX_WORLD_SIZE}, got {world_size}")
     seen = sorted(r.rank for r in ranks)

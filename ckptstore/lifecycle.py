@@ -16,6 +16,8 @@ import os
 import signal
 import threading
 import time
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
 
 from .checkpoint import exiting
 from .checkpoint.save import SaveFuture
@@ -25,6 +27,7 @@ from .errors import CkptStoreError
 # Reentrant: the SIGTERM handler runs on the main thread, maybe while it holds the lock.
 _lock = threading.RLock()
 _inflight: set[SaveFuture] = set()
+_preparing: set[Future] = set()  # staging warm-ups in flight (ckptstore.prepare)
 _unobserved_failures: list[SaveFuture] = []
 _hooks_installed = False
 
@@ -43,6 +46,31 @@ def track(future: SaveFuture) -> SaveFuture:
     if exiting.active():  # saved after the exit began (a SIGTERM handler's last save)
         future.watch_exit()
     return future
+
+
+def track_preparation(future: Future) -> Future:
+    """A staging warm-up (``ckptstore.prepare``) on a worker thread. The exit drain
+    cancels it if it has not begun and waits for it if it has: it runs native code with
+    the GIL released, and a daemon thread coming back from there while the interpreter
+    finalises aborts the process ("terminate called without an active exception")."""
+    install_hooks()
+    with _lock:
+        _preparing.add(future)
+    future.add_done_callback(_prepared)
+    return future
+
+
+def _prepared(future: Future) -> None:
+    with _lock:
+        _preparing.discard(future)
+
+
+def _settle_preparations(timeout: float) -> None:
+    with _lock:
+        pending = list(_preparing)
+    for f in pending:
+        f.cancel()  # not begun: never begins
+    wait_futures(pending, timeout)
 
 
 def _on_done(future: SaveFuture) -> None:
@@ -104,6 +132,7 @@ def _drain(timeout: float) -> bool:
     heartbeat; it returns once every one is settled: committed, failed, or aborted
     (by this rank, which judged a peer dead, or by another)."""
     deadline = time.monotonic() + timeout
+    _settle_preparations(timeout)
     with _lock:
         if not _inflight:
             return True

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 from . import format as fmt
-from ._gc import gc_paused
 from .codecs import CompressionPolicy, encode
 from .errors import CkptStoreError, StorageError
 from .hashing import digest
@@ -184,14 +183,13 @@ class RankWriter:
                 return
             view, memo, policy = buf.view, self.rt.codec_memo, self.policy
             stored_parts, records, all_raw = [], [], True
-            with gc_paused():  # records per tensor, and CPU-bound: no whole-heap collections meanwhile
-                for key, start, nbytes, itemsize, shape in entries:
-                    raw = view[start:start + nbytes]
-                    offsets = (0,) * len(shape)
-                    chain, stored = encode(raw, itemsize, policy, (Scope.LOCAL, key, offsets), memo)
-                    all_raw = all_raw and not chain
-                    stored_parts.append(stored)
-                    records.append((key, offsets, shape, len(stored), nbytes, tuple(chain), digest(raw)))
+            for key, start, nbytes, itemsize, shape in entries:
+                raw = view[start:start + nbytes]
+                offsets = (0,) * len(shape)
+                chain, stored = encode(raw, itemsize, policy, (Scope.LOCAL, key, offsets), memo)
+                all_raw = all_raw and not chain
+                stored_parts.append(stored)
+                records.append((key, offsets, shape, len(stored), nbytes, tuple(chain), digest(raw)))
             if all_raw:  # the stored bytes are the buffer's, in order: one write, no copy
                 end = entries[-1][1] + entries[-1][2]
                 data = view[entries[0][1]:end]
@@ -199,11 +197,10 @@ class RankWriter:
                 data = b"".join(stored_parts)
             at = self._writer().append(data) if len(data) else 0
             chunks = []
-            with gc_paused():
-                for key, offsets, shape, length, nbytes, chain, raw_hash in records:
-                    chunks.append((key, fmt.Chunk(offsets, shape, fmt.Blob(self.file, at if length else 0, length,
-                                                                            nbytes, chain, raw_hash))))
-                    at += length
+            for key, offsets, shape, length, nbytes, chain, raw_hash in records:
+                chunks.append((key, fmt.Chunk(offsets, shape, fmt.Blob(self.file, at if length else 0, length,
+                                                                        nbytes, chain, raw_hash))))
+                at += length
             with self._lock:
                 for key, chunk in chunks:
                     self._chunks.setdefault((Scope.LOCAL, key), []).append(chunk)

@@ -77,6 +77,18 @@ def _model_state():
             "step": 7, "loss": 0.25, "name": "run", "flag": None, "rng": torch.get_rng_state()}
 
 
+def _unallocated_views():
+    t = torch.empty(0)
+    return {"a": t, "b": t.view(torch.int32)}  # one unallocated storage, two dtypes: two entries
+
+
+def _recursive_tuple():
+    inner: list = []
+    t = (inner, torch.ones(1))
+    inner.append(t)
+    return {"x": t}
+
+
 def _plain_states():
     base = torch.arange(24, dtype=torch.float32)
     shared = torch.randn(6)
@@ -94,6 +106,7 @@ def _plain_states():
         "odd": {"scalar": torch.tensor(3.5), "empty": torch.empty(0), "zero_rows": torch.empty(0, 4),
                 "grad": torch.randn(2, requires_grad=True) * 2, 1: "int key", None: [1, 2.0, (3, "x")]},
         "nested": [[{"x": [torch.zeros(2)]}]],
+        "unallocated views": _unallocated_views(),
         "tensor": torch.randn(3),
     }
 
@@ -165,6 +178,8 @@ NOT_PLAIN = {
     "tuple key": lambda: {(1, 2): torch.ones(1)},
     "set": lambda: {"s": {1, 2}},
     "deep nesting": lambda: _deep(300),
+    "tuple reached through its own items": _recursive_tuple,
+    "dtype without a storage class": lambda: {"t": torch.empty(2, dtype=torch.uint4)},
 }
 
 
@@ -325,3 +340,50 @@ def test_sizes_round_up_nothing(tmp_path):
     ckptstore.save(state, str(tmp_path / "c")).result()
     back = ckptstore.load(str(tmp_path / "c"))
     assert torch.equal(back["t"], t) and back["n"] == math.pi
+
+
+# ---------------------------------------------------------------------------- the GC pause
+def test_the_gc_pause_is_the_callers_only():
+    """ckptstore's background threads never pause the collector: the training thread's
+    cyclic garbage would pile up for as long as a save writes."""
+    import gc
+
+    from ckptstore._gc import gc_paused
+    from ckptstore._threads import DaemonThreadPool
+
+    pool = DaemonThreadPool(1, "test")
+
+    def inside():
+        with gc_paused():
+            return gc.isenabled()
+
+    assert gc.isenabled() and pool.submit(inside).result() is True
+    with gc_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+
+
+def test_a_collector_the_user_turns_off_during_a_save_stays_off(tmp_path):
+    import gc
+
+    fut = ckptstore.save({f"t{i}": torch.randn(1000) for i in range(3000)}, str(tmp_path / "c"), compression="zstd")
+    gc.disable()
+    try:
+        fut.result()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+def test_a_child_forked_during_a_pause_has_its_collector_back():
+    import gc
+    import os
+
+    from ckptstore._gc import gc_paused
+
+    with gc_paused():
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0 if gc.isenabled() else 1)
+        _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

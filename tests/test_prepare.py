@@ -118,3 +118,14 @@ def test_checkpointer_prepares_after_the_first_step(tmp_path):
         ckpt.close()
     finally:
         ckptstore.configure()
+
+
+def test_the_exit_drain_settles_warm_ups_in_flight():
+    """A warm-up runs native code with the GIL released on a daemon thread: the exit
+    drain cancels it if it has not begun and waits for it if it has, so no thread comes
+    back into a finalising interpreter (which aborts the process)."""
+    from ckptstore import lifecycle
+
+    futures = [ckptstore.prepare(nbytes=64 * MiB) for _ in range(3)]
+    assert lifecycle.drain(60)
+    assert all(f.done() for f in futures) and not lifecycle._preparing

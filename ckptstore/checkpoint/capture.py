@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from ..scopes import Scope
-from .flatten import StorageRef, _unique, entry_shape
+from .flatten import StorageRef, _unique, entry_shape, skeleton_key
 
 __all__ = ["Captured", "capture", "pickle_captured"]
 
@@ -98,6 +98,8 @@ def _typed_storage_class(dtype: torch.dtype):
 def capture(obj, max_depth: int = 200) -> Captured | None:
     """Walk a plain state (see the module docstring); None when it is not one."""
     memo: dict[int, object] = {}  # id(original container or tensor) -> its frozen copy
+    open_tuples: set[int] = set()  # tuples whose items are being visited
+    firsts: dict[int, tuple[str, torch.Tensor]] = {}  # storage cdata -> first path and tensor reaching it
     tokens: dict = {}  # storage cdata (an unallocated one: (cdata, dtype)) -> _Storage
     dtypes: dict[int, torch.dtype] = {}  # data pointer -> the dtype it is pickled as
     used: set[str] = set()
@@ -116,7 +118,11 @@ def capture(obj, max_depth: int = 200) -> Captured | None:
         ident = cdata if ptr else (cdata, dtype)
         token = tokens.get(ident)
         v3 = dtype in _V3_DTYPES
+        first_path, first = firsts.setdefault(cdata, (path or "tensor", t))
         if token is None:
+            # Named, and shaped, after the first path reaching the storage, as flatten does
+            # (they differ from this tensor's only for an unallocated storage viewed as
+            # several dtypes).
             nbytes = s.nbytes()
             itemsize = dtype.itemsize
             if v3:
@@ -125,9 +131,9 @@ def capture(obj, max_depth: int = 200) -> Captured | None:
             else:
                 pid_type, pid_numel = _typed_storage_class(dtype), nbytes // itemsize
                 entry_dtype, numel = dtype, pid_numel
-            key = _unique(path or "tensor", used)
-            token = tokens[ident] = _Storage(("storage", pid_type, f"{Scope.LOCAL}:{key}", "cpu", pid_numel))
-            ref = StorageRef(key, s, entry_dtype, entry_shape(t, numel, entry_dtype), "cpu")
+            key = _unique(first_path, used)
+            token = tokens[ident] = _Storage(("storage", pid_type, skeleton_key(Scope.LOCAL, key), "cpu", pid_numel))
+            ref = StorageRef(key, s, entry_dtype, entry_shape(first, numel, entry_dtype), "cpu")
             storages.append((ref, ptr))
         return _Tensor(token, t.storage_offset(), tuple(t.shape), t.stride(), requires_grad, dtype if v3 else None)
 
@@ -166,7 +172,11 @@ def capture(obj, max_depth: int = 200) -> Captured | None:
                 out.append(visit(v, f"{path}.{i}" if path else str(i), depth + 1, tensors_allowed))
             return out
         elif kind is tuple:
+            if id(o) in open_tuples:
+                raise _NotPlain  # a tuple reached again through its own items: pickle's memo games
+            open_tuples.add(id(o))
             items = [visit(v, f"{path}.{i}" if path else str(i), depth + 1, tensors_allowed) for i, v in enumerate(o)]
+            open_tuples.discard(id(o))
             out = o if all(a is b for a, b in zip(items, o)) else tuple(items)
         else:
             raise _NotPlain
@@ -175,7 +185,9 @@ def capture(obj, max_depth: int = 200) -> Captured | None:
 
     try:
         frozen = visit(obj, "", 0)
-    except (_NotPlain, RuntimeError, RecursionError):  # RuntimeError: torch refused a query (a ZeroTensor, ...)
+    except (_NotPlain, RuntimeError, RecursionError, KeyError):
+        # RuntimeError: torch refused a query (a ZeroTensor, ...); KeyError: a dtype with
+        # no storage class (int1..int7, say): flatten gives torch's own error for it
         return None
     return Captured(frozen, storages)
 

@@ -33,7 +33,6 @@ import json
 import time
 import warnings
 
-from .._gc import gc_paused
 from .._version import __version__
 from .. import format as fmt
 from .. import names
@@ -133,8 +132,7 @@ def _presumed_dead(dead: list[int], me: int, silent: float) -> str:
 
 
 def write_vote(storage: Storage, vote: fmt.Vote) -> None:
-    with gc_paused():  # a record per chunk: no whole-heap collections meanwhile
-        data = json.dumps(vote.to_json(), separators=(",", ":")).encode()
+    data = json.dumps(vote.to_json(), separators=(",", ":")).encode()
     storage.put(names.vote_name(vote.attempt, vote.rank), data, if_absent=True)
 
 

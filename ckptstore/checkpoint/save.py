@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import format as fmt
-from .._gc import gc_paused
 from ..codecs import CompressionPolicy
 from ..errors import CkptStoreError
 from ..pipeline import RankWriter
@@ -138,14 +137,13 @@ def start_save(obj, storage: Storage, *, rt: Runtime, attempt: str, step: int | 
     def finish() -> None:
         try:
             written = writer.finish()
-            with gc_paused():  # a record per tensor: no whole-heap collections meanwhile
-                tensors = {key: fmt.TensorEntry(dtype, shape, tuple(written.local.get(key, ())))
-                           for key, (dtype, shape) in staged.local.items()}
-                shards = {key: fmt.TensorEntry(dtype, shape, tuple(written.shards.get(key, ())))
-                          for key, (dtype, shape) in staged.shards.items()}
-                vote = fmt.Vote(attempt, step, world_size, rank, ok=True,
-                                state=fmt.RankState(rank, written.skeleton, tensors),
-                                shards=shards, replicas=written.replicas)
+            tensors = {key: fmt.TensorEntry(dtype, shape, tuple(written.local.get(key, ())))
+                       for key, (dtype, shape) in staged.local.items()}
+            shards = {key: fmt.TensorEntry(dtype, shape, tuple(written.shards.get(key, ())))
+                      for key, (dtype, shape) in staged.shards.items()}
+            vote = fmt.Vote(attempt, step, world_size, rank, ok=True,
+                            state=fmt.RankState(rank, written.skeleton, tensors),
+                            shards=shards, replicas=written.replicas)
             if world_size > 1:  # a one-rank save's committer is its only voter: no file to write and fsync
                 write_vote(storage, vote)
             if rank == 0:
