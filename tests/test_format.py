@@ -84,6 +84,28 @@ def test_I4_manifest_json_round_trip():
     assert fmt.Manifest.from_json(json.loads(json.dumps(m.to_json()))) == m
 
 
+@pytest.mark.parametrize("variant", ["sample", "keys", "globals", "epoch", "no step"])
+def test_manifest_bytes_are_the_json_of_its_records(variant):
+    """to_bytes writes the chunk records as text directly; it must give exactly the
+    bytes of json.dumps(to_json()), whatever the keys hold."""
+    m = sample_manifest()
+    if variant == "keys":
+        odd = ['é', '"quoted"', "back\\slash", "tab\t", "\u2028", "日本", "", "\x00", "🙂"]
+        r0 = m.ranks[0]
+        tensors = {k: r0.tensors["model.weight"] for k in odd}
+        m = dataclasses.replace(m, ranks=(laid_out(fmt.RankState(0, r0.skeleton, tensors), r0.skeleton.file),
+                                          m.ranks[1]))
+    elif variant == "globals":
+        m = dataclasses.replace(m, tensors={"g.w": m.ranks[0].tensors["model.weight"], "g.é": entry((0,), [])})
+    elif variant == "epoch":
+        m = dataclasses.replace(m, epoch=12, metrics={"note": "ü\n", "nested": {"a": [1, 2.5, None, True]}})
+    elif variant == "no step":
+        m = dataclasses.replace(m, step=None, metrics={})
+    assert m.to_bytes() == json.dumps(m.to_json(), separators=(",", ":"), allow_nan=False).encode()
+    if variant != "globals":  # (those global records are not a valid layout, only text)
+        assert fmt.Manifest.from_bytes(m.to_bytes()) == m
+
+
 def test_manifest_summaries():
     m = sample_manifest()
     assert m.files() == {fmt.data_file_name(ATTEMPT, 0, 0), fmt.data_file_name(ATTEMPT, 1, 0)}
