@@ -216,7 +216,7 @@ def _codec_chain(codec: Any, what: str) -> tuple[dict, ...]:
 
 
 # ---------------------------------------------------------------------------- records
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Blob:
     """A stored, encoded byte range: where it lives, how to decode it, its raw hash."""
 
@@ -267,7 +267,7 @@ class Blob:
         )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Chunk:
     """A region of a tensor (offsets and sizes per dimension) and the blob holding it."""
 
@@ -285,7 +285,7 @@ class Chunk:
         return cls(_int_list(d["offsets"], what, ".offsets"), _int_list(d["sizes"], what, ".sizes"), blob)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TensorEntry:
     """One stored tensor (for the drop-in API: one storage) and the chunks covering it."""
 
@@ -359,7 +359,7 @@ def _header_fields(d: dict, kind: str) -> None:
         )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ReplicaHash:
     """A rank's hash of a replicated chunk another rank wrote (checked at commit)."""
 

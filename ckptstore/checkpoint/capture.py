@@ -118,8 +118,8 @@ def capture(obj, max_depth: int = 200) -> Captured | None:
         ident = cdata if ptr else (cdata, dtype)
         token = tokens.get(ident)
         v3 = dtype in _V3_DTYPES
-        first_path, first = firsts.setdefault(cdata, (path or "tensor", t))
         if token is None:
+            first_path, first = firsts.get(cdata) or firsts.setdefault(cdata, (path or "tensor", t))
             # Named, and shaped, after the first path reaching the storage, as flatten does
             # (they differ from this tensor's only for an unallocated storage viewed as
             # several dtypes).
