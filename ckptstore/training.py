@@ -13,6 +13,7 @@ import math
 import signal
 import threading
 import time
+import warnings
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
@@ -167,7 +168,11 @@ class Checkpointer:
             parts += [list(self.model.parameters()), list(self.model.buffers())]
         if self.optimizer is not None:
             parts.append(list(self.optimizer.state.values()))
-        self._prepared = prepare(parts)
+        try:
+            self._prepared = prepare(parts)
+        except Exception as e:  # only a speed-up: it must never stop training
+            warnings.warn(f"ckptstore: could not prepare the staging memory of the first save: {e}",
+                          RuntimeWarning, stacklevel=3)
 
     def save(self, step: int, metrics: dict | None = None):
         """Save now (collective); returns the :class:`~ckptstore.SaveFuture`."""
