@@ -108,6 +108,7 @@ def test_checkpointer_prepares_after_the_first_step(tmp_path):
         model = torch.nn.Linear(512, 512)
         opt = torch.optim.AdamW(model.parameters())
         ckpt = ckptstore.Checkpointer(str(tmp_path / "s"), model=model, optimizer=opt, every=2, signals=())
+        ckpt.prepare = True  # off by default for now (see Checkpointer.__init__)
         ckpt.resume()
         model(torch.randn(2, 512)).sum().backward()
         opt.step()
