@@ -117,7 +117,7 @@ def state_nbytes(state: Any) -> int:
     """Bytes of the distinct storages of ``state``'s tensors (a DTensor's local shard)."""
     seen: set[int] = set()
     total = 0
-    for t in _tensors(state):
+    for t in tensors_in(state):
         t = getattr(t, "_local_tensor", t)  # a DTensor stages its local shard
         if t.layout != torch.strided or t.is_nested or t.device.type == "meta":
             continue
@@ -128,15 +128,16 @@ def state_nbytes(state: Any) -> int:
     return total
 
 
-def _tensors(obj, depth: int = 0):
+def tensors_in(obj):
+    """Every tensor in nested mappings, lists and tuples (repeats included)."""
     if isinstance(obj, torch.Tensor):
         yield obj
-    elif depth < 100 and isinstance(obj, Mapping):
+    elif isinstance(obj, Mapping):
         for v in obj.values():
-            yield from _tensors(v, depth + 1)
-    elif depth < 100 and isinstance(obj, (list, tuple)):
+            yield from tensors_in(v)
+    elif isinstance(obj, (list, tuple)):
         for v in obj:
-            yield from _tensors(v, depth + 1)
+            yield from tensors_in(v)
 
 
 def _save_in_memory(obj, rt, options: SaveOptions) -> tuple[SaveFuture, MemoryStorage]:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from . import format as fmt
 from . import lifecycle
 from . import names
-from .api import Store
+from .api import Store, tensors_in
 from .checkpoint import exiting
 from .checkpoint.flatten import _is_dtensor
 from .checkpoint.group import rank_and_world
@@ -117,7 +117,7 @@ class Checkpointer:
         if self._auto:
             self._mtbf_s = _journal_mtbf(self.store.storage)
         template = self._state_dict()
-        sharded = any(_is_dtensor(t) for t in _tensors(template))
+        sharded = any(_is_dtensor(t) for t in tensors_in(template))
         state, info = self.store.resume(template if sharded else None, map_location=self.map_location,
                                         validate=self.validate, claim=True)
         self.info = info
@@ -336,14 +336,3 @@ def _journal_mtbf(storage: Storage) -> float:
     except Exception:
         mtbf = None
     return mtbf if isinstance(mtbf, (int, float)) and mtbf > 0 else PRIOR_MTBF_S
-
-
-def _tensors(obj):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, Mapping):
-        for v in obj.values():
-            yield from _tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors(v)
