@@ -518,8 +518,9 @@ class Manifest:
     library: str = ""
     epoch: int | None = None  # the run incarnation that committed it (fencing; absent: none)
 
-    def to_json(self) -> dict:
-        d = {
+    def _head_json(self) -> dict:
+        """The members before ``ranks`` (the records follow them, ``epoch`` last)."""
+        return {
             "format": FORMAT_NAME,
             "format_version": FORMAT_VERSION,
             "kind": "manifest",
@@ -532,9 +533,12 @@ class Manifest:
             "byteorder": self.byteorder,
             "metrics": dict(self.metrics),
             "library": self.library,
-            "ranks": [r.to_json() for r in self.ranks],
-            "tensors": _entries_json(self.tensors),
         }
+
+    def to_json(self) -> dict:
+        d = self._head_json()
+        d["ranks"] = [r.to_json() for r in self.ranks]
+        d["tensors"] = _entries_json(self.tensors)
         if self.epoch is not None:
             d["epoch"] = self.epoch
         return d
@@ -543,10 +547,7 @@ class Manifest:
         """The stored manifest: ``json.dumps(self.to_json())``, compact, byte for byte,
         with the chunk records written as text directly instead of through a dict each
         (a manifest holds one per chunk; tests/test_format.py holds the two equal)."""
-        head = self.to_json()
-        del head["ranks"], head["tensors"]
-        head.pop("epoch", None)
-        text = json.dumps(head, separators=(",", ":"), allow_nan=False)
+        text = json.dumps(self._head_json(), separators=(",", ":"), allow_nan=False)
         names: dict[str, str] = {}
         ranks = ",".join(_rank_text(r, names) for r in self.ranks)
         tail = "" if self.epoch is None else f',"epoch":{json.dumps(self.epoch)}'
