@@ -121,7 +121,7 @@ def snapshot(obj, writer: RankWriter, pool: StagingPool, chunk_bytes: int = DEFA
                                    pickle_module=pickle_module)
         else:
             with gc_paused():  # (a pool wait in here allocates nothing, so pausing across it costs nothing)
-                _stage_captured(captured, out, writer, copier, stage, limit)
+                _stage_captured(captured, out, writer, copier, on_storage, limit)
             frozen = captured.frozen
             skeleton = lambda: pickle_captured(frozen)  # noqa: E731 (a worker calls it)
     writer.submit_skeleton(skeleton)
@@ -132,11 +132,11 @@ PACK_BYTES = 4 << 20  # small tensors are copied and handed over in buffers of a
 SMALL_TENSOR_BYTES = 1 << 20  # at most this size, a tensor goes into a pack
 
 
-def _stage_captured(captured: Captured, out: Snapshot, writer: RankWriter, copier: StagingCopier, stage,
+def _stage_captured(captured: Captured, out: Snapshot, writer: RankWriter, copier: StagingCopier, on_storage,
                     limit: int) -> None:
     """Stage a captured state's storages: the small ones packed into shared buffers
-    (one reservation, copy and hand-over per pack, not per tensor), the others in
-    chunks as ``flatten``'s callback does."""
+    (one reservation, copy and hand-over per pack, not per tensor), the others by
+    ``flatten``'s callback ``on_storage``, in chunks."""
     pack_limit = min(PACK_BYTES, limit)
     small = min(SMALL_TENSOR_BYTES, pack_limit)
     entries: list[tuple] = []
@@ -156,14 +156,12 @@ def _stage_captured(captured: Captured, out: Snapshot, writer: RankWriter, copie
 
     for ref, ptr in captured.storages:
         shape = ref.shape
-        out.local[ref.key] = (fmt.dtype_name(ref.dtype), shape)
         itemsize = ref.dtype.itemsize
         nbytes = math.prod(shape) * itemsize
-        if nbytes == 0:
+        if nbytes == 0 or nbytes > small:
+            on_storage(ref)  # (nothing to stage for an empty one)
             continue
-        if nbytes > small:
-            stage(ref.key, ref.storage, 0, shape, (0,) * len(shape), itemsize, LOCAL, _writes_all)
-            continue
+        out.local[ref.key] = (fmt.dtype_name(ref.dtype), shape)
         if packed + nbytes > pack_limit:
             send()
         entries.append((ref.key, packed, nbytes, itemsize, shape))
