@@ -41,8 +41,13 @@ def resume_with_failing_validate(rank, world, events, root):
         if rank == 1:
             raise RuntimeError("validate blew up")
 
+    return _raised(lambda: ckptstore.Store(root).resume(validate=validate))
+
+
+def _raised(call) -> dict:
+    """What ``call()`` raised: its type name and message (None and "" when nothing)."""
     try:
-        ckptstore.Store(root).resume(validate=validate)
+        call()
     except Exception as e:
         return {"raised": type(e).__name__, "message": str(e)}
     return {"raised": None, "message": ""}
@@ -59,11 +64,7 @@ def resume_and_draw(rank, world, events, root):
 
 
 def resume_claiming(rank, world, events, root):
-    try:
-        ckptstore.Store(root).resume(claim=True)
-    except Exception as e:
-        return {"raised": type(e).__name__, "message": str(e)}
-    return {"raised": None, "message": ""}
+    return _raised(lambda: ckptstore.Store(root).resume(claim=True))
 
 
 def resume_with_warnings_as_errors(rank, world, events, root):
