@@ -438,7 +438,8 @@ class Vote:
     replicas: tuple[ReplicaHash, ...] = ()
     written_at: str = field(default_factory=utc_now)
 
-    def to_json(self) -> dict:
+    def _head_json(self) -> dict:
+        """The members before ``state`` (the records follow them)."""
         return {
             "format": FORMAT_NAME,
             "format_version": FORMAT_VERSION,
@@ -449,11 +450,24 @@ class Vote:
             "rank": self.rank,
             "ok": self.ok,
             "error": self.error,
-            "state": self.state.to_json() if self.state is not None else None,
-            "shards": _entries_json(self.shards),
-            "replicas": [r.to_json() for r in self.replicas],
-            "written_at": self.written_at,
         }
+
+    def _tail_json(self) -> dict:
+        """The members after ``shards``."""
+        return {"replicas": [r.to_json() for r in self.replicas], "written_at": self.written_at}
+
+    def to_json(self) -> dict:
+        return {**self._head_json(), "state": self.state.to_json() if self.state is not None else None,
+                "shards": _entries_json(self.shards), **self._tail_json()}
+
+    def to_bytes(self) -> bytes:
+        """The stored vote: ``json.dumps(self.to_json())``, compact, byte for byte, with
+        the chunk records written as text directly (as :meth:`Manifest.to_bytes`)."""
+        dumps = functools.partial(json.dumps, separators=(",", ":"), allow_nan=False)
+        names: dict[str, str] = {}
+        state = "null" if self.state is None else _rank_text(self.state, names)
+        return (f'{dumps(self._head_json())[:-1]},"state":{state},"shards":{_entries_text(self.shards, names)},'
+                f'{dumps(self._tail_json())[1:]}').encode()
 
     @classmethod
     def from_json(cls, d: dict) -> "Vote":

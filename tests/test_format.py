@@ -126,6 +126,17 @@ def test_vote_json_round_trip(ok):
     assert fmt.Vote.from_json(d) == vote
 
 
+@pytest.mark.parametrize("ok", [True, False])
+def test_vote_bytes_are_the_json_of_its_records(ok):
+    """Vote.to_bytes writes the chunk records as text directly, as Manifest.to_bytes."""
+    m = sample_manifest()
+    shards = {"g.é\"w": m.ranks[0].tensors["model.weight"]} if ok else {}
+    replicas = (fmt.ReplicaHash("g.w", (0, 0), (2, 6), DIGEST),) if ok else ()
+    vote = fmt.Vote(ATTEMPT, 1200 if ok else None, 2, 1, ok=ok, error=None if ok else "RuntimeError: bööm",
+                    state=m.ranks[1] if ok else None, shards=shards, replicas=replicas)
+    assert vote.to_bytes() == json.dumps(vote.to_json(), separators=(",", ":"), allow_nan=False).encode()
+
+
 def test_manifest_of_a_real_save_reads_back_equal(tmp_ckpt):
     fut = ckptstore.save({"w": torch.randn(3, 4), "b": torch.zeros(4)}, str(tmp_ckpt))
     m = fut.result(timeout=60)

@@ -132,8 +132,7 @@ def _presumed_dead(dead: list[int], me: int, silent: float) -> str:
 
 
 def write_vote(storage: Storage, vote: fmt.Vote) -> None:
-    data = json.dumps(vote.to_json(), separators=(",", ":")).encode()
-    storage.put(names.vote_name(vote.attempt, vote.rank), data, if_absent=True)
+    storage.put(names.vote_name(vote.attempt, vote.rank), vote.to_bytes(), if_absent=True)
 
 
 def write_failure_vote(storage: Storage, attempt: str, step, world_size: int, rank: int, error: BaseException) -> None:
