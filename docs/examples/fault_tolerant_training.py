@@ -96,9 +96,12 @@ def main() -> None:
     ckptstore.wait()
     done = step == args.steps - 1
     if done and args.final:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        full = {k: v.full_tensor() for k, v in get_model_state_dict(model).items()}
+        # torch's own gather waits for every all-gather on every rank. A bare
+        # ``v.full_tensor()`` that a rank never reads leaves its all-gather in flight:
+        # finishing during interpreter exit, gloo's thread aborts the process.
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if rank == 0:
             torch.save(full, args.final)
     ckpt.close()
