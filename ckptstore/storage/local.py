@@ -546,10 +546,13 @@ def _silent_unlink(name: str, dir_fd: int | None = None) -> None:
 
 
 class _LocalAppendWriter(AppendWriter):
-    """Reserves each append's offset under a lock, then writes it with pwrite outside
-    the lock, so appends from several threads run in parallel. Holds an fd of the
-    object's directory until close, to fsync it (and to unlink on abort) without
-    resolving the path again."""
+    """Appends from several threads, each written whole under one lock, so the file
+    only ever grows at its end. Concurrent pwrites at interleaved offsets past the end
+    were several times slower than the same writes in order (ext4, 2 threads, 4 MiB
+    each: 64 MiB in 128 ms against 17 ms; bench/bench_tensors.py, docs/performance.md),
+    and a page-cache write is a memcpy that gains nothing from a second thread. Holds an
+    fd of the object's directory until close, to fsync it (and to unlink on abort)
+    without resolving the path again."""
 
     def __init__(self, storage: LocalStorage, key: str, name: str, dir_fd: int, fd: int):
         self.key = key
@@ -562,11 +565,11 @@ class _LocalAppendWriter(AppendWriter):
 
     def append(self, data) -> int:
         n = memoryview(data).nbytes
-        with self._lock:
-            offset = self._size
-            self._size += n
         with os_errors(self._storage.describe(self.key)):
-            _write_all(self._fd, data, offset)
+            with self._lock:
+                offset = self._size
+                _write_all(self._fd, data, offset)
+                self._size += n  # only once written: a failed write leaves no hole
             if n >= WRITEBACK_MIN:
                 # Start writing this range to disk now: the fsync at close() then waits
                 # for the tail only, instead of flushing the whole file at the end.
