@@ -50,44 +50,32 @@ class _NotPlain(Exception):
     """The object holds something only ``flatten`` pickles faithfully."""
 
 
-class _Storage:
-    """A storage in the frozen copy: pickled as its persistent id."""
-
-    __slots__ = ("pid",)
-
-    def __init__(self, pid: tuple):
-        self.pid = pid
-
-
-class _Tensor:
-    """A tensor in the frozen copy: what torch's reduce would record for it."""
-
-    __slots__ = ("storage", "offset", "size", "stride", "requires_grad", "v3_dtype")
-
-    def __init__(self, storage, offset, size, stride, requires_grad, v3_dtype):
-        self.storage = storage
-        self.offset = offset
-        self.size = size
-        self.stride = stride
-        self.requires_grad = requires_grad
-        self.v3_dtype = v3_dtype  # None: pickled over a typed storage (_rebuild_tensor_v2)
-
-
-class _Parameter:
-    __slots__ = ("data", "requires_grad")
-
-    def __init__(self, data: _Tensor, requires_grad: bool):
-        self.data = data
-        self.requires_grad = requires_grad
+# The frozen copy outlives ``save`` until a worker has pickled it, so its per-tensor
+# records are exact tuples of untracked values (ints, tuples of ints, bools, dtypes and
+# these markers): the collector's first young-generation pass stops tracking them, and
+# they never reach the older generations. Objects of a class there, five per tensor,
+# made the full collections that 100,000 tensors set off land in the blocking time.
+_TENSOR = object()  # (_TENSOR, storage index, offset, requires_grad, v3 dtype or None, *size, *stride)
+_PARAMETER = object()  # as _TENSOR; requires_grad is the Parameter's (its data pickles with False)
 
 
 @dataclass
 class Captured:
-    """A plain state, captured: its frozen structure and the distinct storages to stage
-    (with each one's data pointer, so the copy needs no further look-up)."""
+    """A plain state, captured: its frozen structure and its distinct storages.
+
+    ``frozen`` holds each tensor as a record naming its storage by index. Per storage
+    index: ``pids`` what its persistent id is made of (skeleton key, dtype, pickled over
+    untyped bytes, element count); ``storages`` what staging needs (key, data pointer,
+    entry dtype, then the entry's shape inline); ``sources`` the storage itself."""
 
     frozen: object
-    storages: list[tuple[StorageRef, int]]
+    pids: list[tuple]
+    storages: list[tuple]
+    sources: list
+
+    def ref(self, index: int) -> StorageRef:
+        key, _ptr, dtype, *shape = self.storages[index]
+        return StorageRef(key, self.sources[index], dtype, tuple(shape), "cpu")
 
 
 @functools.cache
@@ -100,12 +88,14 @@ def capture(obj, max_depth: int = 200) -> Captured | None:
     memo: dict[int, object] = {}  # id(original container or tensor) -> its frozen copy
     open_tuples: set[int] = set()  # tuples whose items are being visited
     firsts: dict[int, tuple[str, torch.Tensor]] = {}  # storage cdata -> first path and tensor reaching it
-    tokens: dict = {}  # storage cdata (an unallocated one: (cdata, dtype)) -> _Storage
+    indexes: dict = {}  # storage cdata (an unallocated one: (cdata, dtype)) -> storage index
     dtypes: dict[int, torch.dtype] = {}  # data pointer -> the dtype it is pickled as
     used: set[str] = set()
-    storages: list[tuple[StorageRef, int]] = []
+    pids: list[tuple] = []
+    storages: list[tuple] = []
+    sources: list = []
 
-    def frozen_tensor(t: torch.Tensor, path: str, requires_grad: bool) -> _Tensor:
+    def frozen_tensor(t: torch.Tensor, path: str, requires_grad: bool) -> tuple:
         if (t.__dict__ or not t.is_cpu or t.layout is not _STRIDED or t.is_quantized or t.is_nested
                 or t._backward_hooks or _tensor_metadata(t)):
             raise _NotPlain
@@ -116,9 +106,9 @@ def capture(obj, max_depth: int = 200) -> Captured | None:
         if ptr and dtypes.setdefault(ptr, dtype) != dtype:
             raise _NotPlain  # one buffer, several dtypes: flatten raises torch's error
         ident = cdata if ptr else (cdata, dtype)
-        token = tokens.get(ident)
+        index = indexes.get(ident)
         v3 = dtype in _V3_DTYPES
-        if token is None:
+        if index is None:
             first_path, first = firsts.get(cdata) or firsts.setdefault(cdata, (path or "tensor", t))
             # Named, and shaped, after the first path reaching the storage, as flatten does
             # (they differ from this tensor's only for an unallocated storage viewed as
@@ -126,16 +116,20 @@ def capture(obj, max_depth: int = 200) -> Captured | None:
             nbytes = s.nbytes()
             itemsize = dtype.itemsize
             if v3:
-                pid_type, pid_numel = torch.UntypedStorage, nbytes
+                pid_numel = nbytes
                 entry_dtype, numel = (dtype, nbytes // itemsize) if nbytes % itemsize == 0 else (torch.uint8, nbytes)
             else:
-                pid_type, pid_numel = _typed_storage_class(dtype), nbytes // itemsize
+                _typed_storage_class(dtype)  # KeyError for a dtype with none: flatten's error then
+                pid_numel = nbytes // itemsize
                 entry_dtype, numel = dtype, pid_numel
             key = _unique(first_path, used)
-            token = tokens[ident] = _Storage(("storage", pid_type, skeleton_key(Scope.LOCAL, key), "cpu", pid_numel))
-            ref = StorageRef(key, s, entry_dtype, entry_shape(first, numel, entry_dtype), "cpu")
-            storages.append((ref, ptr))
-        return _Tensor(token, t.storage_offset(), tuple(t.shape), t.stride(), requires_grad, dtype if v3 else None)
+            index = indexes[ident] = len(pids)
+            pids.append((skeleton_key(Scope.LOCAL, key), dtype, v3, pid_numel))
+            storages.append((key, ptr, entry_dtype, *entry_shape(first, numel, entry_dtype)))
+            sources.append(s)
+        # Size and stride inline, not as tuples of their own: a tuple holding a tuple is
+        # only untracked by the collector's second pass.
+        return (_TENSOR, index, t.storage_offset(), requires_grad, dtype if v3 else None, *t.shape, *t.stride())
 
     def visit(o, path: str, depth: int, tensors_allowed: bool = True):
         kind = type(o)
@@ -154,7 +148,9 @@ def capture(obj, max_depth: int = 200) -> Captured | None:
             else:
                 if o.__dict__:
                     raise _NotPlain
-                out = _Parameter(frozen_tensor(o, path, False), o.requires_grad)
+                # The record of its data (which pickles with requires_grad False), marked
+                # as a Parameter and carrying the Parameter's own requires_grad instead.
+                out = (_PARAMETER, *frozen_tensor(o, path, o.requires_grad)[1:])
         elif kind is dict or kind is OrderedDict:
             out = memo[id(o)] = kind()
             for k, v in o.items():
@@ -189,17 +185,91 @@ def capture(obj, max_depth: int = 200) -> Captured | None:
         # RuntimeError: torch refused a query (a ZeroTensor, ...); KeyError: a dtype with
         # no storage class (int1..int7, say): flatten gives torch's own error for it
         return None
-    return Captured(frozen, storages)
+    return Captured(frozen, pids, storages, sources)
 
 
-def pickle_captured(frozen) -> bytes:
-    """The skeleton of a captured state (``Captured.frozen``), as ``flatten`` would
-    have pickled the original (protocol 2)."""
+def pickle_captured(frozen, pids: list[tuple]) -> bytes:
+    """The skeleton of a captured state (``Captured.frozen`` and ``Captured.pids``), as
+    ``flatten`` would have pickled the original (protocol 2). Runs on a worker: it turns
+    the records back into objects the pickler reduces, in place (the frozen copy is
+    ckptstore's own and is pickled once)."""
     import io
 
+    storages = [_Storage(("storage", torch.UntypedStorage if v3 else _typed_storage_class(dtype), key, "cpu", numel))
+                for key, dtype, v3, numel in pids]
     buf = io.BytesIO()
-    _FrozenPickler(buf, protocol=2).dump(frozen)
+    _FrozenPickler(buf, protocol=2).dump(_thaw(frozen, storages, {}, set()))
     return buf.getvalue()
+
+
+def _thaw(o, storages: list, made: dict, seen: set):
+    """``o`` with every record replaced by the object the pickler reduces for it; a record
+    or tuple reached twice gives the same object, so the pickle's memo still shares it."""
+    kind = type(o)
+    if kind is tuple:
+        found = made.get(id(o))
+        if found is not None:
+            return found
+        head = o[0] if o else None
+        if head is _TENSOR or head is _PARAMETER:
+            ndim = (len(o) - 5) // 2
+            size, stride = o[5:5 + ndim], o[5 + ndim:]
+            if head is _TENSOR:
+                out = _Tensor(storages[o[1]], o[2], size, stride, o[3], o[4])
+            else:
+                out = _Parameter(_Tensor(storages[o[1]], o[2], size, stride, False, o[4]), o[3])
+        else:
+            items = [_thaw(v, storages, made, seen) for v in o]
+            out = o if all(a is b for a, b in zip(items, o)) else tuple(items)
+        made[id(o)] = out
+        return out
+    if kind is dict or kind is OrderedDict:
+        if id(o) not in seen:
+            seen.add(id(o))
+            for k, v in o.items():
+                if type(v) in _CONTAINERS:
+                    o[k] = _thaw(v, storages, made, seen)
+    elif kind is list:
+        if id(o) not in seen:
+            seen.add(id(o))
+            for i, v in enumerate(o):
+                if type(v) in _CONTAINERS:
+                    o[i] = _thaw(v, storages, made, seen)
+    return o
+
+
+_CONTAINERS = frozenset({tuple, list, dict, OrderedDict})
+
+
+class _Storage:
+    """A storage while pickling: pickled as its persistent id."""
+
+    __slots__ = ("pid",)
+
+    def __init__(self, pid: tuple):
+        self.pid = pid
+
+
+class _Tensor:
+    """A tensor while pickling: what torch's reduce would record for it."""
+
+    __slots__ = ("storage", "offset", "size", "stride", "requires_grad", "v3_dtype")
+
+    def __init__(self, storage, offset, size, stride, requires_grad, v3_dtype):
+        self.storage = storage
+        self.offset = offset
+        self.size = size
+        self.stride = stride
+        self.requires_grad = requires_grad
+        self.v3_dtype = v3_dtype  # None: pickled over a typed storage (_rebuild_tensor_v2)
+
+
+class _Parameter:
+    __slots__ = ("data", "requires_grad")
+
+    def __init__(self, data: _Tensor, requires_grad: bool):
+        self.data = data
+        self.requires_grad = requires_grad
 
 
 class _NoHooks:

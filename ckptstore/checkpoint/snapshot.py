@@ -112,19 +112,20 @@ def snapshot(obj, writer: RankWriter, pool: StagingPool, chunk_bytes: int = DEFA
     copier = StagingCopier(pool, before_wait=writer.flush)
     # The walks make many short-lived objects: no whole-heap collections meanwhile.
     plain_pickle = pickle_module is pickle and pickle_protocol == 2
+    # One pause from the walk to the hand-over: a collection in between would walk the
+    # walk's new objects (a pool wait in here allocates nothing, so pausing across it
+    # costs nothing).
     with gc_paused():
         captured = capture(obj) if plain_pickle and not patterns else None
-    with copier:  # on a clean exit every byte has landed and every buffer is with the writer
-        if captured is None:
-            with gc_paused():
+        with copier:  # on a clean exit every byte has landed and every buffer is with the writer
+            if captured is None:
                 skeleton = flatten(obj, on_storage, pickle_protocol, on_dtensor=on_dtensor, replicated=is_replicated,
                                    pickle_module=pickle_module)
-        else:
-            with gc_paused():  # (a pool wait in here allocates nothing, so pausing across it costs nothing)
+            else:
                 _stage_captured(captured, out, writer, copier, on_storage, limit)
-            frozen = captured.frozen
-            skeleton = lambda: pickle_captured(frozen)  # noqa: E731 (a worker calls it)
-    writer.submit_skeleton(skeleton)
+                frozen, pids = captured.frozen, captured.pids  # not the storages: the worker needs none
+                skeleton = lambda: pickle_captured(frozen, pids)  # noqa: E731 (a worker calls it)
+        writer.submit_skeleton(skeleton)
     return out
 
 
@@ -154,17 +155,17 @@ def _stage_captured(captured: Captured, out: Snapshot, writer: RankWriter, copie
         copier.gather(pointers, sizes, lambda buf: writer.submit_pack(buf, pack))
         entries, pointers, sizes, packed = [], [], [], 0
 
-    for ref, ptr in captured.storages:
-        shape = ref.shape
-        itemsize = ref.dtype.itemsize
+    for index, (key, ptr, dtype, *dims) in enumerate(captured.storages):
+        shape = tuple(dims)
+        itemsize = dtype.itemsize
         nbytes = math.prod(shape) * itemsize
         if nbytes == 0 or nbytes > small:
-            on_storage(ref)  # (nothing to stage for an empty one)
+            on_storage(captured.ref(index))  # (nothing to stage for an empty one)
             continue
-        out.local[ref.key] = (fmt.dtype_name(ref.dtype), shape)
+        out.local[key] = (fmt.dtype_name(dtype), shape)
         if packed + nbytes > pack_limit:
             send()
-        entries.append((ref.key, packed, nbytes, itemsize, shape))
+        entries.append((key, packed, nbytes, itemsize, shape))
         pointers.append(ptr)
         sizes.append(nbytes)
         packed += nbytes
