@@ -108,7 +108,19 @@ def _plain_states():
         "nested": [[{"x": [torch.zeros(2)]}]],
         "unallocated views": _unallocated_views(),
         "tensor": torch.randn(3),
+        "attributes reach a tensor met before": _attributes_reaching_tensors(),
     }
+
+
+def _attributes_reaching_tensors() -> dict:
+    """An OrderedDict whose attributes reach a tensor, a Parameter and a tuple already
+    met in the items: the memo hands their records back there too."""
+    w, p = torch.ones(3), torch.nn.Parameter(torch.ones(2))
+    pair = (w, 1)
+    od = OrderedDict(w=w, p=p, pair=pair)
+    od._metadata = {"x": w}
+    od.extra = [p, pair]
+    return {"a": w, "sd": od}
 
 
 @pytest.mark.parametrize("name", sorted(_plain_states()))
@@ -433,3 +445,13 @@ def test_the_frozen_copy_leaves_the_collector_nothing_to_track():
     # and the thawed copy still pickles as flatten does
     skeleton, _refs = _slow(state)
     assert _echo(pickle_captured(captured.frozen, captured.pids)) == _echo(skeleton)
+
+
+def test_a_record_left_in_the_frozen_copy_fails_the_pickle_loudly():
+    """Should the worker ever miss a record, the skeleton is refused, never written
+    with a tuple where a tensor should be."""
+    from ckptstore.checkpoint import capture as capture_mod
+
+    captured = capture({"w": torch.ones(2)})
+    with pytest.raises(pickle.PicklingError, match="record reached the pickler"):
+        capture_mod._FrozenPickler(io.BytesIO(), protocol=2).dump(captured.frozen)

@@ -55,6 +55,8 @@ class _NotPlain(Exception):
 # these markers): the collector's first young-generation pass stops tracking them, and
 # they never reach the older generations. Objects of a class there, five per tensor,
 # made the full collections that 100,000 tensors set off land in the blocking time.
+# Plain objects (not a GC type, so a record can be untracked); the pickler refuses them,
+# so a record the worker failed to turn back into an object fails the save.
 _TENSOR = object()  # (_TENSOR, storage index, offset, requires_grad, v3 dtype or None, *size, *stride)
 _PARAMETER = object()  # as _TENSOR; requires_grad is the Parameter's (its data pickles with False)
 
@@ -229,6 +231,9 @@ def _thaw(o, storages: list, made: dict, seen: set):
             for k, v in o.items():
                 if type(v) in _CONTAINERS:
                     o[k] = _thaw(v, storages, made, seen)
+            if kind is OrderedDict and o.__dict__:
+                # Its attributes (a state_dict's _metadata) may reach a tensor met before.
+                _thaw(o.__dict__, storages, made, seen)
     elif kind is list:
         if id(o) not in seen:
             seen.add(id(o))
@@ -286,7 +291,11 @@ _EMPTY_ORDERED_DICT = (OrderedDict, ())
 
 class _FrozenPickler(pickle.Pickler):
     def persistent_id(self, o):
-        return o.pid if type(o) is _Storage else None
+        if type(o) is _Storage:
+            return o.pid
+        if o is _TENSOR or o is _PARAMETER:
+            raise pickle.PicklingError("ckptstore internal error: a captured tensor record reached the pickler")
+        return None
 
     def reducer_override(self, o):
         kind = type(o)

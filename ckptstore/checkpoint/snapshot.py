@@ -113,8 +113,9 @@ def snapshot(obj, writer: RankWriter, pool: StagingPool, chunk_bytes: int = DEFA
     # The walks make many short-lived objects: no whole-heap collections meanwhile.
     plain_pickle = pickle_module is pickle and pickle_protocol == 2
     # One pause from the walk to the hand-over: a collection in between would walk the
-    # walk's new objects (a pool wait in here allocates nothing, so pausing across it
-    # costs nothing).
+    # walk's new objects. The pause is process-wide: while the caller waits here for a
+    # pool buffer, other threads allocate with the collector off until a worker frees
+    # one (a pack's write), as they did with two pauses.
     with gc_paused():
         captured = capture(obj) if plain_pickle and not patterns else None
         with copier:  # on a clean exit every byte has landed and every buffer is with the writer
