@@ -58,7 +58,9 @@ class Checkpointer:
     stopping the job) the next :meth:`step` saves, waits up to ``exit_deadline`` seconds
     for the commit, and returns True: the loop should stop. Repeated signals change
     nothing (a scheduler and the launcher may both send one). ``on_commit(step)`` is called (on ckptstore's
-    commit thread) when a save has committed; ``on_resume(info)`` after a resume.
+    commit thread) when a save has committed; ``on_resume(info)`` after a resume. ``prepare``
+    (default True): after the first step, make the first save's staging memory ready in
+    the background (:func:`ckptstore.prepare`), so that save copies without page faults.
     """
 
     def __init__(self, store: Store | str, *, model: torch.nn.Module | None = None,
@@ -66,12 +68,10 @@ class Checkpointer:
                  every: int | str | None = None, every_seconds: float | None = None, rng: bool = True,
                  signals=(signal.SIGTERM,), exit_deadline: float | None = None,
                  replicated=(), validate=None, on_resume: Callable[[ResumeInfo], None] | None = None,
-                 on_commit: Callable[[int], None] | None = None, map_location=None):
+                 on_commit: Callable[[int], None] | None = None, map_location=None, prepare: bool = True):
         self.store = store if isinstance(store, Store) else Store(store)
         self.model, self.optimizer, self.rng = model, optimizer, rng
-        # ckptstore.prepare after the first step: off by default until the abort at exit
-        # seen in CI with it on (a daemon thread in native code?) is understood
-        self.prepare = False
+        self.prepare = prepare  # ckptstore.prepare after the first step
         self._prepared = None  # the staging warm-up started after the first step
         self.objects = dict(state or {})
         for name, obj in self.objects.items():
