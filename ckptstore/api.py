@@ -105,7 +105,7 @@ def prepare(state: Any = None, *, nbytes: int | None = None) -> Future:
     as fast as later ones instead of taking a page fault per page (measured: 0.75 GiB
     staged in 0.04 s after ``prepare`` against 0.1-0.8 s into fresh memory). Call it
     once the state exists (after the first optimizer step, say); a
-    :class:`~ckptstore.Checkpointer` with ``prepare = True`` does. Returns at once; the future gives the bytes
+    :class:`~ckptstore.Checkpointer` built with ``prepare=True`` does. Returns at once; the future gives the bytes
     added (0 when the pool holds enough already, or with the torch staging pool). It
     holds no memory a save of ``state`` would not take anyway."""
     if nbytes is None:

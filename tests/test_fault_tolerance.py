@@ -13,8 +13,10 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import sys
+import warnings
 from pathlib import Path
 
 import psutil
@@ -41,11 +43,28 @@ class Run(Job):
                           *args])
 
 
+GLOO_EXIT_ABORT = "terminate called without an active exception"
+
+
+def assert_finished(run: Run, code: int, nproc: int = 2) -> None:
+    """The job exited 0 and every rank said done: or every rank said done and one then
+    died of torch's gloo exit race (pytorch/pytorch#190489, PR #179291): a gloo worker
+    thread that frees a finished collective's tensors after the interpreter began to
+    finalise takes the GIL, is ended with pthread_exit, and the unwind through a
+    noexcept destructor aborts (docs/training.md, "Exit aborts").
+    "done" is printed after the final parameters were written and the process group
+    destroyed, so the run's results stand; the race is torch's, not the checkpoint's."""
+    done = all(f"rank {r}: done" in run.lines for r in range(nproc))
+    assert done, run.output()[-4000:]
+    if code != 0:
+        out = run.output()
+        assert GLOO_EXIT_ABORT in out and "(SIGABRT)" in out, f"exit {code}:\n{out[-4000:]}"
+        warnings.warn(f"a rank aborted at exit after finishing (torch's gloo exit race): exit {code}")
+
+
 def run_to_end(store, tmp: Path, *args, nproc: int = 2) -> Run:
     run = Run(store, tmp, *args, nproc=nproc)
-    code = run.finish()
-    assert code == 0, f"exit {code}:\n{run.output()[-4000:]}"
-    assert all(f"rank {r}: done" in run.lines for r in range(nproc)), run.output()[-4000:]
+    assert_finished(run, run.finish(), nproc)
     return run
 
 
@@ -60,6 +79,11 @@ def reference(tmp_path_factory) -> dict:
 
 def _resumed(run: Run, rank: int) -> str:
     return next(l for l in run.lines if l.startswith(f"rank {rank}: resumed at step"))
+
+
+def _agreed(line: str) -> str:
+    """A resume line without its age, which each rank reads off its own clock."""
+    return re.sub(r"[0-9.]+s old", "s old", line)
 
 
 # ------------------------------------------------------------------------------ kills
@@ -85,7 +109,7 @@ def test_killed_at_random_points_resumes_bit_identical(tmp_path, reference):
         kills.append((target, step))
     final = run_to_end(store, tmp_path)
     resumed = _resumed(final, 0)
-    assert resumed == _resumed(final, 1).replace("rank 1", "rank 0"), final.output()
+    assert _agreed(resumed) == _agreed(_resumed(final, 1).replace("rank 1", "rank 0")), final.output()
     assert_bit_identical(final.final, reference), f"seed {seed}, kills {kills}"
     assert ckptstore.verify(str(store / names.step_dir_name(ckptstore.Store(str(store)).latest()))) == []
 
@@ -169,8 +193,7 @@ def test_orphaned_workers_of_a_dead_launcher_are_fenced_off(tmp_path, reference)
     old.finish()  # the orphans' next commit is refused, and they stop
     assert "FencedError" in old.output(), old.output()[-3000:]
     assert not any(l.endswith(": done") for l in old.lines)
-    code = new.finish()
-    assert code == 0, new.output()[-4000:]
+    assert_finished(new, new.finish())
     assert_bit_identical(new.final, reference)
     s = ckptstore.Store(str(store))
     epochs = {s.manifest(step).epoch for step in s.steps()}

@@ -107,7 +107,8 @@ def test_checkpointer_prepares_after_the_first_step(tmp_path):
     try:
         model = torch.nn.Linear(512, 512)
         opt = torch.optim.AdamW(model.parameters())
-        ckpt = ckptstore.Checkpointer(str(tmp_path / "s"), model=model, optimizer=opt, every=2, signals=())
+        ckpt = ckptstore.Checkpointer(str(tmp_path / "s"), model=model, optimizer=opt, every=2, signals=(),
+                                      prepare=True)
         ckpt.resume()
         model(torch.randn(2, 512)).sum().backward()
         opt.step()
@@ -116,11 +117,10 @@ def test_checkpointer_prepares_after_the_first_step(tmp_path):
         need = state_nbytes([list(model.parameters()), list(opt.state.values())])
         assert ckpt._prepared.result() >= need and runtime().pool.held >= need
         ckpt.close()
-        off = ckptstore.Checkpointer(str(tmp_path / "t"), model=model, optimizer=opt, every=2, signals=(),
-                                     prepare=False)
+        off = ckptstore.Checkpointer(str(tmp_path / "t"), model=model, optimizer=opt, every=2, signals=())
         off.resume()
         off.step(1)
-        assert off._prepared is None  # prepare=False: no warm-up
+        assert off._prepared is None  # the default: no warm-up
         off.close()
     finally:
         ckptstore.configure()
