@@ -110,12 +110,11 @@ def snapshot(obj, writer: RankWriter, pool: StagingPool, chunk_bytes: int = DEFA
     # device-to-host transfer per batch on a staging stream). ``before_wait`` starts
     # the workers before it waits for the pool, since only they free buffers.
     copier = StagingCopier(pool, before_wait=writer.flush)
-    # The walks make many short-lived objects: no whole-heap collections meanwhile.
     plain_pickle = pickle_module is pickle and pickle_protocol == 2
-    # One pause from the walk to the hand-over: a collection in between would walk the
-    # walk's new objects. The pause is process-wide: while the caller waits here for a
-    # pool buffer, other threads allocate with the collector off until a worker frees
-    # one (a pack's write), as they did with two pauses.
+    # The walks make many new objects: one pause of the collector from the walk to the
+    # hand-over, so no collection walks them meanwhile. The pause is process-wide: while
+    # the caller waits here for a pool buffer, other threads allocate with the collector
+    # off until a worker frees one (a pack's write).
     with gc_paused():
         captured = capture(obj) if plain_pickle and not patterns else None
         with copier:  # on a clean exit every byte has landed and every buffer is with the writer

@@ -549,7 +549,7 @@ class _LocalAppendWriter(AppendWriter):
     """Appends from several threads, each written whole under one lock, so the file
     only ever grows at its end. Concurrent pwrites at interleaved offsets past the end
     were several times slower than the same writes in order (ext4, 2 threads, 4 MiB
-    each: 64 MiB in 128 ms against 17 ms; bench/bench_tensors.py, docs/performance.md),
+    each: 64 MiB in 128 ms against 17 ms; docs/performance.md, "Appends write in order"),
     and a page-cache write is a memcpy that gains nothing from a second thread. Holds an
     fd of the object's directory until close, to fsync it (and to unlink on abort)
     without resolving the path again."""
