@@ -129,15 +129,18 @@ def state_nbytes(state: Any) -> int:
 
 
 def tensors_in(obj):
-    """Every tensor in nested mappings, lists and tuples (repeats included)."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, Mapping):
-        for v in obj.values():
-            yield from tensors_in(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from tensors_in(v)
+    """Every tensor in nested mappings, lists and tuples (a tensor reached twice comes
+    twice). Each container is walked once, without recursion: a state that holds
+    itself, or nests deeper than Python's stack, is walked like any other (pickle saves
+    both)."""
+    stack, seen = [obj], set()
+    while stack:
+        o = stack.pop()
+        if isinstance(o, torch.Tensor):
+            yield o
+        elif isinstance(o, (Mapping, list, tuple)) and id(o) not in seen:
+            seen.add(id(o))
+            stack.extend(o.values() if isinstance(o, Mapping) else o)
 
 
 def _save_in_memory(obj, rt, options: SaveOptions) -> tuple[SaveFuture, MemoryStorage]:

@@ -80,6 +80,17 @@ def test_state_nbytes_counts_each_storage_once():
     assert state_nbytes(state) == 4000 + 400 + 40
 
 
+def test_state_nbytes_walks_a_state_that_holds_itself():
+    """A container reached again (a cycle, or nesting deeper than the stack) is walked
+    once: before, one bound stopped at depth 100 and its twin recursed for ever."""
+    looped: list = [torch.ones(10)]
+    looped.append(looped)
+    deep: list = [torch.ones(5)]
+    for _ in range(5000):
+        deep = [deep]
+    assert state_nbytes({"a": looped, "b": deep}) == 40 + 20
+
+
 @needs_native
 def test_prepare_warms_the_process_pool_in_the_background(tmp_path):
     from ckptstore.pipeline import runtime
