@@ -11,7 +11,9 @@ repeat (the machine is shared: ratios of the same run are what count):
   preallocated ones; ``per tensor`` is (blocking - copy) / N;
 - **committed and durable**: ``ckptstore.save(...).result()`` against ``torch.save`` +
   flush + fsync;
-- **load**: ``ckptstore.load`` against ``torch.load(weights_only=True)``, page cache warm.
+- **load**: ``ckptstore.load`` against ``torch.load(weights_only=True)``, page cache warm
+  (each file read through once first: ckptstore's writer drops what it wrote from the
+  page cache, torch.save's stays; bench_core.py measures cold loads).
 
 Steady state: one untimed save of each first (the staging pool is sized and faulted).
 Prints a table of medians and writes JSON (``--out``).
@@ -36,7 +38,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
-from _common import cpu_model, write_json
+from _common import cpu_model, read_through, write_json
 
 warnings.simplefilter("ignore")
 import ckptstore  # noqa: E402
@@ -93,6 +95,8 @@ def measure(n: int, numel: int, repeats: int, root: str) -> dict:
         times["torch.save+fsync"].append(time.perf_counter() - t)
         last_torch = path
 
+        read_through(last_ck)
+        read_through(last_torch)
         t = time.perf_counter()
         ckptstore.load(last_ck)
         times["ckptstore.load"].append(time.perf_counter() - t)

@@ -21,7 +21,10 @@ from .config import config
 from .errors import FormatError, UnsupportedVersionError
 
 FORMAT_NAME = "ckptstore"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # what this writer writes
+# What this reader reads. Version 2 adds one thing to version 1: a skeleton may name a
+# rank-local storage by its index among the rank's tensors (docs/format.md).
+READ_VERSIONS = (1, 2)
 
 # ---------------------------------------------------------------------------- names
 # Stored names live in ``names``; re-exported here for the callers that know them as format's.
@@ -152,7 +155,21 @@ def itemsize(dtype_str: str) -> int:
 
 # ---------------------------------------------------------------------------- helpers
 # Hot on large manifests (every chunk record passes here): error texts are built as
-# ``what + field`` only when a check fails, never on the way through.
+# ``what + field`` only when a check fails, never on the way through; a record's own
+# name (``manifest.ranks[0].tensors['w'].chunks[0]``) is a _Name until then.
+class _Name:
+    """``template.format(*args)``, formatted only when an error message uses it."""
+
+    __slots__ = ("template", "args")
+
+    def __init__(self, template: str, *args):
+        self.template = template
+        self.args = args
+
+    def __str__(self) -> str:
+        return self.template.format(*self.args)
+
+
 def _expect(obj: Any, kind: type | tuple, what: str, field: str = "") -> Any:
     if kind is int and isinstance(obj, bool):
         raise FormatError(f"{what}{field} must be an int, got {obj!r}")
@@ -196,23 +213,29 @@ def _int(v: Any, what: str, low: int = 0, high: int = MAX_BYTES, field: str = ""
 
 
 def _codec_chain(codec: Any, what: str) -> tuple[dict, ...]:
-    """The only chains version 1 knows, with exactly their parameters (I4)."""
+    """The only chains versions 1 and 2 know, with exactly their parameters (I4)."""
     if codec == []:
         return ()
     _expect(codec, list, what)
     for c in codec:
-        _expect(c, dict, f"{what}[]")
+        _expect(c, dict, what, "[]")
     ids = [c.get("id") for c in codec]
     if ids not in ([], ["zstd"], ["shuffle", "zstd"]):
         raise FormatError(f"{what} is an unknown codec chain {ids}")
     for c in codec:
         if c["id"] == "zstd":
-            _fields(c, {"id", "level"}, set(), f"{what} zstd record")
-            _int(c["level"], f"{what} zstd level", 1, 22)
+            if c.keys() != _ZSTD_FIELDS:
+                _fields(c, _ZSTD_FIELDS, set(), f"{what} zstd record")
+            _int(c["level"], what, 1, 22, field=" zstd level")
         else:
-            _fields(c, {"id", "elementsize"}, set(), f"{what} shuffle record")
-            _int(c["elementsize"], f"{what} shuffle elementsize", 1, 64)
+            if c.keys() != _SHUFFLE_FIELDS:
+                _fields(c, _SHUFFLE_FIELDS, set(), f"{what} shuffle record")
+            _int(c["elementsize"], what, 1, 64, field=" shuffle elementsize")
     return tuple(codec)
+
+
+_ZSTD_FIELDS = frozenset({"id", "level"})
+_SHUFFLE_FIELDS = frozenset({"id", "elementsize"})
 
 
 # ---------------------------------------------------------------------------- records
@@ -243,8 +266,10 @@ class Blob:
     @classmethod
     def from_json(cls, d: dict, what: str, attempt: str, fields: frozenset = _FIELDS) -> "Blob":
         """Parse and bound one blob record; ``attempt`` is the only attempt its file may lie in."""
-        _fields(d, fields, set(), what)
-        codec = _codec_chain(d["codec"], f"{what}.codec")
+        if type(d) is not dict or d.keys() != fields:
+            _fields(d, fields, set(), what)
+        codec = d["codec"]
+        codec = () if codec == [] else _codec_chain(codec, _Name("{}.codec", what))
         digest = d["xxh3_128"]
         if type(digest) is not str or not _DIGEST_RE.fullmatch(digest):
             raise FormatError(f"{what}.xxh3_128 is not a 32-digit hex digest")
@@ -285,6 +310,9 @@ class Chunk:
         return cls(_int_list(d["offsets"], what, ".offsets"), _int_list(d["sizes"], what, ".sizes"), blob)
 
 
+_ENTRY_FIELDS = frozenset({"dtype", "shape", "chunks"})
+
+
 @dataclass(frozen=True, slots=True)
 class TensorEntry:
     """One stored tensor (for the drop-in API: one storage) and the chunks covering it."""
@@ -306,14 +334,16 @@ class TensorEntry:
 
     @classmethod
     def from_json(cls, d: dict, what: str, attempt: str) -> "TensorEntry":
-        _fields(d, {"dtype", "shape", "chunks"}, set(), what)
-        dtype = _expect(d["dtype"], str, f"{what}.dtype")
+        if type(d) is not dict or d.keys() != _ENTRY_FIELDS:
+            _fields(d, _ENTRY_FIELDS, set(), what)
+        dtype = _expect(d["dtype"], str, what, ".dtype")
         size = dtype_from_name(dtype).itemsize
-        shape = _int_list(d["shape"], f"{what}.shape")
+        shape = _int_list(d["shape"], what, ".shape")
         if math.prod(shape) * size > MAX_BYTES:
             raise FormatError(f"{what}: shape {list(shape)} of {dtype} exceeds 2**62 bytes")
-        chunks = _expect(d["chunks"], list, f"{what}.chunks")
-        return cls(dtype, shape, tuple(Chunk.from_json(c, f"{what}.chunks[{i}]", attempt) for i, c in enumerate(chunks)))
+        chunks = _expect(d["chunks"], list, what, ".chunks")
+        return cls(dtype, shape, tuple([Chunk.from_json(c, _Name("{}.chunks[{}]", what, i), attempt)
+                                        for i, c in enumerate(chunks)]))
 
 
 @dataclass(frozen=True)
@@ -338,7 +368,8 @@ class RankState:
         return cls(
             rank=_int(d["rank"], f"{what}.rank", 0, MAX_WORLD_SIZE - 1),
             skeleton=Blob.from_json(d["skeleton"], f"{what}.skeleton", attempt),
-            tensors={k: TensorEntry.from_json(v, f"{what}.tensors[{k!r}]", attempt) for k, v in tensors.items()},
+            tensors={k: TensorEntry.from_json(v, _Name("{}.tensors[{!r}]", what, k), attempt)
+                     for k, v in tensors.items()},
         )
 
     def blobs(self):
@@ -349,14 +380,17 @@ class RankState:
                 yield key, chunk.blob
 
 
-def _header_fields(d: dict, kind: str) -> None:
+def _header_fields(d: dict, kind: str) -> int:
+    """Check the header; returns the format version."""
     if d.get("format") != FORMAT_NAME:
         raise FormatError(f"not a ckptstore {kind}: format is {d.get('format')!r}")
     version = d.get("format_version")
-    if type(version) is not int or version != FORMAT_VERSION:
+    if type(version) is not int or version not in READ_VERSIONS:
         raise UnsupportedVersionError(
-            f"{kind} has format_version {version!r}; this ckptstore reads version {FORMAT_VERSION}"
+            f"{kind} has format_version {version!r}; this ckptstore reads versions "
+            f"{', '.join(map(str, READ_VERSIONS))}"
         )
+    return version
 
 
 @dataclass(frozen=True, slots=True)
@@ -415,7 +449,7 @@ def _entries_json(entries: Mapping[str, TensorEntry]) -> dict:
 
 def _entries_from_json(d: Any, what: str, attempt: str) -> dict[str, TensorEntry]:
     _expect(d, dict, what)
-    return {k: TensorEntry.from_json(v, f"{what}[{k!r}]", attempt) for k, v in d.items()}
+    return {k: TensorEntry.from_json(v, _Name("{}[{!r}]", what, k), attempt) for k, v in d.items()}
 
 
 @dataclass(frozen=True)
@@ -531,12 +565,13 @@ class Manifest:
     byteorder: str = "little"
     library: str = ""
     epoch: int | None = None  # the run incarnation that committed it (fencing; absent: none)
+    format_version: int = FORMAT_VERSION  # as read; what the skeletons may hold depends on it
 
     def _head_json(self) -> dict:
         """The members before ``ranks`` (the records follow them, ``epoch`` last)."""
         return {
             "format": FORMAT_NAME,
-            "format_version": FORMAT_VERSION,
+            "format_version": self.format_version,
             "kind": "manifest",
             "generation": self.generation,
             "attempt": self.attempt,
@@ -571,7 +606,7 @@ class Manifest:
     def from_json(cls, d: Any) -> "Manifest":
         what = "manifest"
         _expect(d, dict, what)
-        _header_fields(d, what)
+        version = _header_fields(d, what)
         _fields(d, _MANIFEST_FIELDS, {"epoch"}, what)
         if d["kind"] != "manifest":
             raise FormatError(f"manifest has kind {d['kind']!r}")
@@ -595,6 +630,7 @@ class Manifest:
             byteorder=d["byteorder"],
             library=_expect(d["library"], str, "manifest.library"),
             epoch=_int(d["epoch"], "manifest.epoch", 1, MAX_GENERATION) if "epoch" in d else None,
+            format_version=version,
         )
         validate_ranks(m.ranks, m.world_size)
         for key, entry in m.tensors.items():
@@ -643,7 +679,7 @@ def validate_ranks(ranks: tuple[RankState, ...], world_size: int) -> None:
         raise FormatError(f"ranks {seen[:16]}{'...' if len(seen) > 16 else ''} do not match world_size {world_size}")
     for r in ranks:
         for key, entry in r.tensors.items():
-            validate_coverage(entry, f"rank {r.rank} tensor {key!r}")
+            validate_coverage(entry, _Name("rank {} tensor {!r}", r.rank, key))
 
 
 def validate_extents(blobs) -> None:

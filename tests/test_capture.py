@@ -33,6 +33,10 @@ class _Echo:
     equal ask torch for the same tensors."""
 
     def __init__(self, name, args):
+        if name in ("_rebuild_tensor_v2", "_rebuild_tensor_v3") and args[5] is None:
+            args = (*args[:5], OrderedDict(), *args[6:])  # capture pickles the empty hook table as None
+        if name == "_rebuild_parameter" and args[2] is None:
+            args = (*args[:2], OrderedDict())
         self.name, self.args = name, args
 
     def __eq__(self, other):
@@ -53,7 +57,7 @@ class _EchoUnpickler(pickle.Unpickler):
         raise AssertionError(f"unexpected global {module}.{name}")
 
     def persistent_load(self, pid):
-        return ("pid",) + tuple(pid)
+        return ("pid", pid) if type(pid) is int else ("pid",) + tuple(pid)
 
 
 def _echo(skeleton: bytes):

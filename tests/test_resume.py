@@ -17,7 +17,7 @@ import torch
 from click.testing import CliRunner
 
 import ckptstore
-from ckptstore import names
+from ckptstore import format as fmt, names
 from ckptstore.cli import main as cli
 from ckptstore.errors import UnsafeLoadError
 
@@ -147,7 +147,7 @@ def test_program_errors_are_raised_not_skipped_over(tmp_path):
 def test_a_step_written_by_a_newer_ckptstore_is_raised_not_skipped(tmp_path):
     store = _store_with_steps(tmp_path / "s", (1, 2))
     path = tmp_path / "s" / names.step_dir_name(2) / names.manifest_name(1)
-    path.write_bytes(path.read_bytes().replace(b'"format_version":1', b'"format_version":99'))
+    path.write_bytes(path.read_bytes().replace(b'"format_version":%d' % fmt.FORMAT_VERSION, b'"format_version":99'))
     with pytest.raises(ckptstore.errors.UnsupportedVersionError):
         store.resume()
     assert not (tmp_path / "s" / names.step_dir_name(2) / names.SKIPPED_NAME).exists()

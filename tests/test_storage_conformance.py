@@ -196,6 +196,26 @@ def test_readinto_short_read_raises(storage):
         storage.read("k", 20, 1)
 
 
+def test_readinto_scatter_fills_each_buffer_in_turn(storage):
+    data = os.urandom(10_000)
+    storage.put("k", data)
+    # more buffers than one preadv takes (IOV_MAX: 1,024 on Linux), some of them empty
+    sizes = [i % 7 for i in range(3_000)]
+    outs = [memoryview(bytearray(n)) for n in sizes]
+    storage.readinto_scatter("k", 100, outs)
+    assert b"".join(bytes(o) for o in outs) == data[100:100 + sum(sizes)]
+
+
+def test_readinto_scatter_short_read_raises_naming_the_key(storage):
+    storage.put("k", b"0123456789")
+    outs = [memoryview(bytearray(4)), memoryview(bytearray(4))]
+    with pytest.raises(StorageError) as ei:
+        storage.readinto_scatter("k", 4, outs)
+    assert "k" in str(ei.value)
+    with pytest.raises(ObjectNotFoundError):
+        storage.readinto_scatter("missing", 0, outs)
+
+
 @pytest.mark.parametrize("op", ["read", "readinto", "stat"])
 def test_missing_key_raises_object_not_found(storage, op):
     storage.put("present", b"x")
@@ -375,6 +395,7 @@ KEY_CALLS = {
     "put_if_absent": lambda s, k: s.put(k, b"x", if_absent=True),
     "open_append": lambda s, k: s.open_append(k),
     "readinto": lambda s, k: s.readinto(k, 0, memoryview(bytearray(1))),
+    "readinto_scatter": lambda s, k: s.readinto_scatter(k, 0, [memoryview(bytearray(1))] * 2),
     "read": lambda s, k: s.read(k),
     "read_range": lambda s, k: s.read(k, 0, 1),
     "stat": lambda s, k: s.stat(k),

@@ -12,7 +12,9 @@ thread (``flatten``) costs about 25 us per tensor, most of it in torch's
 
 The skeleton is the one ``flatten`` writes: the same rebuild functions with the same
 arguments, the same persistent ids, and storage keys named after the same first path,
-so a load cannot tell which path wrote it (tests/test_capture.py compares both).
+so a load cannot tell which path wrote it (tests/test_capture.py compares both), but for
+one thing: a tensor's empty backward-hook table is pickled as None (see
+``_FrozenPickler``), so its rebuilt tensor has no table, as a tensor made afresh has none.
 
 Anything else makes :func:`capture` return None, and the caller pickles with
 ``flatten`` as before: a user class, a container subclass other than OrderedDict, a
@@ -33,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from ..scopes import Scope
-from .flatten import StorageRef, _unique, entry_shape, skeleton_key
+from .flatten import StorageRef, _unique, entry_shape, implied_storage_dtype, skeleton_key
 
 __all__ = ["Captured", "capture", "pickle_captured"]
 
@@ -67,7 +69,7 @@ class Captured:
 
     ``frozen`` holds each tensor as a record naming its storage by index. Per storage
     index: ``pids`` what its persistent id is made of (skeleton key, dtype, pickled over
-    untyped bytes, element count); ``storages`` what staging needs (key, data pointer,
+    untyped bytes, element count, named by its index); ``storages`` what staging needs (key, data pointer,
     entry dtype, then the entry's shape inline); ``sources`` the storage itself."""
 
     frozen: object
@@ -126,7 +128,10 @@ def capture(obj, max_depth: int = 200) -> Captured | None:
                 entry_dtype, numel = dtype, pid_numel
             key = _unique(first_path, used)
             index = indexes[ident] = len(pids)
-            pids.append((skeleton_key(Scope.LOCAL, key), dtype, v3, pid_numel))
+            # Named by its index (format version 2) when its entry implies its storage
+            # type, as flatten decides: always, for what capture accepts.
+            by_index = implied_storage_dtype(entry_dtype) == (torch.uint8 if v3 else dtype)
+            pids.append((skeleton_key(Scope.LOCAL, key), dtype, v3, pid_numel, by_index))
             storages.append((key, ptr, entry_dtype, *entry_shape(first, numel, entry_dtype)))
             sources.append(s)
         # Size and stride inline, not as tuples of their own: a tuple holding a tuple is
@@ -197,8 +202,9 @@ def pickle_captured(frozen, pids: list[tuple]) -> bytes:
     ckptstore's own and is pickled once)."""
     import io
 
-    storages = [_Storage(("storage", torch.UntypedStorage if v3 else _typed_storage_class(dtype), key, "cpu", numel))
-                for key, dtype, v3, numel in pids]
+    storages = [_Storage(index if by_index else
+                         ("storage", torch.UntypedStorage if v3 else _typed_storage_class(dtype), key, "cpu", numel))
+                for index, (key, dtype, v3, numel, by_index) in enumerate(pids)]
     buf = io.BytesIO()
     _FrozenPickler(buf, protocol=2).dump(_thaw(frozen, storages, {}, set()))
     return buf.getvalue()
@@ -277,18 +283,6 @@ class _Parameter:
         self.requires_grad = requires_grad
 
 
-class _NoHooks:
-    """A tensor's backward hooks as torch pickles them: a new empty OrderedDict for each
-    tensor (the rebuilt tensor keeps it as its hook table: it must not be shared).
-    Reduced directly, which gives the same opcodes as pickling an empty OrderedDict
-    without the copyreg look-up that costs a few microseconds per tensor."""
-
-    __slots__ = ()
-
-
-_EMPTY_ORDERED_DICT = (OrderedDict, ())
-
-
 class _FrozenPickler(pickle.Pickler):
     def persistent_id(self, o):
         if type(o) is _Storage:
@@ -297,14 +291,17 @@ class _FrozenPickler(pickle.Pickler):
             raise pickle.PicklingError("ckptstore internal error: a captured tensor record reached the pickler")
         return None
 
+    # A tensor's backward hooks are pickled as None, where torch pickles a new empty
+    # OrderedDict (which the rebuilt tensor keeps as its hook table): a tensor made
+    # afresh has None there too, and None is one pickle opcode where the OrderedDict is
+    # four, one of them a REDUCE that the weights-only unpickler checks against its
+    # allow-list, on every load.
     def reducer_override(self, o):
         kind = type(o)
         if kind is _Tensor:
             if o.v3_dtype is None:
-                return _rebuild_v2, (o.storage, o.offset, o.size, o.stride, o.requires_grad, _NoHooks())
-            return _rebuild_v3, (o.storage, o.offset, o.size, o.stride, o.requires_grad, _NoHooks(), o.v3_dtype)
-        if kind is _NoHooks:
-            return _EMPTY_ORDERED_DICT
+                return _rebuild_v2, (o.storage, o.offset, o.size, o.stride, o.requires_grad, None)
+            return _rebuild_v3, (o.storage, o.offset, o.size, o.stride, o.requires_grad, None, o.v3_dtype)
         if kind is _Parameter:
-            return _rebuild_parameter, (o.data, o.requires_grad, _NoHooks())
+            return _rebuild_parameter, (o.data, o.requires_grad, None)
         return NotImplemented

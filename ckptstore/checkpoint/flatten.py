@@ -2,7 +2,8 @@
 
 The skeleton is pickled the way ``torch.save`` pickles: tensors reduce to
 ``torch._utils._rebuild_tensor_v2`` over a storage, and each storage becomes a
-persistent id ``("storage", storage type, key, location, numel)``. So a load can use
+persistent id ``("storage", storage type, key, location, numel)``, or for most
+rank-local storages just their index (format version 2, :func:`implied_storage_dtype`). So a load can use
 torch's own weights-only unpickler and allow-list, and views, shared storages, tied
 weights and ``nn.Parameter`` come back exactly as torch.save would give them. Each
 distinct storage is stored once, under a key named after the first state-dict path
@@ -38,6 +39,22 @@ LOCAL, GLOBAL = Scope.LOCAL, Scope.GLOBAL
 
 
 _SCOPES = {s.value: s for s in Scope}
+
+
+# Version 2 of the format names a rank-local CPU storage in the skeleton by its index
+# among the rank's stored tensors (an int persistent id, which torch's weights-only
+# unpickler admits) when its tensor entry implies the rest of the five-item tuple: the
+# tuple is 9 of a tensor's 30 pickle opcodes, each a turn of the unpickler's Python
+# loop on every load. Global storages, storages off the CPU and bytes pickled untyped
+# for a dtype that has a storage class keep the tuple.
+_TYPED_STORAGE_DTYPES = frozenset(torch.storage._dtype_to_storage_type_map())
+
+
+def implied_storage_dtype(entry_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the storage an index persistent id stands for, given its tensor
+    entry's: the entry's own when it has a typed storage class, else bytes (torch
+    pickles the others, uint16 or float8 say, over an untyped storage)."""
+    return entry_dtype if entry_dtype in _TYPED_STORAGE_DTYPES else torch.uint8
 
 
 def skeleton_key(scope: Scope | str, key: str) -> str:
@@ -263,6 +280,8 @@ def flatten(obj, on_storage: Callable[[StorageRef], None], pickle_protocol: int 
     """
     paths, dtensor_paths = tensor_paths(obj)
     keys: dict = {}  # storage cdata (an unallocated one: (cdata, dtype)) -> skeleton key
+    indexes: dict = {}  # the same -> its index persistent id, for those named by one
+    local_count = [0]  # rank-local storages met so far: the next one's index
     dtypes: dict[int, torch.dtype] = {}  # data pointer -> the dtype it is pickled as
     used: dict[str, set[str]] = {LOCAL: set(), GLOBAL: set()}
     global_refs: dict[int, tuple[str, str]] = {}  # placeholder storage cdata -> (skeleton key, location)
@@ -293,6 +312,9 @@ def flatten(obj, on_storage: Callable[[StorageRef], None], pickle_protocol: int 
                 f"({dtypes[ptr]} and {dtype}, tensor {paths.get(cdata, ('?',))[0]!r})")
         ident = cdata if ptr else (cdata, dtype)
         if ident in keys:
+            index = indexes.get(ident)
+            if index is not None:
+                return index
             return ("storage", storage_type, keys[ident], torch.serialization.location_tag(storage), numel)
         if storage.device.type == "meta":
             raise SerializationError("cannot save a tensor on the meta device: it holds no data")
@@ -307,6 +329,11 @@ def flatten(obj, on_storage: Callable[[StorageRef], None], pickle_protocol: int 
         keys[ident] = skeleton_key(scope, key)
         location = torch.serialization.location_tag(storage)
         on_storage(StorageRef(key, storage, entry_dtype, entry_shape(tensor, entry_numel, entry_dtype), location, scope))
+        if scope == LOCAL:
+            local_count[0] += 1
+            if location == "cpu" and implied_storage_dtype(entry_dtype) == dtype:
+                index = indexes[ident] = local_count[0] - 1
+                return index
         return ("storage", storage_type, keys[ident], location, numel)
 
     def reduce_dtensor(dt):
@@ -414,4 +441,4 @@ def region_byte_offset(shape, offsets, itemsize: int) -> int:
 
 
 __all__ = ["DTensorRef", "GLOBAL", "LOCAL", "LocalBox", "StorageRef", "UnserializableTensorError", "dtensor_boxes",
-           "flatten", "parse_skeleton_key", "plan_chunks", "region_byte_offset", "skeleton_key", "tensor_paths"]
+           "flatten", "implied_storage_dtype", "parse_skeleton_key", "plan_chunks", "region_byte_offset", "skeleton_key", "tensor_paths"]

@@ -6,7 +6,8 @@ its file's real size before anything is allocated for it (one stat per file), a
 decode never produces more than the manifest's ``raw_length`` (codecs.decode_into),
 and no byte reaches a caller before its xxh3-128 matched the manifest (I3). Small
 neighbouring blobs are fetched by one read and split again; each is still checked on
-its own, so an error names the same blob it would alone.
+its own, so an error names the same blob it would alone; a load's merged read is
+scattered straight into the blobs' destinations (``Storage.readinto_scatter``).
 """
 
 from __future__ import annotations
@@ -119,7 +120,9 @@ def check_extents(storage: Storage, blobs, pool=None) -> None:
 class BlobRead:
     """One blob a load (or verify) needs. Its raw bytes go to ``out`` (exactly
     ``raw_length`` bytes); with ``out=None`` they are only checked, and handed to
-    ``done`` (when given) as a new uint8 tensor once their hash matched. ``what`` names
+    ``done`` (when given) as a new uint8 tensor once their hash matched. ``out`` must be
+    a new buffer of the load's own: a read may put a raw blob's bytes there before its
+    hash is checked, and a failed check fails the load, which drops it. ``what`` names
     the blob in errors (``"<checkpoint>: tensor 'key'"``)."""
 
     blob: fmt.Blob
@@ -208,6 +211,51 @@ def _deliver(storage: Storage, r: BlobRead, scratch, stored: memoryview | None =
         r.done(made[0])
 
 
+def _scatter_plan(members: list[BlobRead], start: int):
+    """Where a merged read of a load puts each blob's stored bytes: a raw blob straight
+    into its destination (``out``, or the new tensor ``done`` will get), a compressed
+    one into a temporary buffer it is decoded from, a gap between blobs into a scratch
+    buffer. So the merged bytes are not copied again, and no temporary buffer the size
+    of the read is faulted in. Returns (buffers in file order, per member (stored
+    bytes, its new tensor or None)), or None where the blobs are only checked (verify)
+    or overlap: one temporary buffer then, as before."""
+    if any(r.out is None and r.done is None for r in members):
+        return None
+    buffers: list[memoryview] = []
+    placed: list[tuple[memoryview, torch.Tensor | None]] = []
+    pos = start
+    for r in members:  # in file order (plan_reads)
+        b = r.blob
+        if b.offset < pos:
+            return None
+        if b.offset > pos:
+            buffers.append(_new_buffer(b.offset - pos))
+        tensor = None
+        if b.codec:
+            view = _new_buffer(b.length)
+        elif r.out is not None:
+            view = r.out  # a fresh buffer of the load: discarded with it if the hash fails
+        else:
+            tensor = torch.empty(b.length, dtype=torch.uint8)  # raw: no larger than its file holds
+            view = _view(tensor)
+        if len(view) != b.length:
+            return None
+        buffers.append(view)
+        placed.append((view, tensor))
+        pos = b.offset + b.length
+    return buffers, placed
+
+
+def _deliver_scattered(storage: Storage, r: BlobRead, scratch, stored: memoryview, tensor) -> None:
+    """Check one blob a scattered read put in place, and hand it over (``_deliver``)."""
+    if r.blob.codec:
+        _deliver(storage, r, scratch, stored)
+        return
+    verified(storage, r.blob, r.what, None, stored)
+    if r.done is not None:
+        r.done(tensor)
+
+
 def _read_group(storage: Storage, reads: Sequence[BlobRead], group: list[int], scratch=_new_buffer):
     """Read one group of ``plan_reads``; returns ``[(index, IntegrityError)]`` for the
     blobs that failed their checks (the others were delivered). Storage errors that are
@@ -217,18 +265,25 @@ def _read_group(storage: Storage, reads: Sequence[BlobRead], group: list[int], s
     if len(group) > 1:
         start = min(r.blob.offset for r in members)
         end = max(r.blob.offset + r.blob.length for r in members)
-        buf = _new_buffer(end - start)
+        scatter = _scatter_plan(members, start)
         try:
-            storage.readinto(members[0].blob.file, start, buf)
+            if scatter is None:
+                buf = _new_buffer(end - start)
+                storage.readinto(members[0].blob.file, start, buf)
+            else:
+                storage.readinto_scatter(members[0].blob.file, start, scatter[0])
         except (ObjectNotFoundError, NotRegularObjectError) as e:
             return [(i, IntegrityError(f"{_where(r.blob, r.what)}: file is missing: {e}")) for i, r in zip(group, members)]
         except TruncatedObjectError:
             pass  # some may still lie inside the file: read each alone, so every error names its blob
         else:
-            for i, r in zip(group, members):
-                a = r.blob.offset - start
+            for j, (i, r) in enumerate(zip(group, members)):
                 try:
-                    _deliver(storage, r, scratch, buf[a:a + r.blob.length])
+                    if scatter is None:
+                        a = r.blob.offset - start
+                        _deliver(storage, r, scratch, buf[a:a + r.blob.length])
+                    else:
+                        _deliver_scattered(storage, r, scratch, *scatter[1][j])
                 except IntegrityError as e:
                     failed.append((i, e))
             return failed

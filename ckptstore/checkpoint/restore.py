@@ -26,7 +26,7 @@ from ..errors import (
 )
 from ..storage import Storage
 from .commit import generations, read_manifest
-from .flatten import GLOBAL, parse_skeleton_key, region_byte_offset
+from .flatten import GLOBAL, LOCAL, implied_storage_dtype, parse_skeleton_key, region_byte_offset, skeleton_key
 from .reader import BlobRead, check_extents, read_blobs
 
 
@@ -165,17 +165,46 @@ def restore(storage: Storage, manifest: fmt.Manifest, rank: int, map_location=No
     # the skeleton; the skeleton comes last: a damaged file then reports the tensor it
     # hit, not the skeleton.
     reads: list[BlobRead] = []
-    with gc_paused():  # a tensor and a read per stored tensor: no whole-heap collections meanwhile
+    # A tensor and a read per stored tensor, and a few objects per blob read: no
+    # whole-heap collections meanwhile (in a process holding a large state, each took
+    # 0.1-0.3 s, several per 10,000-tensor load).
+    with gc_paused():
         raw = _tensor_reads(state.tensors, where, reads)
         raw_globals = {} if globals_as_meta else _tensor_reads(dict(manifest.tensors), where, reads)
-    skeleton: list[torch.Tensor] = []  # allocated only once its stored bytes passed their checks
-    reads.append(BlobRead(state.skeleton, f"{where}: object skeleton of rank {rank}", None, skeleton.append))
-    read_blobs(storage, reads, pool, extents_checked=True)
+        skeleton: list[torch.Tensor] = []  # allocated only once its stored bytes passed their checks
+        reads.append(BlobRead(state.skeleton, f"{where}: object skeleton of rank {rank}", None, skeleton.append))
+        read_blobs(storage, reads, pool, extents_checked=True)
 
     restore_location = torch.serialization._get_restore_location(map_location)
     loaded: dict[str, torch.storage.TypedStorage] = {}
 
+    local_keys: list[str] | None = None  # made on the first index persistent id
+
+    def storage_at(pid: int):
+        """Version 2's index persistent id: the rank's tensor at that index, over the
+        storage its entry implies (flatten.implied_storage_dtype)."""
+        nonlocal local_keys
+        if local_keys is None:
+            if manifest.format_version < 2:
+                raise FormatError(f"{where}: the skeleton names a storage by index ({pid}), "
+                                  f"which format version {manifest.format_version} does not allow")
+            local_keys = list(state.tensors)
+        if not 0 <= pid < len(local_keys):
+            raise FormatError(f"{where}: the skeleton names tensor index {pid}; rank {rank} stored "
+                              f"{len(local_keys)} tensors")
+        key = local_keys[pid]
+        ref = skeleton_key(LOCAL, key)
+        typed = loaded.get(ref)
+        if typed is None:
+            dtype = implied_storage_dtype(fmt.dtype_from_name(state.tensors[key].dtype))
+            typed = torch.storage.TypedStorage(wrap_storage=restore_location(raw[key], "cpu"), dtype=dtype,
+                                               _internal=True)
+            loaded[ref] = typed
+        return typed
+
     def persistent_load(pid):
+        if type(pid) is int:
+            return storage_at(pid)
         if not isinstance(pid, tuple) or len(pid) != 5 or pid[0] != "storage":
             raise FormatError(f"{where}: unexpected persistent id {pid!r} in the skeleton")
         storage_type, ref, location, numel = pid[1:]

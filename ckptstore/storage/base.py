@@ -175,6 +175,18 @@ class Storage(abc.ABC):
     @abc.abstractmethod
     def readinto(self, key: str, offset: int, out: memoryview, on_piece=None) -> None: ...
 
+    def readinto_scatter(self, key: str, offset: int, outs: list[memoryview]) -> None:
+        """Fill ``outs`` in turn with the bytes from ``offset`` on: one contiguous range
+        of their summed length, read as one request straight into its destinations (a
+        merged read of neighbouring blobs). This default reads into one temporary buffer
+        and copies out; the local backend scatters with ``preadv``."""
+        buf = memoryview(bytearray(sum(len(o) for o in outs)))
+        self.readinto(key, offset, buf)
+        pos = 0
+        for out in outs:
+            out[:] = buf[pos:pos + len(out)]
+            pos += len(out)
+
     def read(self, key: str, offset: int = 0, length: int | None = None, *, limit: int | None = None) -> bytes:
         """``length`` bytes from ``offset`` (None: to the end). With ``limit``, a read to
         the end refuses an object holding more than ``limit`` bytes from ``offset`` with
