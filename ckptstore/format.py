@@ -1,4 +1,4 @@
-"""Format v1: the manifest and vote schema, stored names, and their validation.
+"""The storage format (versions 1 and 2): the manifest and vote schema, stored names, and their validation.
 
 Pure data: frozen dataclasses with JSON in and out. No I/O happens here; see
 ``docs/format.md`` for the rules (I1-I7) these types encode.
@@ -25,6 +25,13 @@ FORMAT_VERSION = 2  # what this writer writes
 # What this reader reads. Version 2 adds one thing to version 1: a skeleton may name a
 # rank-local storage by its index among the rank's tensors (docs/format.md).
 READ_VERSIONS = (1, 2)
+# The dtypes whose storages torch pickles typed (FloatStorage, ...): an index persistent
+# id stands for a typed storage of its entry's dtype when it is one of these, else for
+# bytes. Fixed here, in the format, not read from the running torch's table.
+TYPED_STORAGE_DTYPES = frozenset({
+    "float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool",
+    "complex128", "complex64", "quint8", "qint8", "qint32", "quint4x2", "quint2x4",
+})
 
 # ---------------------------------------------------------------------------- names
 # Stored names live in ``names``; re-exported here for the callers that know them as format's.

@@ -57,7 +57,7 @@ class _EchoUnpickler(pickle.Unpickler):
         raise AssertionError(f"unexpected global {module}.{name}")
 
     def persistent_load(self, pid):
-        return ("pid", pid) if type(pid) is int else ("pid",) + tuple(pid)
+        return ("pid",) + tuple(pid)
 
 
 def _echo(skeleton: bytes):

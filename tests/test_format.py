@@ -1,4 +1,4 @@
-"""Format v1 (ckptstore.format): manifest and vote JSON, coverage validation (I5),
+"""The storage format (ckptstore.format): manifest and vote JSON, coverage validation (I5),
 file-name rules (I4), versioning and unknown fields (I4), unknown codecs, names (I2)."""
 
 from __future__ import annotations

@@ -101,8 +101,9 @@ def test_new_saves_are_version_2_and_name_cpu_storages_by_index(tmp_path):
         ckptstore.save(obj, str(path)).result()
         manifest = latest_manifest(LocalStorage(str(path)))
         assert manifest.format_version == fmt.FORMAT_VERSION == 2
-        # a, b (shared by b_view), u16, p: four storages, named 0..3 in manifest order
-        assert _skeleton_pids(path) == [0, 1, 1, 2, 3]
+        # a, b (shared by b_view), u16, p: four storages, named 0..3 in manifest order,
+        # as pairs: torch's weights-only unpickler refuses a bare int id before 2.9
+        assert _skeleton_pids(path) == [("storage", i) for i in (0, 1, 1, 2, 3)]
         assert list(manifest.ranks[0].tensors) == ["a", "b", "u16", "p"]
         back = ckptstore.load(str(path))
         assert back["b_view"].untyped_storage().data_ptr() == back["b"].untyped_storage().data_ptr()
@@ -115,7 +116,7 @@ def test_global_storages_keep_the_tuple_id(tmp_path):
     store.save(1, state, replicated=["emb"]).result()
     path = tmp_path / "s" / names.step_dir_name(1)
     pids = _skeleton_pids(path)
-    assert pids[0] == ("storage", "torch.FloatStorage", "g:emb", "cpu", 8) and pids[1] == 0
+    assert pids[0] == ("storage", "torch.FloatStorage", "g:emb", "cpu", 8) and pids[1] == ("storage", 0)
     back = store.load(1)
     assert torch.equal(back["emb"], state["emb"]) and torch.equal(back["head"], state["head"])
 
@@ -139,3 +140,9 @@ def test_an_index_beyond_the_rank_s_tensors_is_refused(tmp_path):
     _rewrite(path, drop_last)
     with pytest.raises(FormatError, match="tensor index 1; rank 0 stored 1 tensors"):
         ckptstore.load(str(path))
+
+
+def test_the_format_s_typed_storage_dtypes_are_torch_s():
+    # An index id's storage type follows the format's fixed list, not the running
+    # torch's table: if a torch release changes its table, this says so.
+    assert {getattr(torch, name) for name in fmt.TYPED_STORAGE_DTYPES} == set(torch.storage._dtype_to_storage_type_map())

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from ..scopes import Scope
-from .flatten import StorageRef, _unique, entry_shape, implied_storage_dtype, skeleton_key
+from .flatten import StorageRef, _unique, entry_shape, implied_storage_dtype, index_pid, skeleton_key
 
 __all__ = ["Captured", "capture", "pickle_captured"]
 
@@ -202,7 +202,7 @@ def pickle_captured(frozen, pids: list[tuple]) -> bytes:
     ckptstore's own and is pickled once)."""
     import io
 
-    storages = [_Storage(index if by_index else
+    storages = [_Storage(index_pid(index) if by_index else
                          ("storage", torch.UntypedStorage if v3 else _typed_storage_class(dtype), key, "cpu", numel))
                 for index, (key, dtype, v3, numel, by_index) in enumerate(pids)]
     buf = io.BytesIO()

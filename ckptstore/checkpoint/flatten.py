@@ -3,7 +3,7 @@
 The skeleton is pickled the way ``torch.save`` pickles: tensors reduce to
 ``torch._utils._rebuild_tensor_v2`` over a storage, and each storage becomes a
 persistent id ``("storage", storage type, key, location, numel)``, or for most
-rank-local storages just their index (format version 2, :func:`implied_storage_dtype`). So a load can use
+rank-local storages ``("storage", index)`` (format version 2, :func:`implied_storage_dtype`). So a load can use
 torch's own weights-only unpickler and allow-list, and views, shared storages, tied
 weights and ``nn.Parameter`` come back exactly as torch.save would give them. Each
 distinct storage is stored once, under a key named after the first state-dict path
@@ -25,6 +25,7 @@ from typing import Callable
 import torch
 
 from ..errors import SerializationError
+from ..format import TYPED_STORAGE_DTYPES
 from ..scopes import Scope
 from .weights_only import AS_IS, WeightsOnlyAudit
 
@@ -42,12 +43,17 @@ _SCOPES = {s.value: s for s in Scope}
 
 
 # Version 2 of the format names a rank-local CPU storage in the skeleton by its index
-# among the rank's stored tensors (an int persistent id, which torch's weights-only
-# unpickler admits) when its tensor entry implies the rest of the five-item tuple: the
-# tuple is 9 of a tensor's 30 pickle opcodes, each a turn of the unpickler's Python
-# loop on every load. Global storages, storages off the CPU and bytes pickled untyped
-# for a dtype that has a storage class keep the tuple.
-_TYPED_STORAGE_DTYPES = frozenset(torch.storage._dtype_to_storage_type_map())
+# among the rank's stored tensors, the persistent id ("storage", index), when its tensor
+# entry implies the rest of the five-item tuple: 4 pickle opcodes where the tuple is 9
+# of a tensor's 30, each a turn of the weights-only unpickler's Python loop on every
+# load. (A bare int would be one opcode, but torch's weights-only unpickler refuses int
+# persistent ids before 2.9.) Global storages, storages off the CPU and bytes pickled
+# untyped for a dtype that has a storage class keep the tuple.
+_TYPED_STORAGE_DTYPES = frozenset(getattr(torch, name) for name in TYPED_STORAGE_DTYPES)
+
+
+def index_pid(index: int) -> tuple[str, int]:
+    return ("storage", index)
 
 
 def implied_storage_dtype(entry_dtype: torch.dtype) -> torch.dtype:
@@ -312,9 +318,9 @@ def flatten(obj, on_storage: Callable[[StorageRef], None], pickle_protocol: int 
                 f"({dtypes[ptr]} and {dtype}, tensor {paths.get(cdata, ('?',))[0]!r})")
         ident = cdata if ptr else (cdata, dtype)
         if ident in keys:
-            index = indexes.get(ident)
-            if index is not None:
-                return index
+            pid = indexes.get(ident)
+            if pid is not None:
+                return pid
             return ("storage", storage_type, keys[ident], torch.serialization.location_tag(storage), numel)
         if storage.device.type == "meta":
             raise SerializationError("cannot save a tensor on the meta device: it holds no data")
@@ -332,8 +338,8 @@ def flatten(obj, on_storage: Callable[[StorageRef], None], pickle_protocol: int 
         if scope == LOCAL:
             local_count[0] += 1
             if location == "cpu" and implied_storage_dtype(entry_dtype) == dtype:
-                index = indexes[ident] = local_count[0] - 1
-                return index
+                pid = indexes[ident] = index_pid(local_count[0] - 1)
+                return pid
         return ("storage", storage_type, keys[ident], location, numel)
 
     def reduce_dtensor(dt):
@@ -441,4 +447,4 @@ def region_byte_offset(shape, offsets, itemsize: int) -> int:
 
 
 __all__ = ["DTensorRef", "GLOBAL", "LOCAL", "LocalBox", "StorageRef", "UnserializableTensorError", "dtensor_boxes",
-           "flatten", "implied_storage_dtype", "parse_skeleton_key", "plan_chunks", "region_byte_offset", "skeleton_key", "tensor_paths"]
+           "flatten", "implied_storage_dtype", "index_pid", "parse_skeleton_key", "plan_chunks", "region_byte_offset", "skeleton_key", "tensor_paths"]

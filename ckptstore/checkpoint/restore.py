@@ -181,8 +181,8 @@ def restore(storage: Storage, manifest: fmt.Manifest, rank: int, map_location=No
     local_keys: list[str] | None = None  # made on the first index persistent id
 
     def storage_at(pid: int):
-        """Version 2's index persistent id: the rank's tensor at that index, over the
-        storage its entry implies (flatten.implied_storage_dtype)."""
+        """Version 2's index persistent id ("storage", index): the rank's tensor at that
+        index, over the storage its entry implies (flatten.implied_storage_dtype)."""
         nonlocal local_keys
         if local_keys is None:
             if manifest.format_version < 2:
@@ -203,8 +203,8 @@ def restore(storage: Storage, manifest: fmt.Manifest, rank: int, map_location=No
         return typed
 
     def persistent_load(pid):
-        if type(pid) is int:
-            return storage_at(pid)
+        if type(pid) is tuple and len(pid) == 2 and pid[0] == "storage" and type(pid[1]) is int:
+            return storage_at(pid[1])
         if not isinstance(pid, tuple) or len(pid) != 5 or pid[0] != "storage":
             raise FormatError(f"{where}: unexpected persistent id {pid!r} in the skeleton")
         storage_type, ref, location, numel = pid[1:]
