@@ -106,7 +106,12 @@ def read_regions(storage: Storage, requests, pool) -> list[torch.Tensor]:
     whole and its hash checked (I3): a load reads only the chunks it needs, never
     unverified bytes. The chunks of all regions together are read in parallel and small
     neighbours coalesced (:func:`plan_reads`), each chunk once however many regions
-    overlap it."""
+    overlap it. The collector is paused meanwhile, as in :func:`restore`."""
+    with gc_paused():
+        return _read_regions(storage, requests, pool)
+
+
+def _read_regions(storage: Storage, requests, pool) -> list[torch.Tensor]:
     outs: list[torch.Tensor] = []
     reads: list[BlobRead] = []
     pending: dict[int, tuple[BlobRead, list]] = {}  # id(chunk) -> its read and the regions it fills
