@@ -3,9 +3,10 @@
 The skeleton is pickled the way ``torch.save`` pickles: tensors reduce to
 ``torch._utils._rebuild_tensor_v2`` over a storage, and each storage becomes a
 persistent id ``("storage", storage type, key, location, numel)``, or for most
-rank-local storages ``("storage", index)`` (format version 2, :func:`implied_storage_dtype`). So a load can use
-torch's own weights-only unpickler and allow-list, and views, shared storages, tied
-weights and ``nn.Parameter`` come back exactly as torch.save would give them. Each
+rank-local storages ``("storage", index)`` (format version 2,
+:func:`implied_storage_dtype`). So a load can use torch's own weights-only unpickler
+and allow-list, and views, shared storages, tied weights and ``nn.Parameter`` come
+back exactly as torch.save would give them. Each
 distinct storage is stored once, under a key named after the first state-dict path
 that reaches it.
 """
@@ -447,4 +448,5 @@ def region_byte_offset(shape, offsets, itemsize: int) -> int:
 
 
 __all__ = ["DTensorRef", "GLOBAL", "LOCAL", "LocalBox", "StorageRef", "UnserializableTensorError", "dtensor_boxes",
-           "flatten", "implied_storage_dtype", "index_pid", "parse_skeleton_key", "plan_chunks", "region_byte_offset", "skeleton_key", "tensor_paths"]
+           "flatten", "implied_storage_dtype", "index_pid", "parse_skeleton_key", "plan_chunks", "region_byte_offset",
+           "skeleton_key", "tensor_paths"]
