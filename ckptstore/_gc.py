@@ -23,9 +23,9 @@ class gc_paused:
     the training thread's work for as long as a save writes, and its cyclic garbage
     would pile up meanwhile. A load pauses it over its reads too (restore): the caller
     waits for them, and their objects (a few per blob, made on the reader threads) set
-    off collections of the caller's whole heap otherwise. Nested uses are counted; the collector's previous state
-    comes back when the last one ends. A child forked during a pause starts with the
-    collector as it was before the pause."""
+    off collections of the caller's whole heap otherwise. Nested uses are counted; the
+    collector's previous state comes back when the last one ends. A child forked during
+    a pause starts with the collector as it was before the pause."""
 
     _lock = threading.Lock()
     _depth = 0

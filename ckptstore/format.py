@@ -1,4 +1,5 @@
-"""The storage format (versions 1 and 2): the manifest and vote schema, stored names, and their validation.
+"""The storage format (versions 1 and 2): the manifest and vote schema, stored names,
+and their validation.
 
 Pure data: frozen dataclasses with JSON in and out. No I/O happens here; see
 ``docs/format.md`` for the rules (I1-I7) these types encode.
@@ -219,10 +220,12 @@ def _int(v: Any, what: str, low: int = 0, high: int = MAX_BYTES, field: str = ""
     return v
 
 
-def _codec_chain(codec: Any, what: str) -> tuple[dict, ...]:
-    """The only chains versions 1 and 2 know, with exactly their parameters (I4)."""
+def _codec_chain(codec: Any, blob: str) -> tuple[dict, ...]:
+    """The only chains versions 1 and 2 know, with exactly their parameters (I4).
+    ``blob`` names the record holding it; its name is built only for an error."""
     if codec == []:
         return ()
+    what = f"{blob}.codec"
     _expect(codec, list, what)
     for c in codec:
         _expect(c, dict, what, "[]")
@@ -275,8 +278,7 @@ class Blob:
         """Parse and bound one blob record; ``attempt`` is the only attempt its file may lie in."""
         if type(d) is not dict or d.keys() != fields:
             _fields(d, fields, set(), what)
-        codec = d["codec"]
-        codec = () if codec == [] else _codec_chain(codec, _Name("{}.codec", what))
+        codec = _codec_chain(d["codec"], what)
         digest = d["xxh3_128"]
         if type(digest) is not str or not _DIGEST_RE.fullmatch(digest):
             raise FormatError(f"{what}.xxh3_128 is not a 32-digit hex digest")

@@ -133,7 +133,7 @@ def test_captured_skeleton_asks_for_what_flatten_asks_for(name):
     captured = capture(obj)
     assert captured is not None, f"{name} should take the fast path"
     skeleton, refs = _slow(obj)
-    assert _echo(pickle_captured(captured.frozen, captured.pids)) == _echo(skeleton)
+    assert _echo(pickle_captured(captured.frozen, len(captured.storages))) == _echo(skeleton)
     refs_fast = [captured.ref(i) for i in range(len(captured.storages))]
     assert [entry[1] for entry in captured.storages] == [r.storage.data_ptr() for r in refs_fast]
     fast = [(r.key, r.dtype, r.shape, r.location, r.scope, r.storage._cdata) for r in refs_fast]
@@ -337,9 +337,9 @@ def test_fast_path_blocking_work_is_independent_of_pickling(tmp_path, monkeypatc
     callers = []
     real = capture_mod.pickle_captured
 
-    def spy(frozen, pids):
+    def spy(frozen, n_storages):
         callers.append(threading.current_thread() is threading.main_thread())
-        return real(frozen, pids)
+        return real(frozen, n_storages)
 
     monkeypatch.setattr(snapshot_mod, "pickle_captured", spy)
     ckptstore.save({"w": torch.ones(4)}, str(tmp_path / "c")).result()
@@ -443,12 +443,12 @@ def test_the_frozen_copy_leaves_the_collector_nothing_to_track():
     gc.collect()
     # One pass untracks every record (a user's tuple holding a tensor may take a second).
     assert [v for v in tracked_values(captured.frozen) if len(v) > 2] == []
-    assert not any(gc.is_tracked(r) for r in captured.pids + captured.storages)
+    assert not any(gc.is_tracked(r) for r in captured.storages)
     gc.collect()
     assert tracked_values(captured.frozen) == []
     # and the thawed copy still pickles as flatten does
     skeleton, _refs = _slow(state)
-    assert _echo(pickle_captured(captured.frozen, captured.pids)) == _echo(skeleton)
+    assert _echo(pickle_captured(captured.frozen, len(captured.storages))) == _echo(skeleton)
 
 
 def test_a_record_left_in_the_frozen_copy_fails_the_pickle_loudly():

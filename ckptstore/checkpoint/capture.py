@@ -27,15 +27,13 @@ the weights-only load reads: others get ``flatten``'s warning).
 
 from __future__ import annotations
 
-import functools
 import pickle
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 
-from ..scopes import Scope
-from .flatten import StorageRef, _unique, entry_shape, implied_storage_dtype, index_pid, skeleton_key
+from .flatten import StorageRef, _unique, entry_shape, implied_storage_dtype, index_pid
 
 __all__ = ["Captured", "capture", "pickle_captured"]
 
@@ -67,24 +65,18 @@ _PARAMETER = object()  # as _TENSOR; requires_grad is the Parameter's (its data 
 class Captured:
     """A plain state, captured: its frozen structure and its distinct storages.
 
-    ``frozen`` holds each tensor as a record naming its storage by index. Per storage
-    index: ``pids`` what its persistent id is made of (skeleton key, dtype, pickled over
-    untyped bytes, element count, named by its index); ``storages`` what staging needs (key, data pointer,
-    entry dtype, then the entry's shape inline); ``sources`` the storage itself."""
+    ``frozen`` holds each tensor as a record naming its storage by index, which is also
+    its persistent id's index (format version 2). Per storage index: ``storages`` what
+    staging needs (key, data pointer, entry dtype, then the entry's shape inline);
+    ``sources`` the storage itself."""
 
     frozen: object
-    pids: list[tuple]
     storages: list[tuple]
     sources: list
 
     def ref(self, index: int) -> StorageRef:
         key, _ptr, dtype, *shape = self.storages[index]
         return StorageRef(key, self.sources[index], dtype, tuple(shape), "cpu")
-
-
-@functools.cache
-def _typed_storage_class(dtype: torch.dtype):
-    return getattr(torch, torch.storage._dtype_to_storage_type_map()[dtype])
 
 
 def capture(obj, max_depth: int = 200) -> Captured | None:
@@ -95,7 +87,6 @@ def capture(obj, max_depth: int = 200) -> Captured | None:
     indexes: dict = {}  # storage cdata (an unallocated one: (cdata, dtype)) -> storage index
     dtypes: dict[int, torch.dtype] = {}  # data pointer -> the dtype it is pickled as
     used: set[str] = set()
-    pids: list[tuple] = []
     storages: list[tuple] = []
     sources: list = []
 
@@ -120,18 +111,15 @@ def capture(obj, max_depth: int = 200) -> Captured | None:
             nbytes = s.nbytes()
             itemsize = dtype.itemsize
             if v3:
-                pid_numel = nbytes
                 entry_dtype, numel = (dtype, nbytes // itemsize) if nbytes % itemsize == 0 else (torch.uint8, nbytes)
             else:
-                _typed_storage_class(dtype)  # KeyError for a dtype with none: flatten's error then
-                pid_numel = nbytes // itemsize
-                entry_dtype, numel = dtype, pid_numel
+                entry_dtype, numel = dtype, nbytes // itemsize
+            if implied_storage_dtype(entry_dtype) != (torch.uint8 if v3 else dtype):
+                # Its persistent id would need the five-item tuple (flatten writes it, and
+                # torch's error for a dtype it cannot pickle, int1..int7 say).
+                raise _NotPlain
             key = _unique(first_path, used)
-            index = indexes[ident] = len(pids)
-            # Named by its index (format version 2) when its entry implies its storage
-            # type, as flatten decides: always, for what capture accepts.
-            by_index = implied_storage_dtype(entry_dtype) == (torch.uint8 if v3 else dtype)
-            pids.append((skeleton_key(Scope.LOCAL, key), dtype, v3, pid_numel, by_index))
+            index = indexes[ident] = len(storages)
             storages.append((key, ptr, entry_dtype, *entry_shape(first, numel, entry_dtype)))
             sources.append(s)
         # Size and stride inline, not as tuples of their own: a tuple holding a tuple is
@@ -188,23 +176,21 @@ def capture(obj, max_depth: int = 200) -> Captured | None:
 
     try:
         frozen = visit(obj, "", 0)
-    except (_NotPlain, RuntimeError, RecursionError, KeyError):
-        # RuntimeError: torch refused a query (a ZeroTensor, ...); KeyError: a dtype with
-        # no storage class (int1..int7, say): flatten gives torch's own error for it
+    except (_NotPlain, RuntimeError, RecursionError):
+        # RuntimeError: torch refused a query (a ZeroTensor, ...)
         return None
-    return Captured(frozen, pids, storages, sources)
+    return Captured(frozen, storages, sources)
 
 
-def pickle_captured(frozen, pids: list[tuple]) -> bytes:
-    """The skeleton of a captured state (``Captured.frozen`` and ``Captured.pids``), as
-    ``flatten`` would have pickled the original (protocol 2). Runs on a worker: it turns
-    the records back into objects the pickler reduces, in place (the frozen copy is
-    ckptstore's own and is pickled once)."""
+def pickle_captured(frozen, n_storages: int) -> bytes:
+    """The skeleton of a captured state (``Captured.frozen``, over its
+    ``len(Captured.storages)`` storages), as ``flatten`` would have pickled the original
+    (protocol 2): every storage is rank-local and named by its index (format version 2).
+    Runs on a worker: it turns the records back into objects the pickler reduces, in
+    place (the frozen copy is ckptstore's own and is pickled once)."""
     import io
 
-    storages = [_Storage(index_pid(index) if by_index else
-                         ("storage", torch.UntypedStorage if v3 else _typed_storage_class(dtype), key, "cpu", numel))
-                for index, (key, dtype, v3, numel, by_index) in enumerate(pids)]
+    storages = [_Storage(index_pid(index)) for index in range(n_storages)]
     buf = io.BytesIO()
     _FrozenPickler(buf, protocol=2).dump(_thaw(frozen, storages, {}, set()))
     return buf.getvalue()

@@ -6,9 +6,8 @@ persistent id ``("storage", storage type, key, location, numel)``, or for most
 rank-local storages ``("storage", index)`` (format version 2,
 :func:`implied_storage_dtype`). So a load can use torch's own weights-only unpickler
 and allow-list, and views, shared storages, tied weights and ``nn.Parameter`` come
-back exactly as torch.save would give them. Each
-distinct storage is stored once, under a key named after the first state-dict path
-that reaches it.
+back exactly as torch.save would give them. Each distinct storage is stored once,
+under a key named after the first state-dict path that reaches it.
 """
 
 from __future__ import annotations
@@ -288,7 +287,6 @@ def flatten(obj, on_storage: Callable[[StorageRef], None], pickle_protocol: int 
     paths, dtensor_paths = tensor_paths(obj)
     keys: dict = {}  # storage cdata (an unallocated one: (cdata, dtype)) -> skeleton key
     indexes: dict = {}  # the same -> its index persistent id, for those named by one
-    local_count = [0]  # rank-local storages met so far: the next one's index
     dtypes: dict[int, torch.dtype] = {}  # data pointer -> the dtype it is pickled as
     used: dict[str, set[str]] = {LOCAL: set(), GLOBAL: set()}
     global_refs: dict[int, tuple[str, str]] = {}  # placeholder storage cdata -> (skeleton key, location)
@@ -336,11 +334,10 @@ def flatten(obj, on_storage: Callable[[StorageRef], None], pickle_protocol: int 
         keys[ident] = skeleton_key(scope, key)
         location = torch.serialization.location_tag(storage)
         on_storage(StorageRef(key, storage, entry_dtype, entry_shape(tensor, entry_numel, entry_dtype), location, scope))
-        if scope == LOCAL:
-            local_count[0] += 1
-            if location == "cpu" and implied_storage_dtype(entry_dtype) == dtype:
-                pid = indexes[ident] = index_pid(local_count[0] - 1)
-                return pid
+        if scope == LOCAL and location == "cpu" and implied_storage_dtype(entry_dtype) == dtype:
+            # its index among the rank-local storages met so far, one key each
+            pid = indexes[ident] = index_pid(len(used[LOCAL]) - 1)
+            return pid
         return ("storage", storage_type, keys[ident], location, numel)
 
     def reduce_dtensor(dt):

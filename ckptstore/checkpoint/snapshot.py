@@ -123,8 +123,8 @@ def snapshot(obj, writer: RankWriter, pool: StagingPool, chunk_bytes: int = DEFA
                                    pickle_module=pickle_module)
             else:
                 _stage_captured(captured, out, writer, copier, on_storage, limit)
-                frozen, pids = captured.frozen, captured.pids  # not the storages: the worker needs none
-                skeleton = lambda: pickle_captured(frozen, pids)  # noqa: E731 (a worker calls it)
+                frozen, n = captured.frozen, len(captured.storages)  # not the storages: the worker needs none
+                skeleton = lambda: pickle_captured(frozen, n)  # noqa: E731 (a worker calls it)
         writer.submit_skeleton(skeleton)
     return out
 

@@ -67,10 +67,10 @@ WRITEBACK_MIN = 1 << 20
 # cache warm); a byte read as part of a merged read costs nothing more for a load,
 # which scatters it into place (readinto_scatter), and one memcpy (~0.1 ns) for verify.
 # So blobs up to 256 KiB are merged, in reads of up to READ_PIECE (verify's temporary
-# buffer stays cache-sized). Only touching blobs (gap 0): a
-# data file is tiled by its blobs, so a full load merges every run of small blobs
-# anyway; gaps occur only in partial loads, where bridging one would save a single job
-# and read bytes the load does not need (tests/test_sharded.py counts them).
+# buffer stays cache-sized). Only touching blobs (gap 0): a data file is tiled by its
+# blobs, so a full load merges every run of small blobs anyway; gaps occur only in
+# partial loads, where bridging one would save a single job and read bytes the load
+# does not need (tests/test_sharded.py counts them).
 # Loading 9,000 tensors of 4 B-16 KiB: 1.0 s of reads before, 0.24 s after.
 MAX_WALK_DEPTH = 32  # walk never descends further (see LocalStorage._walk_fd)
 COALESCE_BLOB = 256 << 10
