@@ -40,7 +40,13 @@ from .errors import (
     CkptStoreError,
     CommitError,
     FormatError,
+    IntegrityError,
     NotACheckpointError,
+    NotCommittedError,
+    ObjectNotFoundError,
+    TemplateMismatchError,
+    TruncatedObjectError,
+    UnsupportedVersionError,
 )
 from .runtime import runtime
 from .storage import MemoryStorage, Storage, is_url, open_storage
@@ -209,6 +215,7 @@ class LoadInfo:
     world_size: int
     rank_state_of: int  # the saved rank whose own (rank-local) object was loaded
     manifest: fmt.Manifest | None = field(default=None, repr=False, compare=False)
+    tier: str | None = None  # "local" or "durable" for a Store with two tiers
 
     @property
     def resharded(self) -> bool:
@@ -217,6 +224,17 @@ class LoadInfo:
 
 class WorldSizeChangedWarning(UserWarning):
     """Loading a checkpoint saved on another number of ranks."""
+
+
+class TierFallbackWarning(UserWarning):
+    """A step's local copy could not be loaded; its durable copy was."""
+
+
+# What makes one tier's copy of a step unusable while another's may be sound: its bytes
+# or files. (A template that does not fit, or a newer format, fails every copy alike.)
+_COPY_FAULTS = (IntegrityError, FormatError, CheckpointNotFoundError, ObjectNotFoundError, TruncatedObjectError,
+                NotCommittedError)
+_NOT_COPY_FAULTS = (TemplateMismatchError, UnsupportedVersionError)
 
 
 RELOADS = 3  # how often a load starts again when what it read was retired under it
@@ -275,12 +293,21 @@ class Store:
 
     ``save`` is collective when torch.distributed is initialised: every rank of
     ``process_group`` calls it with the same step, each saving its own state.
+
+    With ``local`` (a node-local path: NVMe, ``/dev/shm``) the store has two tiers
+    (docs/tiers.md): every save commits to ``local`` first, and every
+    ``durable_every``-th save is then promoted to ``url`` in the background, its files
+    copied with every blob's hash checked, at most ``promote_bandwidth`` bytes/s (None:
+    unlimited). ``local_keep`` is the local tier's retention (default: the last 2 steps;
+    a step waiting for its promotion is always kept), ``keep`` the durable tier's.
+    Loads and resumes take the newest step any tier holds, the local copy first.
     """
 
     def __init__(self, url, *, process_group=None, compression: str | CompressionPolicy = "auto",
                  commit_timeout: float = 600.0, chunk_bytes: int | None = None,
                  keep: Retention | None = None, grace: float | str = gc.DEFAULT_GRACE,
-                 storage_options: dict | None = None):
+                 storage_options: dict | None = None, local=None, durable_every: int = 1,
+                 local_keep: Retention | None = None, promote_bandwidth: float | None = None):
         self.url = os.fspath(url) if not isinstance(url, str) else url
         self.storage = open_storage(self.url, **(storage_options or {}))
         self.process_group = process_group
@@ -290,6 +317,32 @@ class Store:
         # This run's epoch (fencing): claimed by resume(); its saves record it, and their
         # commit is refused once a newer run has claimed the store.
         self.epoch: int | None = None
+        self._epochs = self.storage  # where epochs are claimed: with two tiers, the durable one
+        self._protect = frozenset  # steps retention must keep whatever the policy says
+        self.local: Store | None = None
+        self._promoter = None
+        self._saves = 0
+        if local is not None:
+            self._add_local_tier(local, durable_every, local_keep, promote_bandwidth, compression,
+                                 commit_timeout, chunk_bytes)
+
+    def _add_local_tier(self, local, durable_every, local_keep, promote_bandwidth, compression, commit_timeout,
+                        chunk_bytes) -> None:
+        from .tiers import Promoter
+
+        if isinstance(durable_every, bool) or not isinstance(durable_every, int) or durable_every < 1:
+            raise ValueError(f"durable_every must be an int >= 1, got {durable_every!r}")
+        tier = Store(local, process_group=self.process_group, compression=compression,
+                     commit_timeout=commit_timeout, chunk_bytes=chunk_bytes,
+                     keep=local_keep if local_keep is not None else Retention(last=2), grace=self.grace)
+        a, b = tier.storage.describe().rstrip("/") + "/", self.storage.describe().rstrip("/") + "/"
+        if a.startswith(b) or b.startswith(a):
+            raise ValueError(f"the local tier {tier.url!r} and the durable store {self.url!r} overlap: "
+                             "give each a location of its own")
+        self.local, self.durable_every = tier, durable_every
+        tier._epochs = self.storage
+        self._promoter = Promoter(tier, self, promote_bandwidth, float(commit_timeout))
+        tier._protect = self._promoter.pending_steps
 
     def __repr__(self) -> str:
         return f"Store({self.url!r})"
@@ -298,14 +351,20 @@ class Store:
         return self.storage.child(names.step_dir_name(step))
 
     def save(self, step: int, state: Any, metrics: dict | None = None, *,
-             replicated: list[str] | tuple[str, ...] = ()) -> SaveFuture:
+             replicated: list[str] | tuple[str, ...] = (), durable: bool = False) -> SaveFuture:
         """Save ``state`` as ``step``; returns once it is staged.
 
         Under torch.distributed every rank calls this with the same step. DTensors are
         saved by shard (each written once); ``replicated`` lists fnmatch patterns of state
         paths (e.g. ``["model.*"]`` for a DDP model) that are identical on every rank and
         so written once in total, spread over the ranks. Everything else is rank-local.
+
+        With two tiers the future is the local save's; ``durable=True`` (the same on
+        every rank: a preemption's last save, say) promotes this step whatever
+        ``durable_every`` says, and ``ckptstore.wait()`` waits for promotions too.
         """
+        if self.local is not None:
+            return self._save_tiered(step, state, metrics, replicated, durable)
         lifecycle.raise_earlier_failure()
         where = self.location(step)
         attempt, step0 = agree_on_attempt(step, self.process_group)
@@ -316,15 +375,31 @@ class Store:
             write_failure_vote(self.location(step0), attempt, step0, world, rank, error)
             raise error
         after_commit = self._apply_retention if (self.keep is not None and rank == 0) else None
-        fence = None if self.epoch is None else functools.partial(check_fence, self.storage, self.epoch)
+        fence = None if self.epoch is None else functools.partial(check_fence, self._epochs, self.epoch)
         options = dataclasses.replace(self.options, replicated=tuple(replicated), epoch=self.epoch, fence=fence)
         future = start_save(state, where, rt=runtime(), attempt=attempt, step=step, rank=rank,
                             world_size=world, metrics=_check_metrics(metrics), options=options,
                             after_commit=after_commit)
         return lifecycle.track(future)
 
+    def _save_tiered(self, step, state, metrics, replicated, durable: bool) -> SaveFuture:
+        rank, world = rank_and_world(self.process_group)
+        local_world = os.environ.get("LOCAL_WORLD_SIZE")
+        if world > 1 and local_world is not None and local_world.isdigit() and int(local_world) != world:
+            # Votes and the manifest of the local tier travel through its directory, which
+            # only the ranks of one node share (docs/tiers.md, "Across nodes").
+            raise ValueError(f"{self.url}: a local tier needs every rank on one node (WORLD_SIZE {world}, "
+                             f"LOCAL_WORLD_SIZE {local_world}); see docs/tiers.md")
+        self.local.epoch = self.epoch
+        future = self.local.save(step, state, metrics, replicated=replicated)
+        self._saves += 1
+        if durable or self._saves % self.durable_every == 0:
+            fence = None if self.epoch is None else functools.partial(check_fence, self.storage, self.epoch)
+            self._promoter.schedule(future, rank, world, fence)
+        return future
+
     def _apply_retention(self) -> None:
-        gc.collect(self.storage, self.keep, self.grace)
+        gc.collect(self.storage, self.keep, self.grace, protect=self._protect())
 
     def gc(self, keep: Retention | None = None, grace: float | str | None = None, dry_run: bool = False) -> gc.GcPlan:
         """Delete what ``keep`` (default: the store's policy) does not keep, and debris."""
@@ -344,7 +419,20 @@ class Store:
         return [s for s in self.steps() if PIN_NAME in self.location(s).list("")]  # as gc and ls see pins
 
     def steps(self) -> list[int]:
-        """Committed steps, ascending."""
+        """Committed steps, ascending (with two tiers: those either tier holds)."""
+        if self.local is not None:
+            return sorted(set(self._committed_steps()) | set(self.local.steps()))
+        return self._committed_steps()
+
+    def tiers_of(self, step: int) -> list[tuple[str | None, "Store"]]:
+        """The tiers holding ``step`` committed, in the order a load tries them:
+        ``("local", store)`` before ``("durable", store)``; one tier: ``(None, self)``."""
+        if self.local is None:
+            return [(None, self)] if generations(self.location(step)) else []
+        tiers = [("local", self.local), ("durable", self)]
+        return [(name, s) for name, s in tiers if generations(s.location(step))]
+
+    def _committed_steps(self) -> list[int]:
         found = []
         for name in self.storage.list(""):
             step = names.parse_step_dir_name(name.rstrip("/"))
@@ -357,7 +445,9 @@ class Store:
         return steps[-1] if steps else None
 
     def manifest(self, step: int | None = None) -> fmt.Manifest:
-        return latest_manifest(self.location(self._resolve(step)))
+        step = self._resolve(step)
+        holders = self.tiers_of(step)
+        return latest_manifest((holders[0][1] if holders else self).location(step))
 
     def _resolve(self, step: int | None) -> int:
         if step is None:
@@ -379,8 +469,7 @@ class Store:
         for tries in range(RELOADS):
             chosen = self._resolve(step)
             try:
-                obj, info = _load_storage(self.location(chosen), map_location, weights_only, rank, None,
-                                          template, self.process_group, step=chosen)
+                obj, info = self._load_nearest(chosen, map_location, weights_only, rank, template)
                 return (obj, info) if return_info else obj
             except CkptStoreError:
                 # The same rule one level up: retention removed the latest step while we
@@ -388,6 +477,27 @@ class Store:
                 if step is not None or tries == RELOADS - 1 or chosen in self.steps():
                     raise
 
+
+    def _load_nearest(self, step: int, map_location, weights_only: bool, rank, template):
+        """(object, LoadInfo) of ``step`` from the first tier whose copy loads; a copy
+        with bad bytes or files falls back to the next tier, with a warning."""
+        holders = self.tiers_of(step)
+        if not holders:
+            raise CheckpointNotFoundError(f"{self.location(step).describe()}: no committed checkpoint")
+        for i, (tier, store) in enumerate(holders):
+            try:
+                obj, info = _load_storage(store.location(step), map_location, weights_only, rank, None,
+                                          template, self.process_group, step=step)
+            except _NOT_COPY_FAULTS:
+                raise
+            except _COPY_FAULTS as e:
+                if i == len(holders) - 1:
+                    raise
+                warnings.warn(f"{store.location(step).describe()}: the {tier} copy of step {step} cannot be "
+                              f"loaded ({type(e).__name__}: {e}); loading the {holders[i + 1][0]} copy",
+                              TierFallbackWarning, stacklevel=4)
+                continue
+            return obj, dataclasses.replace(info, tier=tier)
 
     def resume(self, template=None, *, map_location=None, weights_only: bool = True,
                validate=None, mark_skipped: bool = True, claim: bool = False):

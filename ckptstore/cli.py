@@ -122,25 +122,15 @@ def _ls_record(loc: Location, now: float) -> dict:
 @click.argument("url")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (a list of objects).")
 @click.option("--all", "show_all", is_flag=True, help="Also list uncommitted attempts.")
-def ls(url: str, as_json: bool, show_all: bool) -> None:
+@click.option("--local", "local", metavar="PATH",
+              help="The local tier of a two-tier store whose durable tier is URL: list both, with the tiers "
+                   "holding each step.")
+def ls(url: str, as_json: bool, show_all: bool, local: str | None) -> None:
     """List the committed checkpoints at URL, oldest first."""
-    storage = _open(url)
-    now = time.time()
-    try:
-        locations = _locations(storage)
-    except CkptStoreError as e:
-        _fail(str(e), EXIT_PROBLEM)
-    records = []
-    for loc in locations:
-        if loc.committed or loc.manifest_error:
-            rec = _ls_record(loc, now)
-            if show_all:
-                rec["attempts"] = _attempt_records(loc, now)
-            records.append(rec)
-        elif show_all:
-            rec = _ls_record(loc, now)
-            rec["attempts"] = _attempt_records(loc, now)
-            records.append(rec)
+    records = _ls_records(url, show_all)
+    if local is not None:
+        gone = not is_url(local) and not os.path.exists(local)  # the node holding it was lost: none
+        records = _merge_tiers({"durable": records, "local": [] if gone else _ls_records(local, show_all)})
     if as_json:
         click.echo(json.dumps(records, indent=2))
         return
@@ -151,6 +141,7 @@ def ls(url: str, as_json: bool, show_all: bool) -> None:
                      ("UNREADABLE" if r.get("error") else (r["committed_at"] or "uncommitted")[:19].replace("T", " ")),
                      "" if r["world_size"] is None else str(r["world_size"]),
                      _human_bytes(r["bytes"]), _human_bytes(r["raw_bytes"]),
+                     *([",".join(r["tiers"])] if local is not None else []),
                      ("pinned " if r["pinned"] else "") + metrics
                      + (f" SKIPPED BY RESUME: {_printable(r['skipped_by_resume']['reason'])}"
                         if "skipped_by_resume" in r else "")
@@ -159,8 +150,40 @@ def ls(url: str, as_json: bool, show_all: bool) -> None:
             if not a["committed"]:
                 rows.append([f"  {a['attempt']}", "", f"uncommitted, age {a['age_s']:.0f}s",
                              f"voted {a['voted']}", _human_bytes(a["bytes"]), "",
-                             "aborted" if a["aborted"] else ""])
-    click.echo(_table(["NAME", "STEP", "COMMITTED (UTC)", "RANKS", "STORED", "RAW", "NOTES"], rows))
+                             *([""] if local is not None else []), "aborted" if a["aborted"] else ""])
+    tiers = ["TIERS"] if local is not None else []
+    click.echo(_table(["NAME", "STEP", "COMMITTED (UTC)", "RANKS", "STORED", "RAW", *tiers, "NOTES"], rows))
+
+
+def _ls_records(url: str, show_all: bool) -> list[dict]:
+    storage = _open(url)
+    now = time.time()
+    try:
+        locations = _locations(storage)
+    except CkptStoreError as e:
+        _fail(str(e), EXIT_PROBLEM)
+    records = []
+    for loc in locations:
+        if loc.committed or loc.manifest_error or show_all:
+            rec = _ls_record(loc, now)
+            if show_all:
+                rec["attempts"] = _attempt_records(loc, now)
+            records.append(rec)
+    return records
+
+
+def _merge_tiers(by_tier: dict[str, list[dict]]) -> list[dict]:
+    """One record per checkpoint name, ``tiers`` naming the tiers that hold it committed
+    (the local tier's record first, as loads prefer it)."""
+    merged: dict[str, dict] = {}
+    for tier in ("local", "durable"):
+        for rec in by_tier[tier]:
+            held = [tier] if rec["committed_at"] else []
+            if rec["name"] in merged:
+                merged[rec["name"]]["tiers"] += held
+            else:
+                merged[rec["name"]] = {**rec, "tiers": held}
+    return sorted(merged.values(), key=lambda r: (r["step"] is None, r["step"] or 0, r["name"]))
 
 
 def _printable(text: str) -> str:

@@ -83,6 +83,7 @@ class ResumeInfo:
     skipped: tuple[SkippedStep, ...] = ()
     rng_rederived: bool = False  # RNG states in the state were re-derived for this rank
     epoch: int | None = None  # this run's epoch (claimed by the resume), recorded in its manifests
+    tier: str | None = None  # with two tiers: "local" or "durable", the copy this rank loaded
 
     @property
     def resharded(self) -> bool:
@@ -186,7 +187,7 @@ def _finish(store, state, info, rank: int, world: int, skipped, epoch) -> tuple[
     age = max(0.0, time.time() - fmt.parse_time(manifest.committed_at))
     return state, ResumeInfo(
         store.url, info.step, world, rank, info.saved_world_size, info.rank_state_of, manifest.generation,
-        manifest.committed_at, age, dict(manifest.metrics), tuple(skipped), rederived, epoch)
+        manifest.committed_at, age, dict(manifest.metrics), tuple(skipped), rederived, epoch, info.tier)
 
 
 def _rederive_rng(obj, rank: int):
@@ -213,9 +214,14 @@ def _rederive_rng(obj, rank: int):
 def _mark_skipped(store, step: int, reason: str) -> None:
     """Leave a note in the step (``ckptstore ls`` shows it); best effort."""
     try:
-        loc = store.location(step)
-        generation = generations(loc)[-1]  # the visible one: a listing, not a second parse
-        note = {"step": step, "generation": generation, "reason": reason[:4096], "at": fmt.utc_now()}
-        loc.put(names.SKIPPED_NAME, json.dumps(note).encode())
+        holders = store.tiers_of(step)  # each tier that holds the step (two tiers: both)
     except Exception:
-        pass  # the note is for people; the resume itself already moved on
+        return
+    for _, holder in holders:
+        try:
+            loc = holder.location(step)
+            generation = generations(loc)[-1]  # the visible one: a listing, not a second parse
+            note = {"step": step, "generation": generation, "reason": reason[:4096], "at": fmt.utc_now()}
+            loc.put(names.SKIPPED_NAME, json.dumps(note).encode())
+        except Exception:
+            pass  # the note is for people; the resume itself already moved on

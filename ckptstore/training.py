@@ -125,7 +125,7 @@ class Checkpointer:
                                         validate=self.validate, claim=True)
         self.info = info
         self._report("train", None if info.step is None else info.step, force=True, resumed_step=info.step,
-                     skipped=[s.step for s in info.skipped])
+                     resumed_tier=info.tier, resumed_age_s=info.age_s, skipped=[s.step for s in info.skipped])
         if state is None:
             return 0
         self._load_state_dict(state)
@@ -154,7 +154,8 @@ class Checkpointer:
         preempted, due_time = self._agree(self._signalled.is_set(), self._due_by_time())
         due = preempted or due_time or (self.every is not None and step % self.every == 0)
         if due and step != self.last_saved:
-            future = self.save(step, metrics)
+            # a preemption's save goes to the durable tier too: the node may not come back
+            future = self.save(step, metrics, durable=preempted)
             if preempted:
                 self._report("saving", step, force=True)
                 self._finish(future)
@@ -181,11 +182,13 @@ class Checkpointer:
             warnings.warn(f"ckptstore: could not prepare the staging memory of the first save: {e}",
                           RuntimeWarning, stacklevel=3)
 
-    def save(self, step: int, metrics: dict | None = None):
-        """Save now (collective); returns the :class:`~ckptstore.SaveFuture`."""
+    def save(self, step: int, metrics: dict | None = None, durable: bool = False):
+        """Save now (collective); returns the :class:`~ckptstore.SaveFuture`.
+        ``durable``: with a two-tier store, promote this step whatever ``durable_every``
+        says (every rank alike)."""
         began = time.monotonic()
         self._report("saving", step)  # a supervisor does not take a long staging copy for a hang
-        future = self.store.save(step, self._state_dict(), metrics, replicated=self.replicated)
+        future = self.store.save(step, self._state_dict(), metrics, replicated=self.replicated, durable=durable)
         self._save_blocking_s = time.monotonic() - began
         self._report("train", step)
         if self.on_commit is not None:

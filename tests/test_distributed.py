@@ -167,3 +167,15 @@ def test_I5_rank_whose_background_write_fails_fails_the_others_promptly(zygotes,
     failed = _line(results[0][1], "failed")
     assert failed[1:] == ["CommitError", "1", "0"], f"rank 0: {failed}"
     assert ckptstore.Store(root).steps() == []
+
+
+def test_two_tiers_promote_each_ranks_files_and_resume_from_durable_after_node_loss(zygotes, tmp_path):
+    """Issue 15 on real ranks: each rank copies its own files to the durable tier, rank 0
+    commits the same records there; with the local tier gone every rank resumes from
+    the newest durable step, bit-identical."""
+    root = str(tmp_path / "durable")
+    results = run_group(zygotes, "tiers", root, 2, LONG_TIMEOUT)
+    for rank, (code, lines) in results.items():
+        assert code == 0, (rank, lines)
+        assert _line(lines, "tiers")[1:] == ["2,3", "2", "1"], lines  # local keeps the last 2
+        assert _line(lines, "resumed")[1:] == ["2", "durable", "ok"], lines

@@ -77,7 +77,9 @@ def _label(loc: Location) -> str:
 
 
 def plan(storage: Storage, policy: Retention = Retention(), grace: float = DEFAULT_GRACE,
-         now: float | None = None) -> GcPlan:
+         now: float | None = None, protect=frozenset()) -> GcPlan:
+    """What gc would delete; ``protect``: steps kept whatever the policy says (a local
+    tier's steps waiting for their promotion)."""
     now = time.time() if now is None else now
     locations = scan_store(storage)
     result = GcPlan(storage.describe(), stale_upload_age=grace)
@@ -86,6 +88,9 @@ def plan(storage: Storage, policy: Retention = Retention(), grace: float = DEFAU
                        read_skip_mark(loc) is not None)
              for loc in committed]
     result.kept = select_kept(cands, policy, now)
+    for loc in committed:
+        if loc.step in protect:
+            result.kept.setdefault(_label(loc), []).append("promotion in flight")
 
     for loc in locations:
         label = _label(loc)
@@ -208,8 +213,8 @@ def execute(storage: Storage, gc_plan: GcPlan, on_deleted=None) -> None:
 
 
 def collect(storage: Storage, policy: Retention = Retention(), grace: float = DEFAULT_GRACE,
-            dry_run: bool = False) -> GcPlan:
-    p = plan(storage, policy, grace)
+            dry_run: bool = False, protect=frozenset()) -> GcPlan:
+    p = plan(storage, policy, grace, protect=protect)
     if dry_run:
         p.aborted_uploads = storage.abort_stale_uploads(grace, dry_run=True)
     else:

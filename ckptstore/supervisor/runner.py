@@ -205,8 +205,8 @@ class Supervisor:
         if watch.first_step_t is None:
             return False
         r0 = progress.get(0, {})
-        self._event("resume", attempt=attempt, step=r0.get("resumed_step"), skipped=r0.get("skipped") or [],
-                    first_step_s=watch.first_step_t - launched_t)
+        self._event("resume", attempt=attempt, step=r0.get("resumed_step"), tier=r0.get("resumed_tier"),
+                    checkpoint_age_s=r0.get("resumed_age_s"), skipped=r0.get("skipped") or [], first_step_s=watch.first_step_t - launched_t)
         return True
 
     def _kill(self, signum: int) -> None:

@@ -13,6 +13,10 @@ Scenarios
   mismatch    rank 0 saves step 5, the others step 6.
   unpicklable rank 1's state holds an object that cannot be pickled.
   write_fails rank 1's background write of its data file fails (RLIMIT_FSIZE).
+  tiers       a two-tier store (durable: root, local: root + "-local", durable_every=2) saves
+              steps 1-3 with rank-local and replicated state; "tiers <local steps> <durable
+              steps> <records equal>"; rank 0 then deletes the local tier (node loss) and
+              every rank resumes: "resumed <step> <tier> ok|bad".
 """
 
 import os
@@ -98,6 +102,32 @@ elif scenario == "write_fails":
     fut = ckptstore.Store(root, commit_timeout=timeout, compression="none", chunk_bytes=64 << 10).save(4, state)
     say("staged", 4)
     report_failure(fut)
+elif scenario == "tiers":
+    import shutil
+
+    import torch
+    from ckptstore.checkpoint.restore import latest_manifest
+
+    tiered = ckptstore.Store(root, local=root + "-local", durable_every=2, commit_timeout=timeout,
+                             chunk_bytes=64 << 10)
+
+    def state(step):  # "shared" is replicated: written once, its chunks spread over the ranks
+        return {**rank_state(rank, step), "shared": torch.arange(100_000, dtype=torch.float64) * step}
+
+    for step in (1, 2, 3):
+        tiered.save(step, state(step), replicated=["shared"])
+    ckptstore.wait()  # the saves and the promotion of step 2
+    dist.barrier()
+    local, durable = tiered.local.location(2), tiered.location(2)
+    same = latest_manifest(local).to_json(), latest_manifest(durable).to_json()
+    same = all(same[0][k] == same[1][k] for k in ("attempt", "ranks", "tensors", "created_at", "metrics"))
+    say("tiers", ",".join(map(str, tiered.local.steps())), ",".join(map(str, tiered._committed_steps())), int(same))
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(root + "-local")  # the node is lost: every rank of it loses its local tier
+    dist.barrier()
+    got, info = tiered.resume()
+    say("resumed", info.step, info.tier, "ok" if equal_bitwise(got, state(2)) else "bad")
 else:
     raise SystemExit(f"unknown scenario {scenario}")
 say("done")

@@ -1,0 +1,201 @@
+"""Two tiers (issue 15, docs/tiers.md): every save commits to a local store, every K-th
+is promoted to the durable store (here the moto S3 server, or a directory where a test
+needs to look inside) with each blob's hash checked; loads take the nearest sound copy.
+Two real ranks: tests/test_distributed.py (each rank promotes its own files)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import ckptstore
+from ckptstore.api import TierFallbackWarning
+from ckptstore.checkpoint import gc
+from ckptstore.checkpoint.promote import promote
+from ckptstore.checkpoint.restore import latest_manifest
+from ckptstore.checkpoint.retention import Retention
+from ckptstore.checkpoint.verify import verify
+from ckptstore.errors import IntegrityError
+from ckptstore.tiers import PromotionWarning
+
+pytest.importorskip("moto.server")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import s3util  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def endpoint():
+    return s3util.moto_endpoint()
+
+
+@pytest.fixture
+def bucket(endpoint, monkeypatch):
+    for k in s3util.UNSET_ENV:
+        monkeypatch.delenv(k, raising=False)
+    for k, v in s3util.aws_env(endpoint).items():
+        monkeypatch.setenv(k, v)
+    name = s3util.new_bucket(endpoint)
+    yield name
+    s3util.empty_bucket(name, endpoint)
+
+
+def state(step: int) -> dict:
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(300, 200, generator=g), "ids": torch.randint(0, 1 << 40, (5000,), generator=g),
+            "step": step}
+
+
+def same(a: dict, b: dict) -> bool:
+    return a["step"] == b["step"] and all(torch.equal(a[k], b[k]) for k in ("w", "ids"))
+
+
+def tiered(bucket, tmp_path, **kw) -> ckptstore.Store:
+    return ckptstore.Store(f"s3://{bucket}/run", local=tmp_path / "local", chunk_bytes=64 << 10, **kw)
+
+
+def test_every_save_is_local_every_kth_durable_and_wait_covers_the_promotions(bucket, tmp_path):
+    store = tiered(bucket, tmp_path, durable_every=3, local_keep=Retention(last=2))
+    for step in range(1, 8):
+        store.save(step, state(step))
+    ckptstore.wait()
+    assert store.local.steps() == [6, 7]  # its own retention
+    assert store._committed_steps() == [3, 6]  # the 3rd and 6th saves, promoted
+    assert store.steps() == [3, 6, 7] and [t for t, _ in store.tiers_of(6)] == ["local", "durable"]
+    local, durable = latest_manifest(store.local.location(6)), latest_manifest(store.location(6))
+    assert (durable.attempt, durable.ranks, durable.tensors, durable.created_at) == \
+        (local.attempt, local.ranks, local.tensors, local.created_at)  # the same records, not re-encoded
+    assert verify(store.location(3)) == [] and verify(store.location(6)) == []
+    got, info = store.load(return_info=True)
+    assert same(got, state(7)) and info.tier == "local"
+    got, info = store.load(3, return_info=True)
+    assert same(got, state(3)) and info.tier == "durable"
+
+    from ckptstore.cli import main
+
+    out = CliRunner().invoke(main, ["ls", store.url, "--local", str(tmp_path / "local"), "--json"])
+    assert out.exit_code == 0, out.output
+    assert [(r["step"], r["tiers"]) for r in json.loads(out.output)] == \
+        [(3, ["durable"]), (6, ["local", "durable"]), (7, ["local"])]
+
+
+def test_after_node_loss_resume_restores_the_newest_durable_step_bit_identical(bucket, tmp_path):
+    store = tiered(bucket, tmp_path, durable_every=5)
+    for step in range(1, 13):
+        store.save(step, state(step))
+    ckptstore.wait()
+    shutil.rmtree(tmp_path / "local")  # the node and its local disk are gone
+    fresh = tiered(bucket, tmp_path, durable_every=5)  # the job restarts elsewhere
+    got, info = fresh.resume()
+    assert (info.step, info.tier) == (10, "durable") and same(got, state(10))
+    assert info.age_s is not None and info.age_s >= 0
+
+
+def test_a_corrupted_local_copy_falls_back_to_the_durable_one(bucket, tmp_path):
+    store = tiered(bucket, tmp_path, durable_every=1)
+    store.save(4, state(4))
+    ckptstore.wait()
+    data = sorted((tmp_path / "local").rglob("data-*.bin"))
+    assert data
+    with open(data[0], "r+b") as f:
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 0x40]))
+    with pytest.warns(TierFallbackWarning, match="local copy of step 4"):
+        got, info = store.resume()
+    assert (info.step, info.tier) == (4, "durable") and same(got, state(4))
+
+
+def test_a_promotion_checks_every_hash_and_publishes_nothing_it_could_not_check(tmp_path):
+    store = ckptstore.Store(tmp_path / "durable", local=tmp_path / "local", durable_every=1000)
+    manifest = store.save(1, state(1)).result()  # local only: durable_every not reached
+    data = sorted((tmp_path / "local").rglob("data-*.bin"))
+    with open(data[0], "r+b") as f:
+        f.seek(-3, os.SEEK_END)
+        f.write(b"\xff\xff\xff")
+    with pytest.raises(IntegrityError, match="xxh3-128 mismatch"):
+        promote(store.local.location(1), store.location(1), manifest, 0, timeout=10.0)
+    assert store._committed_steps() == []  # nothing visible in the durable tier
+
+
+def test_local_retention_keeps_a_step_whose_promotion_is_pending(tmp_path):
+    store = ckptstore.Store(tmp_path / "s")
+    for step in (1, 2, 3):
+        store.save(step, state(step)).result()
+    p = gc.plan(store.storage, Retention(last=1), protect={1})
+    assert p.kept["step-000000000001"] == ["promotion in flight"]
+    assert [d.location for d in p.deletions] == ["step-000000000002"]
+
+
+def test_a_failed_promotion_warns_fails_wait_and_not_the_next_save(tmp_path, monkeypatch):
+    import ckptstore.tiers as tiers
+
+    def broken(*args, **kwargs):
+        raise IntegrityError("durable tier: simulated bad copy")
+
+    monkeypatch.setattr(tiers, "promote", broken)
+    store = ckptstore.Store(tmp_path / "durable", local=tmp_path / "local", durable_every=1)
+    with pytest.warns(PromotionWarning, match="promotion of step 1"):
+        store.save(1, state(1))
+        with pytest.raises(IntegrityError, match="simulated"):
+            ckptstore.wait()
+    monkeypatch.undo()  # the real promotion again
+    store.save(2, state(2)).result()  # the earlier failure is not this save's
+    ckptstore.wait()
+    assert store._committed_steps() == [2] and store.local.steps() == [1, 2]
+
+
+def test_sigkill_during_a_promotion_leaves_both_tiers_consistent(tmp_path):
+    durable, local = tmp_path / "durable", tmp_path / "local"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    child = subprocess.Popen([sys.executable, str(ROOT / "tests" / "procs" / "promote_child.py"), str(durable),
+                              str(local)], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        lines = []
+        for line in child.stdout:
+            lines.append(line.strip())
+            if line.strip() == "mid-promotion":
+                break
+        assert lines[-1] == "mid-promotion", lines
+        child.send_signal(signal.SIGKILL)
+    finally:
+        child.kill()
+        child.wait()
+    assert "committed 2" in lines
+    partial = list(durable.rglob("data-*.bin"))
+    assert partial, "the promotion had begun writing the durable tier"
+    assert not list(durable.rglob("manifest-*.json"))  # nothing half-visible (I1)
+
+    store = ckptstore.Store(durable, local=local, durable_every=2, chunk_bytes=64 << 10)
+    assert store._committed_steps() == [] and store.local.steps() == [1, 2]
+    got, info = store.resume()
+    assert (info.step, info.tier) == (2, "local")
+    assert torch.equal(got["t3"], torch.full((50_000,), 203.0))
+    swept = store.gc(grace=0)  # the abandoned promotion is debris in the durable tier
+    assert [d.kind for d in swept.deletions] == ["attempt"] and not list(durable.rglob("data-*.bin"))
+    store.save(4, {"x": torch.ones(3)}, durable=True).result()
+    ckptstore.wait()  # a later promotion goes through
+    assert store._committed_steps() == [4]
+
+
+@pytest.mark.parametrize("bad", [{"durable_every": 0}, {"durable_every": 1.5}, {"durable_every": True}])
+def test_bad_tier_settings_are_refused(tmp_path, bad):
+    with pytest.raises(ValueError, match="durable_every"):
+        ckptstore.Store(tmp_path / "d", local=tmp_path / "l", **bad)
+
+
+@pytest.mark.parametrize("local", ["d/local", "."])
+def test_overlapping_tiers_are_refused(tmp_path, local):
+    with pytest.raises(ValueError, match="overlap"):
+        ckptstore.Store(tmp_path / "d", local=tmp_path / local if local != "." else tmp_path)
