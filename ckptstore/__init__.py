@@ -23,7 +23,8 @@ Fault-tolerant training loops (collective resume, preemption saves)::
 from ._version import __version__  # noqa: E402 (one source: _version.py, read by the build too)
 
 from . import errors  # noqa: E402
-from .api import LoadInfo, Store, WorldSizeChangedWarning, load, prepare, save, wait  # noqa: E402
+from .api import LoadInfo, Store, TierFallbackWarning, WorldSizeChangedWarning, load, prepare, save, wait  # noqa: E402
+from .checkpoint.retention import KeepBest, Retention  # noqa: E402
 from .checkpoint.save import SaveFuture  # noqa: E402
 from .checkpoint.verify import verify  # noqa: E402
 from .errors import *  # noqa: E402,F401,F403
@@ -39,8 +40,9 @@ from .resume import (  # noqa: E402
 )
 from .rng import rng_state, set_rng_state  # noqa: E402
 from .training import Checkpointer  # noqa: E402
+from .tiers import PromotionWarning  # noqa: E402
 
-__all__ = ["CheckpointRejected", "CheckpointSkippedWarning", "Checkpointer", "Config", "ConfigError", "LoadInfo",
-           "NoLoadableCheckpointError", "ResumeError", "ResumeInfo", "SkippedStep", "Store", "SaveFuture",
-           "WorldSizeChangedWarning", "configure", "errors", "load", "prepare", "rng_state", "save", "set_rng_state", "verify",
+__all__ = ["CheckpointRejected", "CheckpointSkippedWarning", "Checkpointer", "Config", "ConfigError", "KeepBest",
+           "LoadInfo", "NoLoadableCheckpointError", "PromotionWarning", "Retention", "ResumeError", "ResumeInfo", "SkippedStep", "Store", "SaveFuture",
+           "TierFallbackWarning", "WorldSizeChangedWarning", "configure", "errors", "load", "prepare", "rng_state", "save", "set_rng_state", "verify",
            "wait", "__version__"]
