@@ -43,9 +43,9 @@ from .errors import (
     IntegrityError,
     NotACheckpointError,
     NotCommittedError,
-    ObjectNotFoundError,
+    StorageError,
     TemplateMismatchError,
-    TruncatedObjectError,
+    TransientStorageError,
     UnsupportedVersionError,
 )
 from .runtime import runtime
@@ -232,9 +232,9 @@ class TierFallbackWarning(UserWarning):
 
 # What makes one tier's copy of a step unusable while another's may be sound: its bytes
 # or files. (A template that does not fit, or a newer format, fails every copy alike.)
-_COPY_FAULTS = (IntegrityError, FormatError, CheckpointNotFoundError, ObjectNotFoundError, TruncatedObjectError,
-                NotCommittedError)
-_NOT_COPY_FAULTS = (TemplateMismatchError, UnsupportedVersionError)
+_COPY_FAULTS = (IntegrityError, FormatError, CheckpointNotFoundError, StorageError, NotCommittedError)
+# (a transient storage error is an outage, not the copy's fault: it is raised, to be retried)
+_NOT_COPY_FAULTS = (TemplateMismatchError, UnsupportedVersionError, TransientStorageError)
 
 
 RELOADS = 3  # how often a load starts again when what it read was retired under it
@@ -391,8 +391,8 @@ class Store:
             raise ValueError(f"{self.url}: a local tier needs every rank on one node (WORLD_SIZE {world}, "
                              f"LOCAL_WORLD_SIZE {local_world}); see docs/tiers.md")
         self.local.epoch = self.epoch
+        self._saves += 1  # first: a save that raises on one rank only must not skew the ranks' counts
         future = self.local.save(step, state, metrics, replicated=replicated)
-        self._saves += 1
         if durable or self._saves % self.durable_every == 0:
             fence = None if self.epoch is None else functools.partial(check_fence, self.storage, self.epoch)
             self._promoter.schedule(future, rank, world, fence)
@@ -404,7 +404,8 @@ class Store:
     def gc(self, keep: Retention | None = None, grace: float | str | None = None, dry_run: bool = False) -> gc.GcPlan:
         """Delete what ``keep`` (default: the store's policy) does not keep, and debris."""
         policy = keep if keep is not None else (self.keep or Retention())
-        return gc.collect(self.storage, policy, self.grace if grace is None else parse_duration(grace), dry_run)
+        return gc.collect(self.storage, policy, self.grace if grace is None else parse_duration(grace), dry_run,
+                          protect=self._protect())
 
     def pin(self, step: int, note: str = "") -> None:
         """Protect a committed checkpoint from retention and gc."""

@@ -83,8 +83,10 @@ def _on_done(future: SaveFuture) -> None:
 def raise_earlier_failure() -> None:
     """Called at the start of a save: report a background failure nobody has seen yet."""
     with _lock:
-        pending = [f for f in _unobserved_failures if not f.observed]
-        _unobserved_failures.clear()
+        # A failed promotion (tiers.py) is not this save's business: wait() raises it.
+        pending = [f for f in _unobserved_failures if not f.observed and not getattr(f, "promotion", False)]
+        _unobserved_failures[:] = [f for f in _unobserved_failures
+                                   if not f.observed and getattr(f, "promotion", False)]
     if pending:
         first = pending[0]
         first.observed = True

@@ -5,7 +5,8 @@ A promotion is a :class:`~ckptstore.SaveFuture` of the durable location, tracked
 a save: ``ckptstore.wait()`` waits for it and raises its error, the exit drain waits
 for it (bounded) and beats its heartbeat, so gc in the durable store never takes a
 promotion in flight for debris. A failed promotion does not fail the next save (the
-local tier still works): it warns, and the next due one tries again.
+local tier still works): it warns, the next ``wait()`` raises it, and the next due one
+tries again.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections import deque
 
 from . import lifecycle
 from .checkpoint.promote import Throttle, promote
-from .checkpoint.save import SaveFuture
+from .checkpoint.save import SaveFuture, _refuse
 
 
 class PromotionWarning(RuntimeWarning):
@@ -47,7 +48,7 @@ class Promoter:
         future = SaveFuture(self.durable.location(save.step).describe(), save.step, save.attempt,
                             storage=self.durable.location(save.step), rank=rank, world_size=world)
         future._staged.set()
-        future.add_done_callback(_warn_on_failure)
+        future.promotion = True  # lifecycle: its failure is raised by wait(), not by the next save
         lifecycle.track(future)
         with self._lock:
             self._pending[save.step] = self._pending.get(save.step, 0) + 1
@@ -70,9 +71,11 @@ class Promoter:
                     return
                 future, save, rank, fence = self._queue.popleft()
             try:
-                manifest = save.result()  # the local commit (its failure is the save's to report)
-            except BaseException as e:
-                future.observed = True
+                manifest = save._future.result()  # the local commit (not .result(): the save's own
+            except BaseException as e:               # failure stays unobserved, for the next save)
+                # Tell rank 0 of the durable attempt at once (it would wait for this vote).
+                _refuse(self.durable.location(save.step), save.attempt, save.step, save.world_size, rank, e)
+                future.observed = True  # the save's own error, reported as the save's
                 self._finish(future, save.step, error=e, quiet=True)
                 continue
             try:
@@ -83,14 +86,17 @@ class Promoter:
             else:
                 self._finish(future, save.step, result=result, retain=rank == 0)
 
-    def _retain(self) -> None:
-        """The local tier's retention, once a promotion no longer holds its step (after a
-        commit it ran while the step was still protected)."""
-        try:
-            self.local._apply_retention()
-        except Exception as e:  # the promotion is done either way; the next commit retries
-            warnings.warn(f"{self.local.url}: retention after a promotion failed: {e}", RuntimeWarning,
-                          stacklevel=1)
+    def _retain(self, durable: bool) -> None:
+        """Rank 0, after a promotion: the local tier's retention, now that the promotion
+        no longer holds its step (the commit's own run kept it), and after a committed
+        one the durable tier's (``keep``)."""
+        stores = [self.local] + ([self.durable] if durable and self.durable.keep is not None else [])
+        for store in stores:
+            try:
+                store._apply_retention()
+            except Exception as e:  # the promotion is done either way; the next one retries
+                warnings.warn(f"{store.url}: retention after a promotion failed: {e}", RuntimeWarning,
+                              stacklevel=1)
 
     def _finish(self, future: SaveFuture, step: int, result=None, error=None, quiet=False,
                 retain=False) -> None:
@@ -101,20 +107,11 @@ class Promoter:
             else:
                 self._pending.pop(step, None)
         if retain:  # before the future resolves: wait() covers it, as it covers a save's
-            self._retain()
+            self._retain(durable=error is None)
         if error is None:
             future._future.set_result(result)
-        else:
-            future._quiet = quiet
-            future._future.set_exception(error)
-
-
-def _warn_on_failure(future: SaveFuture) -> None:
-    """A failed promotion warns; it is not an error of the next save (observed)."""
-    exc = future._future.exception()
-    if exc is None:
-        return
-    future.observed = True
-    if not getattr(future, "_quiet", False):
-        warnings.warn(f"{future.where}: promotion of step {future.step} to the durable tier failed: "
-                      f"{type(exc).__name__}: {exc}", PromotionWarning, stacklevel=1)
+            return
+        if not quiet:  # before the future resolves, so that whoever waits for it has seen it
+            warnings.warn(f"{future.where}: promotion of step {step} to the durable tier failed: "
+                          f"{type(error).__name__}: {error}", PromotionWarning, stacklevel=1)
+        future._future.set_exception(error)
