@@ -168,10 +168,10 @@ def test_the_durable_tier_keeps_its_own_retention(tmp_path):
     assert store._committed_steps() == [3] and store.local.steps() == [1, 2, 3]
 
 
-def test_sigkill_during_a_promotion_leaves_both_tiers_consistent(tmp_path):
-    durable, local = tmp_path / "durable", tmp_path / "local"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    child = subprocess.Popen([sys.executable, str(ROOT / "tests" / "procs" / "promote_child.py"), str(durable),
+def kill_mid_promotion(durable: str, local, env: dict) -> None:
+    """tests/procs/promote_child.py until its promotion of step 2 is under way, then SIGKILL."""
+    env = dict(env, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    child = subprocess.Popen([sys.executable, str(ROOT / "tests" / "procs" / "promote_child.py"), durable,
                               str(local)], stdout=subprocess.PIPE, text=True, env=env)
     try:
         lines = []
@@ -184,6 +184,11 @@ def test_sigkill_during_a_promotion_leaves_both_tiers_consistent(tmp_path):
     finally:
         child.kill()
         child.wait()
+
+
+def test_sigkill_during_a_promotion_leaves_both_tiers_consistent(tmp_path):
+    durable, local = tmp_path / "durable", tmp_path / "local"
+    kill_mid_promotion(str(durable), local, dict(os.environ))
     partial = list(durable.rglob("data-*.bin"))
     assert partial, "the promotion had begun writing the durable tier"
     assert not list(durable.rglob("manifest-*.json"))  # nothing half-visible (I1)
@@ -225,3 +230,25 @@ def test_a_preemption_save_is_promoted_whatever_durable_every_says(tmp_path):
     assert store.local.steps() == [0, 1] and store._committed_steps() == [1]
     fresh = ckptstore.Store(tmp_path / "durable")  # the node is gone: the durable tier alone
     assert torch.equal(fresh.load(1)["model"]["weight"], model.weight.detach())
+
+
+def test_sigkill_during_a_promotion_to_s3_leaves_both_tiers_consistent(bucket, endpoint, tmp_path):
+    url, local = f"s3://{bucket}/run", tmp_path / "local"
+    # 8 MB tensors, killed 25 MiB into the copy: its multipart upload (16 MiB parts) is
+    # usually created, with a part sent (s3transfer does that on its own threads)
+    kill_mid_promotion(url, local, s3util.subprocess_env(endpoint, STOP_AFTER="400", NUMEL=str(2 << 20)))
+    s3 = s3util.admin_client(endpoint)
+    keys = [o["Key"] for o in s3.list_objects_v2(Bucket=bucket).get("Contents", [])]
+    assert not [k for k in keys if "manifest-" in k], keys  # nothing half-visible (I1)
+    uploads = [u["Key"] for u in s3.list_multipart_uploads(Bucket=bucket).get("Uploads", [])]
+
+    store = ckptstore.Store(url, local=local, durable_every=2, chunk_bytes=64 << 10)
+    assert store._committed_steps() == [] and store.local.steps() == [1, 2]
+    got, info = store.resume()
+    assert (info.step, info.tier) == (2, "local")
+    assert torch.equal(got["t1"][-5:], torch.full((5,), 201.0))
+    swept = store.gc(grace=0)  # the abandoned upload is debris in the durable tier
+    assert len(swept.aborted_uploads) == len(uploads) and not s3.list_multipart_uploads(Bucket=bucket).get("Uploads")
+    store.save(4, {"x": torch.ones(3)}, durable=True).result()
+    ckptstore.wait()  # a later promotion goes through
+    assert store._committed_steps() == [4]
