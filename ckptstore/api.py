@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import io
+import itertools
 import json
 import os
 import pickle
@@ -300,14 +301,18 @@ class Store:
     copied with every blob's hash checked, at most ``promote_bandwidth`` bytes/s (None:
     unlimited). ``local_keep`` is the local tier's retention (default: the last 2 steps;
     a step waiting for its promotion is always kept), ``keep`` the durable tier's.
-    Loads and resumes take the newest step any tier holds, the local copy first.
+    Loads and resumes take the newest step any tier holds, the local copy first. A job
+    on several nodes also names ``local_shared``, a location every rank shares (a path
+    or URL of its own, not inside ``url``), where the local tier's commit records go
+    while its data files stay on each node.
     """
 
     def __init__(self, url, *, process_group=None, compression: str | CompressionPolicy = "auto",
                  commit_timeout: float = 600.0, chunk_bytes: int | None = None,
                  keep: Retention | None = None, grace: float | str = gc.DEFAULT_GRACE,
                  storage_options: dict | None = None, local=None, durable_every: int = 1,
-                 local_keep: Retention | None = None, promote_bandwidth: float | None = None):
+                 local_keep: Retention | None = None, promote_bandwidth: float | None = None,
+                 local_shared=None):
         self.url = os.fspath(url) if not isinstance(url, str) else url
         self.storage = open_storage(self.url, **(storage_options or {}))
         self.process_group = process_group
@@ -322,12 +327,16 @@ class Store:
         self.local: Store | None = None
         self._promoter = None
         self._saves = 0
+        self._inflight: set[str] = set()  # attempts of this Store's saves in flight (tiers.sweep_own_data)
         if local is not None:
             self._add_local_tier(local, durable_every, local_keep, promote_bandwidth, compression,
-                                 commit_timeout, chunk_bytes)
+                                 commit_timeout, chunk_bytes, local_shared, storage_options)
+        elif local_shared is not None:
+            raise ValueError("local_shared names where a local tier's commit records go: it needs local=")
 
     def _add_local_tier(self, local, durable_every, local_keep, promote_bandwidth, compression, commit_timeout,
-                        chunk_bytes) -> None:
+                        chunk_bytes, local_shared, storage_options) -> None:
+        from .storage.split import SplitStorage
         from .tiers import Promoter
 
         if isinstance(durable_every, bool) or not isinstance(durable_every, int) or durable_every < 1:
@@ -335,10 +344,13 @@ class Store:
         tier = Store(local, process_group=self.process_group, compression=compression,
                      commit_timeout=commit_timeout, chunk_bytes=chunk_bytes,
                      keep=local_keep if local_keep is not None else Retention(last=2), grace=self.grace)
-        a, b = tier.storage.describe().rstrip("/") + "/", self.storage.describe().rstrip("/") + "/"
-        if a.startswith(b) or b.startswith(a):
-            raise ValueError(f"the local tier {tier.url!r} and the durable store {self.url!r} overlap: "
-                             "give each a location of its own")
+        places = {"the local tier": tier.storage, "the durable store": self.storage}
+        if local_shared is not None:
+            s3 = os.fspath(local_shared).startswith("s3://")  # storage_options are S3's
+            places["local_shared"] = open_storage(local_shared, **((storage_options or {}) if s3 else {}))
+        _refuse_overlaps(places)
+        if local_shared is not None:
+            tier.storage = SplitStorage(places["local_shared"], tier.storage)
         self.local, self.durable_every = tier, durable_every
         tier._epochs = self.storage
         self._promoter = Promoter(tier, self, promote_bandwidth, float(commit_timeout))
@@ -385,18 +397,34 @@ class Store:
     def _save_tiered(self, step, state, metrics, replicated, durable: bool) -> SaveFuture:
         rank, world = rank_and_world(self.process_group)
         local_world = os.environ.get("LOCAL_WORLD_SIZE")
-        if world > 1 and local_world is not None and local_world.isdigit() and int(local_world) != world:
+        split = not getattr(self.local.storage, "sees_all_data", True)
+        if not split and world > 1 and local_world is not None and local_world.isdigit() and int(local_world) != world:
             # Votes and the manifest of the local tier travel through its directory, which
             # only the ranks of one node share (docs/tiers.md, "Across nodes").
-            raise ValueError(f"{self.url}: a local tier needs every rank on one node (WORLD_SIZE {world}, "
-                             f"LOCAL_WORLD_SIZE {local_world}); see docs/tiers.md")
+            raise ValueError(f"{self.url}: a local tier on several nodes (WORLD_SIZE {world}, LOCAL_WORLD_SIZE "
+                             f"{local_world}) needs local_shared=, a location every rank shares; see docs/tiers.md")
         self.local.epoch = self.epoch
         self._saves += 1  # first: a save that raises on one rank only must not skew the ranks' counts
         future = self.local.save(step, state, metrics, replicated=replicated)
+        if split:
+            self._inflight.add(future.attempt)
+            future.add_done_callback(lambda f, r=rank: self._sweep(f, r))
         if durable or self._saves % self.durable_every == 0:
             fence = None if self.epoch is None else functools.partial(check_fence, self.storage, self.epoch)
             self._promoter.schedule(future, rank, world, fence)
         return future
+
+    def _sweep(self, future: SaveFuture, rank: int) -> None:
+        """After a local save on several nodes: this rank's files that no checkpoint of
+        the local tier needs any more, on its own node (tiers.sweep_own_data); best effort."""
+        from .tiers import sweep_own_data
+
+        self._inflight.discard(future.attempt)
+        try:
+            sweep_own_data(self.local, rank, set(self._inflight) | self._promoter.pending_attempts())
+        except Exception as e:  # only disk space: the next save sweeps again
+            warnings.warn(f"{self.local.url}: sweeping this node's old data files failed: {e}", RuntimeWarning,
+                          stacklevel=1)
 
     def _apply_retention(self) -> None:
         gc.collect(self.storage, self.keep, self.grace, protect=self._protect())
@@ -529,6 +557,14 @@ class Store:
 
         return resume(self, template, map_location=map_location, weights_only=weights_only,
                       validate=validate, mark_skipped=mark_skipped, claim=claim)
+
+
+def _refuse_overlaps(places: dict[str, Storage]) -> None:
+    """Two tiers (and a multi-node local tier's shared place) must not nest."""
+    roots = {what: s.describe().rstrip("/") + "/" for what, s in places.items()}
+    for (a, ra), (b, rb) in itertools.combinations(roots.items(), 2):
+        if ra.startswith(rb) or rb.startswith(ra):
+            raise ValueError(f"{a} ({ra}) and {b} ({rb}) overlap: give each a location of its own")
 
 
 def _check_metrics(metrics: dict | None) -> dict:

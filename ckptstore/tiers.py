@@ -36,11 +36,16 @@ class Promoter:
         self._lock = threading.Lock()
         self._queue: deque = deque()  # (future, local SaveFuture, rank, fence)
         self._pending: dict[int, int] = {}  # step -> promotions queued or running (local retention keeps it)
+        self._attempts: dict[str, int] = {}  # their attempts (a node's sweep keeps their files)
         self._worker: threading.Thread | None = None
 
     def pending_steps(self) -> set[int]:
         with self._lock:
             return set(self._pending)
+
+    def pending_attempts(self) -> set[str]:
+        with self._lock:
+            return set(self._attempts)
 
     def schedule(self, save: SaveFuture, rank: int, world: int, fence) -> SaveFuture:
         """A promotion of ``save``'s checkpoint once it is committed locally (tracked now,
@@ -52,6 +57,7 @@ class Promoter:
         lifecycle.track(future)
         with self._lock:
             self._pending[save.step] = self._pending.get(save.step, 0) + 1
+            self._attempts[save.attempt] = self._attempts.get(save.attempt, 0) + 1
             self._queue.append((future, save, rank, fence))
             backlog = len(self._queue)
             if self._worker is None or not self._worker.is_alive():
@@ -101,11 +107,8 @@ class Promoter:
     def _finish(self, future: SaveFuture, step: int, result=None, error=None, quiet=False,
                 retain=False) -> None:
         with self._lock:
-            left = self._pending.get(step, 0) - 1
-            if left > 0:
-                self._pending[step] = left
-            else:
-                self._pending.pop(step, None)
+            _count_down(self._pending, step)
+            _count_down(self._attempts, future.attempt)
         if retain:  # before the future resolves: wait() covers it, as it covers a save's
             self._retain(durable=error is None)
         if error is None:
@@ -115,3 +118,44 @@ class Promoter:
             warnings.warn(f"{future.where}: promotion of step {step} to the durable tier failed: "
                           f"{type(error).__name__}: {error}", PromotionWarning, stacklevel=1)
         future._future.set_exception(error)
+
+
+def _count_down(counts: dict, key) -> None:
+    left = counts.get(key, 0) - 1
+    if left > 0:
+        counts[key] = left
+    else:
+        counts.pop(key, None)
+
+
+def sweep_own_data(tier, rank: int, keep: set[str]) -> list[str]:
+    """A multi-node local tier (storage/split.py): delete this rank's data files, on its
+    own node, of attempts no manifest of the tier references any more (retired by
+    retention or a newer generation, or never committed) and not in ``keep`` (this
+    process's saves and promotions in flight). Rank 0's retention deletes the files it
+    sees, its own node's; every other node's files go this way. Returns the keys."""
+    from . import names
+    from .checkpoint.commit import generations, read_manifest
+
+    data, deleted = tier.storage.data, []
+    for entry in data.list(""):
+        step = names.parse_step_dir_name(entry.rstrip("/"))
+        if step is None or not entry.endswith("/"):
+            continue
+        shared = tier.storage.shared.child(entry.rstrip("/"))
+        referenced = set()
+        for gen in generations(shared):
+            try:
+                referenced.add(read_manifest(shared, gen).attempt)
+            except Exception:
+                referenced = None  # unreadable: keep everything of the step
+                break
+        if referenced is None:
+            continue
+        loc = data.child(entry.rstrip("/"))
+        for info in list(loc.walk(names.ATTEMPTS_DIR + "/")):
+            parsed = names.parse_data_file(info.key)
+            if parsed and parsed[1] == rank and parsed[0] not in referenced and parsed[0] not in keep:
+                loc.delete(info.key)
+                deleted.append(f"{entry}{info.key}")
+    return deleted

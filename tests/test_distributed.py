@@ -179,3 +179,18 @@ def test_two_tiers_promote_each_ranks_files_and_resume_from_durable_after_node_l
         assert code == 0, (rank, lines)
         assert _line(lines, "tiers")[1:] == ["2,3", "2", "1"], lines  # local keeps the last 2
         assert _line(lines, "resumed")[1:] == ["2", "durable", "ok"], lines
+
+
+def test_two_tiers_across_nodes_keep_data_on_each_node_and_agree_after_one_is_lost(zygotes, tmp_path):
+    """A local tier on two "nodes" (a directory per rank, LOCAL_WORLD_SIZE=1): its
+    commit records go through a shared place, each rank's data stays on its node and
+    is swept there once no checkpoint needs it; with one node lost, the ranks agree on
+    the newest step every one of them can load, each from its nearest copy."""
+    root = str(tmp_path / "durable")
+    results = run_group(zygotes, "tiers_nodes", root, 2, LONG_TIMEOUT, LOCAL_WORLD_SIZE=1)
+    for rank, (code, lines) in results.items():
+        assert code == 0, (rank, lines)
+        assert _line(lines, "files")[1:] == ["3,4", "0", "3,4", "3"], lines
+        assert _line(lines, "resumed")[1:] == ["4", "local", "ok"], lines
+        # step 4 is gone with node 1: both ranks take step 3, rank 0 locally, rank 1 from S3's stand-in
+        assert _line(lines, "lost")[1:] == ["3", "local" if rank == 0 else "durable", "ok"], lines

@@ -252,3 +252,27 @@ def test_sigkill_during_a_promotion_to_s3_leaves_both_tiers_consistent(bucket, e
     store.save(4, {"x": torch.ones(3)}, durable=True).result()
     ckptstore.wait()  # a later promotion goes through
     assert store._committed_steps() == [4]
+
+
+def test_a_split_local_tier_keeps_data_files_apart_from_the_commit_records(tmp_path):
+    from ckptstore.storage import LocalStorage
+    from ckptstore.storage.split import SplitStorage, is_data_key
+
+    assert is_data_key("step-000000000001/attempts/20261202T000000-0123456789ab/data-r00001-s00.bin")
+    assert is_data_key("attempts/20261202T000000-0123456789ab/data-r00001-s00.bin.tmp-0123abcd")
+    assert not is_data_key("attempts/20261202T000000-0123456789ab/vote-r00001.json")
+    assert not is_data_key("manifest-0000000001.json") and not is_data_key("data-r1.bin")
+    split = SplitStorage(LocalStorage(tmp_path / "shared"), LocalStorage(tmp_path / "node"))
+    store = ckptstore.Store(tmp_path / "unused")
+    store.storage = split  # a one-rank store over it: the committer checks its own files only
+    store.save(1, state(1)).result()
+    assert sorted(p.name for p in (tmp_path / "node").rglob("*") if p.is_file()) == ["data-r00000-s00.bin"]
+    assert [p.name for p in (tmp_path / "shared").rglob("*") if p.is_file()] == ["manifest-0000000001.json"]
+    assert split.list("") == ["step-000000000001/"] and same(store.load(1), state(1))
+
+
+def test_local_shared_needs_a_local_tier_and_a_place_of_its_own(tmp_path):
+    with pytest.raises(ValueError, match="needs local="):
+        ckptstore.Store(tmp_path / "d", local_shared=tmp_path / "s")
+    with pytest.raises(ValueError, match="overlap"):
+        ckptstore.Store(tmp_path / "d", local=tmp_path / "l", local_shared=tmp_path / "d" / "shared")

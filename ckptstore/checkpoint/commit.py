@@ -293,6 +293,10 @@ def check_files(storage: Storage, ranks, tensors) -> None:
     blobs += [c.blob for e in tensors.values() for c in e.chunks]
     for b in blobs:
         need[b.file] = max(need.get(b.file, 0), b.offset + b.length)
+    if not getattr(storage, "sees_all_data", True):
+        # A multi-node local tier (storage/split.py): only this node's files are here;
+        # every other rank wrote and fsynced its own before it voted.
+        need = {name: size for name, size in need.items() if names.parse_data_file(name)[1] == 0}
     for name, size in sorted(need.items()):
         try:
             have = storage.stat(name).size
