@@ -17,7 +17,9 @@ import click
 @click.argument("url")
 @click.option("--run", "run_id", metavar="ID", help="The run to summarise (default: the latest).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
-def status(url: str, run_id: str | None, as_json: bool) -> None:
+@click.option("--local", "local", metavar="PATH",
+              help="The local tier of a two-tier store whose durable tier is URL: show the newest step of each.")
+def status(url: str, run_id: str | None, as_json: bool, local: str | None) -> None:
     """Summarise a supervised run: state, restarts, failures by class, MTBF, lost work,
     goodput, checkpoint age and the recommended checkpoint interval."""
     # cli.py imports this module at its end to register the command: import it lazily
@@ -36,10 +38,32 @@ def status(url: str, run_id: str | None, as_json: bool) -> None:
     if summary["state"] == "empty":
         what = f"no journal for run {run_id}" if run_id else "no run journal (ckptstore run writes one)"
         _fail(f"{url}: {what}", EXIT_PROBLEM)
+    if local is not None:
+        summary["tiers"] = {"local": _newest(local), "durable": _newest_of(storage)}
     if as_json:
         click.echo(json.dumps(summary, indent=2))
     else:
         click.echo(render(summary))
+
+
+def _newest(url: str) -> dict | None:
+    """The newest committed step of a local tier, or None (none, or the path is gone:
+    the node holding it was lost)."""
+    import os
+
+    from .storage import is_url, open_storage
+
+    if not is_url(url) and not os.path.isdir(url):
+        return None
+    return _newest_of(open_storage(url))
+
+
+def _newest_of(storage) -> dict | None:
+    from .supervisor.status import newest_checkpoint
+
+    newest = newest_checkpoint(storage)
+    return None if newest is None else {"step": newest["step"],
+                                        "age_s": max(0.0, time.time() - newest["committed_at_t"])}
 
 
 def render(s: dict) -> str:
@@ -59,6 +83,15 @@ def render(s: dict) -> str:
     lines.append(("goodput", "-" if s["goodput"] is None else f"{100 * s['goodput']:.1f}%"))
     lines.append(("checkpoint", "none committed" if s["checkpoint_step"] is None else
                   f"step {s['checkpoint_step']}, age {_dur(s['checkpoint_age_s'])}"))
+    if s.get("tiers") is not None:
+        lines.append(("tiers", ", ".join(
+            f"{tier} " + ("none" if t is None else f"step {t['step']}, age {_dur(t['age_s'])}")
+            for tier, t in s["tiers"].items())))
+    r = s.get("last_resume")
+    if r is not None and r["step"] is not None:
+        where = f" from the {r['tier']} tier" if r["tier"] else ""
+        age = f" (age {_dur(r['checkpoint_age_s'])})" if r["checkpoint_age_s"] is not None else ""
+        lines.append(("resumed", f"attempt {r['attempt']}: step {r['step']}{where}{age}"))
     f = s["last_failure"]
     if f is not None:
         where = f" at step {f['step']}" if f["step"] is not None else ""

@@ -276,3 +276,25 @@ def test_local_shared_needs_a_local_tier_and_a_place_of_its_own(tmp_path):
         ckptstore.Store(tmp_path / "d", local_shared=tmp_path / "s")
     with pytest.raises(ValueError, match="overlap"):
         ckptstore.Store(tmp_path / "d", local=tmp_path / "l", local_shared=tmp_path / "d" / "shared")
+
+
+def test_status_shows_each_tiers_newest_step_and_the_tier_a_resume_used(tmp_path):
+    from ckptstore.cli import main
+    from ckptstore.supervisor.journal import Journal
+
+    store = ckptstore.Store(tmp_path / "durable", local=tmp_path / "local", durable_every=2)
+    for step in (1, 2, 3):
+        store.save(step, state(step))
+    ckptstore.wait()
+    j = Journal(store.storage, "run-1")
+    j.append("run_start", command=["train.py"], world_size=1, nnodes=1)
+    j.append("attempt_start", attempt=0)
+    j.append("resume", attempt=0, step=3, tier="local", checkpoint_age_s=4.5, skipped=[], first_step_s=1.0)
+    out = CliRunner().invoke(main, ["status", str(tmp_path / "durable"), "--local", str(tmp_path / "local"),
+                                    "--json"])
+    assert out.exit_code == 0, out.output
+    s = json.loads(out.output)
+    assert {t: v and v["step"] for t, v in s["tiers"].items()} == {"local": 3, "durable": 2}
+    assert s["last_resume"] == {"attempt": 0, "step": 3, "tier": "local", "checkpoint_age_s": 4.5}
+    text = CliRunner().invoke(main, ["status", str(tmp_path / "durable"), "--local", str(tmp_path / "gone")])
+    assert "local none, durable step 2" in text.output and "step 3 from the local tier (age 4.5s)" in text.output

@@ -57,7 +57,7 @@ def summarize(events: list[dict], now: float, checkpoint: dict | None = None) ->
            "lost_steps": 0, "lost_s": 0.0, "startup_s": 0.0, "recovery_s": 0.0, "goodput": None,
            "checkpoint_step": ckpt_step,
            "checkpoint_age_s": None if ckpt_t is None else max(0.0, now - ckpt_t),
-           "last_failure": None, "last_event_at": None, "give_up": None, "unhealthy": None,
+           "last_failure": None, "last_resume": None, "last_event_at": None, "give_up": None, "unhealthy": None,
            "save_blocking_s": None, "step_s": None, "mtbf_source": None,
            "recommended_interval_s": None, "recommended_interval_steps": None}
     if not events:
@@ -109,6 +109,10 @@ def summarize(events: list[dict], now: float, checkpoint: dict | None = None) ->
     counted = sum(f["class"] != "preempted" for f in out["failures"])
     out["mtbf_s"] = wall / counted if counted else None
 
+    if resumes:  # where the latest attempt started from (two tiers: which copy)
+        r = max(resumes.values(), key=lambda e: e["t"])
+        out["last_resume"] = {"attempt": _int(r.get("attempt")), "step": _int(r.get("step")),
+                              "tier": _str(r.get("tier"), 16), "checkpoint_age_s": _num(r.get("checkpoint_age_s"))}
     out["startup_s"], out["recovery_s"] = _downtime(sorted(resumes.values(), key=lambda e: e["t"]), fails,
                                                     resumes.get(0), start, end)
     if wall > 0:
