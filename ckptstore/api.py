@@ -14,6 +14,7 @@ import itertools
 import json
 import os
 import pickle
+import socket
 import warnings
 from collections.abc import Mapping
 from concurrent.futures import Future
@@ -28,7 +29,7 @@ from . import names
 from .checkpoint.commit import generations, read_manifest, write_failure_vote
 from .checkpoint.fencing import check_fence
 from .checkpoint.container import MAGIC, read_container, read_container_file, replace_file, write_container
-from .checkpoint.group import agree_on_attempt, rank_and_world
+from .checkpoint.group import agree_on_attempt, gather, rank_and_world
 from .checkpoint.reshard import fill_template
 from .checkpoint.restore import latest_manifest, restore
 from .checkpoint.save import SaveFuture, SaveOptions, start_save
@@ -328,6 +329,7 @@ class Store:
         self._promoter = None
         self._saves = 0
         self._inflight: set[str] = set()  # attempts of this Store's saves in flight (tiers.sweep_own_data)
+        self._one_node = False  # every rank of the group runs on one host (checked at the first save)
         if local is not None:
             self._add_local_tier(local, durable_every, local_keep, promote_bandwidth, compression,
                                  commit_timeout, chunk_bytes, local_shared, storage_options)
@@ -396,13 +398,17 @@ class Store:
 
     def _save_tiered(self, step, state, metrics, replicated, durable: bool) -> SaveFuture:
         rank, world = rank_and_world(self.process_group)
-        local_world = os.environ.get("LOCAL_WORLD_SIZE")
         split = not getattr(self.local.storage, "sees_all_data", True)
-        if not split and world > 1 and local_world is not None and local_world.isdigit() and int(local_world) != world:
+        if not split and world > 1 and not self._one_node:
             # Votes and the manifest of the local tier travel through its directory, which
-            # only the ranks of one node share (docs/tiers.md, "Across nodes").
-            raise ValueError(f"{self.url}: a local tier on several nodes (WORLD_SIZE {world}, LOCAL_WORLD_SIZE "
-                             f"{local_world}) needs local_shared=, a location every rank shares; see docs/tiers.md")
+            # only the ranks of one node share (docs/tiers.md, "Across nodes"). Asked once,
+            # of every rank alike (a collective in the blocking part, as the save's own).
+            hosts = sorted(set(gather(socket.gethostname(), self.process_group)))
+            if len(hosts) > 1:
+                raise ValueError(f"{self.url}: a local tier on several nodes ({', '.join(hosts[:4])}"
+                                 f"{', ...' if len(hosts) > 4 else ''}) needs local_shared=, a location every "
+                                 "rank shares; see docs/tiers.md")
+            self._one_node = True
         self.local.epoch = self.epoch
         self._saves += 1  # first: a save that raises on one rank only must not skew the ranks' counts
         future = self.local.save(step, state, metrics, replicated=replicated)

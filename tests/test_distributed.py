@@ -194,3 +194,12 @@ def test_two_tiers_across_nodes_keep_data_on_each_node_and_agree_after_one_is_lo
         assert _line(lines, "resumed")[1:] == ["4", "local", "ok"], lines
         # step 4 is gone with node 1: both ranks take step 3, rank 0 locally, rank 1 from S3's stand-in
         assert _line(lines, "lost")[1:] == ["3", "local" if rank == 0 else "durable", "ok"], lines
+
+
+def test_a_local_tier_without_a_shared_place_is_refused_on_several_hosts(zygotes, tmp_path):
+    results = run_group(zygotes, "tiers_hosts", str(tmp_path / "durable"), 2, SHORT_TIMEOUT)
+    for rank, (code, lines) in results.items():
+        assert code == 0, (rank, lines)
+        refused = [l for l in lines if l.startswith("refused")]
+        assert refused and "node0, node1" in refused[0] and "local_shared" in refused[0], lines
+    assert not (tmp_path / "durable-local").exists() or not list((tmp_path / "durable-local").rglob("*.bin"))

@@ -22,6 +22,8 @@ Scenarios
               "files <steps holding this rank's data on its node> <files of other ranks there>
               <local steps> <durable steps>", "resumed <step> <tier> ok|bad"; then rank 1's node
               is lost: "lost <step> <tier> ok|bad".
+  tiers_hosts a two-tier store without local_shared on ranks that report different host names:
+              "refused <message>" from every rank.
 """
 
 import os
@@ -167,6 +169,15 @@ elif scenario == "tiers_nodes":
     dist.barrier()
     got, info = tiered().resume()
     say("lost", info.step, info.tier, "ok" if equal_bitwise(got, rank_state(rank, info.step)) else "bad")
+elif scenario == "tiers_hosts":
+    import socket
+
+    socket.gethostname = lambda: f"node{rank}"  # as if each rank ran on a host of its own
+    try:
+        ckptstore.Store(root, local=root + "-local", commit_timeout=timeout).save(1, rank_state(rank, 1))
+        say("saved")
+    except ValueError as e:
+        say("refused", str(e))
 else:
     raise SystemExit(f"unknown scenario {scenario}")
 say("done")
