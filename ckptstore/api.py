@@ -15,6 +15,7 @@ import json
 import os
 import pickle
 import socket
+import threading
 import warnings
 from collections.abc import Mapping
 from concurrent.futures import Future
@@ -328,7 +329,8 @@ class Store:
         self.local: Store | None = None
         self._promoter = None
         self._saves = 0
-        self._inflight: set[str] = set()  # attempts of this Store's saves in flight (tiers.sweep_own_data)
+        self._committed_here: set[str] = set()  # local attempts this process saw commit (tiers.sweep_own_data)
+        self._sweeping = threading.Lock()
         self._one_node = False  # every rank of the group runs on one host (checked at the first save)
         if local is not None:
             self._add_local_tier(local, durable_every, local_keep, promote_bandwidth, compression,
@@ -413,24 +415,34 @@ class Store:
         self._saves += 1  # first: a save that raises on one rank only must not skew the ranks' counts
         future = self.local.save(step, state, metrics, replicated=replicated)
         if split:
-            self._inflight.add(future.attempt)
-            future.add_done_callback(lambda f, r=rank: self._sweep(f, r))
+            future.add_done_callback(lambda f, r=rank: self._after_local_commit(f, r))
         if durable or self._saves % self.durable_every == 0:
             fence = None if self.epoch is None else functools.partial(check_fence, self.storage, self.epoch)
             self._promoter.schedule(future, rank, world, fence)
         return future
 
-    def _sweep(self, future: SaveFuture, rank: int) -> None:
-        """After a local save on several nodes: this rank's files that no checkpoint of
-        the local tier needs any more, on its own node (tiers.sweep_own_data); best effort."""
+    def _after_local_commit(self, future: SaveFuture, rank: int) -> None:
+        """A local save on several nodes committed: sweep this rank's files that no
+        checkpoint of the local tier needs any more, on its own node
+        (tiers.sweep_own_data), off the commit thread; one sweep at a time."""
+        if future._future.exception() is not None:
+            return  # only after a commit: a failed save's files are gc's rule (grace) to judge
+        self._committed_here.add(future.attempt)
+        if self._sweeping.acquire(blocking=False):
+            threading.Thread(target=self._sweep, args=(rank,), name="ckptstore-sweep", daemon=True).start()
+
+    def _sweep(self, rank: int) -> None:
         from .tiers import sweep_own_data
 
-        self._inflight.discard(future.attempt)
         try:
-            sweep_own_data(self.local, rank, set(self._inflight) | self._promoter.pending_attempts())
+            for key in sweep_own_data(self.local, rank, set(self._committed_here),
+                                      self._promoter.pending_attempts()):
+                self._committed_here.discard(names.parse_data_file(key.split("/", 1)[1])[0])
         except Exception as e:  # only disk space: the next save sweeps again
             warnings.warn(f"{self.local.url}: sweeping this node's old data files failed: {e}", RuntimeWarning,
                           stacklevel=1)
+        finally:
+            self._sweeping.release()
 
     def _apply_retention(self) -> None:
         gc.collect(self.storage, self.keep, self.grace, protect=self._protect())

@@ -18,7 +18,8 @@ import click
 @click.option("--run", "run_id", metavar="ID", help="The run to summarise (default: the latest).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @click.option("--local", "local", metavar="PATH",
-              help="The local tier of a two-tier store whose durable tier is URL: show the newest step of each.")
+              help="The local tier of a two-tier store whose durable tier is URL (with local_shared: that "
+                   "location): show the newest step of each.")
 def status(url: str, run_id: str | None, as_json: bool, local: str | None) -> None:
     """Summarise a supervised run: state, restarts, failures by class, MTBF, lost work,
     goodput, checkpoint age and the recommended checkpoint interval."""
@@ -39,7 +40,10 @@ def status(url: str, run_id: str | None, as_json: bool, local: str | None) -> No
         what = f"no journal for run {run_id}" if run_id else "no run journal (ckptstore run writes one)"
         _fail(f"{url}: {what}", EXIT_PROBLEM)
     if local is not None:
-        summary["tiers"] = {"local": _newest(local), "durable": _newest_of(storage)}
+        try:
+            summary["tiers"] = {"local": _newest(local), "durable": _newest_of(storage)}
+        except (CkptStoreError, OSError) as e:
+            _fail(f"{local}: cannot read the tiers' newest steps: {e}", EXIT_PROBLEM)
     if as_json:
         click.echo(json.dumps(summary, indent=2))
     else:

@@ -128,21 +128,30 @@ def _count_down(counts: dict, key) -> None:
         counts.pop(key, None)
 
 
-def sweep_own_data(tier, rank: int, keep: set[str]) -> list[str]:
+def sweep_own_data(tier, rank: int, retired_here: set[str], keep: set[str], now: float | None = None) -> list[str]:
     """A multi-node local tier (storage/split.py): delete this rank's data files, on its
-    own node, of attempts no manifest of the tier references any more (retired by
-    retention or a newer generation, or never committed) and not in ``keep`` (this
-    process's saves and promotions in flight). Rank 0's retention deletes the files it
-    sees, its own node's; every other node's files go this way. Returns the keys."""
+    own node, of attempts that no manifest of the tier references any more and that
+    either committed in this process (``retired_here``: retention or a newer generation
+    retired them since) or have been idle for the tier's grace (gc's rule for debris: a
+    failed save, an earlier incarnation's files). ``keep``: promotions in flight. Rank
+    0's retention deletes the files it sees, its own node's; every other node's go this
+    way. Nothing is deleted while the shared place lists no checkpoint at all (it may be
+    unreachable or replaced). Returns the keys deleted."""
+    import time
+
     from . import names
     from .checkpoint.commit import generations, read_manifest
 
-    data, deleted = tier.storage.data, []
+    now = time.time() if now is None else now
+    shared_root, data = tier.storage.shared, tier.storage.data
+    if not any(names.parse_step_dir_name(n.rstrip("/")) is not None for n in shared_root.list("")):
+        return []
+    deleted = []
     for entry in data.list(""):
         step = names.parse_step_dir_name(entry.rstrip("/"))
         if step is None or not entry.endswith("/"):
             continue
-        shared = tier.storage.shared.child(entry.rstrip("/"))
+        shared = shared_root.child(entry.rstrip("/"))
         referenced = set()
         for gen in generations(shared):
             try:
@@ -155,7 +164,9 @@ def sweep_own_data(tier, rank: int, keep: set[str]) -> list[str]:
         loc = data.child(entry.rstrip("/"))
         for info in list(loc.walk(names.ATTEMPTS_DIR + "/")):
             parsed = names.parse_data_file(info.key)
-            if parsed and parsed[1] == rank and parsed[0] not in referenced and parsed[0] not in keep:
+            if not parsed or parsed[1] != rank or parsed[0] in referenced or parsed[0] in keep:
+                continue
+            if parsed[0] in retired_here or now - info.mtime >= tier.grace:
                 loc.delete(info.key)
                 deleted.append(f"{entry}{info.key}")
     return deleted

@@ -186,15 +186,21 @@ def test_hostile_events_are_skipped_and_counted(tmp_path):
     storage.put(f"{d}/notes.txt", b"{}")  # names outside the grammar: ignored, not read
     storage.put(f"{d}/{us:016d}-xyz-failure.json", json.dumps({"kind": "failure"}).encode())
     storage.put(f"{d}/sub/{us:016d}-00000000-failure.json", json.dumps({"kind": "failure"}).encode())
-    # an event without a usable time gets the time its name says
+    # an event without a usable time gets the time its name says (a time too large for a
+    # float is not one either)
     storage.put(name(9, "resume"), json.dumps({"kind": "resume", "t": "soon"}).encode())
+    storage.put(f"{d}/{us + 10:016d}-0000000a-resume.json", json.dumps({"kind": "resume", "t": 10**400,
+                                                "checkpoint_age_s": 10**400, "step": 3}).encode())
 
     reading = j.read()
     assert (reading.unreadable, reading.ignored, reading.truncated) == (8, 3, 0)
-    assert [e["kind"] for e in reading.events] == ["run_start", "resume", "attempt_start", "resume", "failure"]
-    assert reading.events[1]["t"] == (us + 9) / 1e6
-    assert [e for e in reading.events if e is not reading.events[1]] == written
-    assert status(storage, now=T0 + 10)["journal"] == {"unreadable": 8, "ignored": 3, "truncated": 0}
+    assert [e["kind"] for e in reading.events] == ["run_start", "resume", "resume", "attempt_start", "resume",
+                                                   "failure"]
+    assert reading.events[1]["t"] == (us + 9) / 1e6 and reading.events[2]["t"] == (us + 10) / 1e6
+    assert [e for e in reading.events if e not in reading.events[1:3]] == written
+    summary = status(storage, now=T0 + 10)
+    assert summary["journal"] == {"unreadable": 8, "ignored": 3, "truncated": 0}
+    json.dumps(summary)
 
 
 def test_hostile_run_directories_are_not_runs(tmp_path):

@@ -298,3 +298,29 @@ def test_status_shows_each_tiers_newest_step_and_the_tier_a_resume_used(tmp_path
     assert s["last_resume"] == {"attempt": 0, "step": 3, "tier": "local", "checkpoint_age_s": 4.5}
     text = CliRunner().invoke(main, ["status", str(tmp_path / "durable"), "--local", str(tmp_path / "gone")])
     assert "local none, durable step 2" in text.output and "step 3 from the local tier (age 4.5s)" in text.output
+
+
+def test_a_nodes_sweep_deletes_only_its_ranks_retired_or_idle_files(tmp_path):
+    from ckptstore import names
+    from ckptstore.tiers import sweep_own_data
+
+    store = ckptstore.Store(tmp_path / "d", local=tmp_path / "node", local_shared=tmp_path / "shared",
+                            durable_every=1000)
+    store.save(2, state(2)).result()
+    attempt = names.new_attempt_id()  # a save of step 1 in flight (or failed): unreferenced
+    mine = tmp_path / "node" / "step-000000000001" / names.data_file_name(attempt, 0, 0)
+    theirs = mine.with_name("data-r00001-s00.bin")
+    for f in (mine, theirs):
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_bytes(b"x" * 10)
+    assert sweep_own_data(store.local, 0, set(), set()) == []  # recent, not retired: in flight
+    assert sweep_own_data(store.local, 0, {attempt}, {attempt}) == []  # a promotion holds it
+    old = mine.stat().st_mtime + store.local.grace + 1
+    empty = ckptstore.Store(tmp_path / "d2", local=tmp_path / "node", local_shared=tmp_path / "shared2")
+    assert sweep_own_data(empty.local, 0, {attempt}, set(), now=old) == []  # the shared place lists nothing
+    key = "step-000000000001/" + names.data_file_name(attempt, 0, 0)
+    assert sweep_own_data(store.local, 0, {attempt}, set()) == [key] and not mine.exists()  # retired here
+    assert theirs.exists()  # another rank's file: that rank sweeps it
+    mine.write_bytes(b"y")
+    assert sweep_own_data(store.local, 0, set(), set(), now=old) != [] and not mine.exists()  # idle past grace
+    assert same(store.load(2), state(2))  # the committed step's files are untouched

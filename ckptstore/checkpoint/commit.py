@@ -260,7 +260,7 @@ def commit(storage: Storage, own: fmt.Vote, world_size: int, created_at: str, me
         try:
             fence()
         except CommitError as e:
-            abort(storage, attempt, str(e))
+            abort(storage, attempt, f"{type(e).__name__}: {e}")  # the other ranks learn why (FencedError)
             raise
     manifest = fmt.Manifest(
         generation=generation, attempt=attempt, step=own.step, world_size=world_size,

@@ -193,8 +193,20 @@ def latest_run(storage: Storage) -> str | None:
     return best
 
 
+def finite_float(v) -> float | None:
+    """``v`` as a finite float, or None: not a number, a bool, NaN, an infinity, or an int
+    too large for a float (untrusted journal input: ``10**400`` must not raise)."""
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return None
+    try:
+        f = float(v)
+    except OverflowError:
+        return None
+    return f if math.isfinite(f) else None
+
+
 def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    return finite_float(v) is not None
 
 
 def _finite(v):

@@ -39,7 +39,7 @@ from .. import format as fmt
 from .. import names
 from ..checkpoint.catalog import scan_location
 from ..storage import Storage
-from .journal import Journal, latest_run
+from .journal import Journal, finite_float, latest_run
 
 PRIOR_MTBF_S = 24 * 3600.0  # before a failure is seen: one a day, a common large-job figure
 CLASSES = ("transient", "deterministic", "hang", "preempted")
@@ -186,8 +186,7 @@ def status(storage: Storage, run_id: str | None = None, now: float | None = None
     return out
 
 
-def _num(v) -> float | None:
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
+_num = finite_float
 
 
 def _int(v) -> int | None:
