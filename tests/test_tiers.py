@@ -324,3 +324,36 @@ def test_a_nodes_sweep_deletes_only_its_ranks_retired_or_idle_files(tmp_path):
     mine.write_bytes(b"y")
     assert sweep_own_data(store.local, 0, set(), set(), now=old) != [] and not mine.exists()  # idle past grace
     assert same(store.load(2), state(2))  # the committed step's files are untouched
+
+
+def test_a_save_that_fails_locally_promotes_nothing_and_stays_the_saves_own_error(tmp_path, monkeypatch):
+    import warnings
+
+    from ckptstore.errors import CkptStoreError, StorageFullError
+
+    store = ckptstore.Store(tmp_path / "durable", local=tmp_path / "local", durable_every=1)
+
+    from ckptstore.storage import LocalStorage
+
+    real = LocalStorage.open_append
+
+    def full(self, key):
+        if str(tmp_path / "local") in self.describe():  # the local disk fills up
+            raise StorageFullError(f"{self.describe(key)}: no space left on device")
+        return real(self, key)
+
+    monkeypatch.setattr(LocalStorage, "open_append", full)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PromotionWarning)  # its promotion fails quietly
+        f = store.save(1, state(1))
+        assert isinstance(f._future.exception(), StorageFullError)  # (not observed: the next save reports it)
+        worker = store._promoter._worker
+        if worker is not None:
+            worker.join()
+    monkeypatch.undo()
+    with pytest.raises(CkptStoreError, match="earlier save"):
+        store.save(2, state(2))
+    assert store._committed_steps() == [] and not list((tmp_path / "durable").rglob("manifest-*"))
+    store.save(3, state(3)).result()
+    ckptstore.wait()
+    assert store._committed_steps() == [3]
