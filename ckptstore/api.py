@@ -31,6 +31,8 @@ from .checkpoint.commit import generations, read_manifest, write_failure_vote
 from .checkpoint.fencing import check_fence
 from .checkpoint.container import MAGIC, read_container, read_container_file, replace_file, write_container
 from .checkpoint.group import agree_on_attempt, gather, rank_and_world
+from .checkpoint.references import index as index_references
+from .checkpoint.references import resolve as resolve_references
 from .checkpoint.reshard import fill_template
 from .checkpoint.restore import latest_manifest, restore
 from .checkpoint.save import SaveFuture, SaveOptions, start_save
@@ -260,10 +262,11 @@ def _load_storage(storage: Storage, map_location, weights_only: bool, rank: int 
                               f"step {step}")
         info = _load_info(storage, manifest, rank, group)
         try:
-            obj = restore(storage, manifest, info.rank_state_of, map_location, weights_only,
+            source, readable = resolve_references(storage, manifest)  # (as they are, without references)
+            obj = restore(source, readable, info.rank_state_of, map_location, weights_only,
                           pickle_load_args=pickle_load_args, globals_as_meta=template is not None, **custom)
             if template is not None:
-                obj = fill_template(template, obj, manifest, storage, runtime().readers)
+                obj = fill_template(template, obj, readable, source, runtime().readers)
             return obj, info
         except CkptStoreError:
             if tries == RELOADS - 1 or storage.exists(names.manifest_name(manifest.generation)):
@@ -303,7 +306,11 @@ class Store:
     copied with every blob's hash checked, at most ``promote_bandwidth`` bytes/s (None:
     unlimited). ``local_keep`` is the local tier's retention (default: the last 2 steps;
     a step waiting for its promotion is always kept), ``keep`` the durable tier's.
-    Loads and resumes take the newest step any tier holds, the local copy first. A job
+    Loads and resumes take the newest step any tier holds, the local copy first.
+
+    ``incremental=True`` (one tier only): a chunk unchanged since the store's last
+    committed save (or the step a resume loaded) is recorded as a reference to the blob
+    that holds it instead of being written again (docs/incremental.md). A job
     on several nodes also names ``local_shared``, a location every rank shares (a path
     or URL of its own, not inside ``url``), where the local tier's commit records go
     while its data files stay on each node.
@@ -314,7 +321,7 @@ class Store:
                  keep: Retention | None = None, grace: float | str = gc.DEFAULT_GRACE,
                  storage_options: dict | None = None, local=None, durable_every: int = 1,
                  local_keep: Retention | None = None, promote_bandwidth: float | None = None,
-                 local_shared=None):
+                 local_shared=None, incremental: bool = True):
         self.url = os.fspath(url) if not isinstance(url, str) else url
         self.storage = open_storage(self.url, **(storage_options or {}))
         self.process_group = process_group
@@ -332,6 +339,8 @@ class Store:
         self._committed_here: set[str] = set()  # local attempts this process saw commit (tiers.sweep_own_data)
         self._sweeping = threading.Lock()
         self._one_node = False  # every rank of the group runs on one host (checked at the first save)
+        self.incremental = bool(incremental) and local is None  # (a tiered store promotes whole files)
+        self._references: dict = {}  # what the next save may reference (references.index)
         if local is not None:
             self._add_local_tier(local, durable_every, local_keep, promote_bandwidth, compression,
                                  commit_timeout, chunk_bytes, local_shared, storage_options)
@@ -347,7 +356,8 @@ class Store:
             raise ValueError(f"durable_every must be an int >= 1, got {durable_every!r}")
         tier = Store(local, process_group=self.process_group, compression=compression,
                      commit_timeout=commit_timeout, chunk_bytes=chunk_bytes,
-                     keep=local_keep if local_keep is not None else Retention(last=2), grace=self.grace)
+                     keep=local_keep if local_keep is not None else Retention(last=2), grace=self.grace,
+                     incremental=False)  # a promotion copies whole checkpoints: no references
         places = {"the local tier": tier.storage, "the durable store": self.storage}
         if local_shared is not None:
             s3 = os.fspath(local_shared).startswith("s3://")  # storage_options are S3's
@@ -392,11 +402,26 @@ class Store:
             raise error
         after_commit = self._apply_retention if (self.keep is not None and rank == 0) else None
         fence = None if self.epoch is None else functools.partial(check_fence, self._epochs, self.epoch)
-        options = dataclasses.replace(self.options, replicated=tuple(replicated), epoch=self.epoch, fence=fence)
+        refs = {k: b for k, b in self._references.items() if b.step != step} if self.incremental else None
+        options = dataclasses.replace(self.options, replicated=tuple(replicated), epoch=self.epoch, fence=fence,
+                                      references=refs)
         future = start_save(state, where, rt=runtime(), attempt=attempt, step=step, rank=rank,
                             world_size=world, metrics=_check_metrics(metrics), options=options,
                             after_commit=after_commit)
+        if self.incremental:
+            future.add_done_callback(self._note_commit)
         return lifecycle.track(future)
+
+    def _note_commit(self, future: SaveFuture) -> None:
+        """After a commit, the next save may reference what it holds."""
+        if future._future.exception() is None:
+            self.note_committed(future._future.result())
+
+    def note_committed(self, manifest: fmt.Manifest) -> None:
+        """Incremental saves: the next one may reference ``manifest``'s chunks (a
+        committed checkpoint of this store: the last save's, or the step a resume loaded)."""
+        if self.incremental:
+            self._references = index_references(manifest)
 
     def _save_tiered(self, step, state, metrics, replicated, durable: bool) -> SaveFuture:
         rank, world = rank_and_world(self.process_group)

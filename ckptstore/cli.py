@@ -104,9 +104,12 @@ def _ls_record(loc: Location, now: float) -> dict:
         "world_size": m.world_size if m else None,
         "bytes": m.stored_bytes if m else 0,
         "raw_bytes": m.raw_bytes if m else 0,
+        # incremental saves: what this checkpoint wrote, and what it reads from other steps
+        "referenced_bytes": sum(b.length for _, _, b in m.blobs() if b.step is not None) if m else 0,
         "metrics": dict(m.metrics) if m else {},
         "pinned": loc.pinned,
     }
+    rec["new_bytes"] = rec["bytes"] - rec["referenced_bytes"]
     mark = read_skip_mark(loc)
     if mark is not None:  # a resume could not use this checkpoint: say why
         rec["skipped_by_resume"] = {"reason": str(mark.get("reason", "(no reason given)"))[:4096],
@@ -142,7 +145,9 @@ def ls(url: str, as_json: bool, show_all: bool, local: str | None) -> None:
                      "" if r["world_size"] is None else str(r["world_size"]),
                      _human_bytes(r["bytes"]), _human_bytes(r["raw_bytes"]),
                      *([",".join(r["tiers"])] if local is not None else []),
-                     ("pinned " if r["pinned"] else "") + metrics
+                     (f"new {_human_bytes(r['new_bytes'])}, referenced {_human_bytes(r['referenced_bytes'])} "
+                      if r["referenced_bytes"] else "")
+                     + ("pinned " if r["pinned"] else "") + metrics
                      + (f" SKIPPED BY RESUME: {_printable(r['skipped_by_resume']['reason'])}"
                         if "skipped_by_resume" in r else "")
                      + (f"UNREADABLE MANIFEST: {r['error']}" if r.get("error") else "")])
@@ -218,13 +223,15 @@ def verify(url: str, quick: bool, as_json: bool) -> None:
         _fail(f"{url}: no committed checkpoint found", EXIT_PROBLEM)
     total = sum(len(list(loc.manifest.blobs())) for loc in locations if loc.manifest)
     reports = []
+    seen: dict = {}  # each stored blob is read once, however many checkpoints reference it
     show_bar = not as_json and sys.stderr.isatty()
     with click.progressbar(length=total, label="verifying", file=sys.stderr, hidden=not show_bar) as bar:
         for loc in locations:
             if loc.manifest is None:
                 problems = [Problem(loc.storage.describe(), None, None, None, None, loc.manifest_error or "unreadable")]
             else:
-                problems = verify_manifest(loc.storage, loc.manifest, quick, on_blob=lambda: bar.update(1))
+                problems = verify_manifest(loc.storage, loc.manifest, quick, on_blob=lambda: bar.update(1),
+                                           seen=seen)
             reports.append({"name": loc.name or ".", "url": loc.storage.describe(),
                             "step": loc.step, "ok": not problems,
                             "problems": [_problem_record(p) for p in problems]})

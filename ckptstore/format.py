@@ -22,10 +22,13 @@ from .config import config
 from .errors import FormatError, UnsupportedVersionError
 
 FORMAT_NAME = "ckptstore"
-FORMAT_VERSION = 2  # what this writer writes
+FORMAT_VERSION = 3  # what this writer writes
 # What this reader reads. Version 2 adds one thing to version 1: a skeleton may name a
-# rank-local storage by its index among the rank's tensors (docs/format.md).
-READ_VERSIONS = (1, 2)
+# rank-local storage by its index among the rank's tensors (docs/format.md). Version 3
+# adds references: a blob may lie in another step's location of the same store
+# (``Blob.step``: an incremental save recorded an unchanged chunk instead of writing it).
+READ_VERSIONS = (1, 2, 3)
+REFERENCE_VERSION = 3  # the first version whose blobs may carry ``step``
 # The dtypes whose storages torch pickles typed (FloatStorage, ...): an index persistent
 # id stands for a typed storage of its entry's dtype when it is one of these, else for
 # bytes. Fixed here, in the format, not read from the running torch's table.
@@ -259,12 +262,15 @@ class Blob:
     raw_length: int
     codec: tuple[Mapping[str, Any], ...]  # applied in order on write, reversed on read
     xxh3_128: str  # hex digest of the raw bytes
+    # A reference (format version 3): the blob lies in the location of this step of the
+    # same store, in a file of that location's attempt; None: in this checkpoint's files.
+    step: int | None = None
 
     _FIELDS = frozenset({"file", "offset", "length", "raw_length", "codec", "xxh3_128"})
     _CHUNK_FIELDS = _FIELDS | {"offsets", "sizes"}
 
     def to_json(self) -> dict:
-        return {
+        d = {
             "file": self.file,
             "offset": self.offset,
             "length": self.length,
@@ -272,12 +278,20 @@ class Blob:
             "codec": [dict(c) for c in self.codec],
             "xxh3_128": self.xxh3_128,
         }
+        if self.step is not None:
+            d["step"] = self.step
+        return d
 
     @classmethod
     def from_json(cls, d: dict, what: str, attempt: str, fields: frozenset = _FIELDS) -> "Blob":
-        """Parse and bound one blob record; ``attempt`` is the only attempt its file may lie in."""
+        """Parse and bound one blob record; ``attempt`` is the only attempt its file may
+        lie in, unless the record is a reference (``step``), whose file may be any
+        attempt's (of that step's location)."""
+        step = None
         if type(d) is not dict or d.keys() != fields:
-            _fields(d, fields, set(), what)
+            _fields(d, fields, {"step"}, what)
+            if "step" in d:
+                step = _int(d["step"], what, 0, MAX_STEP, ".step")
         codec = _codec_chain(d["codec"], what)
         digest = d["xxh3_128"]
         if type(digest) is not str or not _DIGEST_RE.fullmatch(digest):
@@ -289,7 +303,10 @@ class Blob:
         if codec and raw_length > length * ZSTD_MAX_RATIO:
             raise FormatError(f"{what}: {length} zstd bytes cannot decode to raw_length {raw_length}")
         file = d["file"]
-        if _data_file_attempt(file) != attempt:
+        if step is not None:
+            if _data_file_attempt(file) is None:
+                check_data_file(file, "", f"{what}.file")  # raises, naming what is wrong
+        elif _data_file_attempt(file) != attempt:
             check_data_file(file, attempt, f"{what}.file")  # raises, naming what is wrong
         return cls(
             file=file,
@@ -298,6 +315,7 @@ class Blob:
             raw_length=raw_length,
             codec=codec,
             xxh3_128=digest,
+            step=step,
         )
 
 
@@ -434,8 +452,9 @@ def _blob_fields(b: Blob, names: dict[str, str]) -> str:
     if file is None:
         file = names[b.file] = json.dumps(b.file)
     codec = "[]" if not b.codec else json.dumps([dict(c) for c in b.codec], separators=(",", ":"), allow_nan=False)
+    step = "" if b.step is None else f',"step":{int(b.step)}'
     return (f'"file":{file},"offset":{int(b.offset)},"length":{int(b.length)},"raw_length":{int(b.raw_length)},'
-            f'"codec":{codec},"xxh3_128":{json.dumps(b.xxh3_128)}')
+            f'"codec":{codec},"xxh3_128":{json.dumps(b.xxh3_128)}{step}')
 
 
 def _entries_text(entries: Mapping[str, TensorEntry], names: dict[str, str]) -> str:
@@ -644,6 +663,7 @@ class Manifest:
         validate_ranks(m.ranks, m.world_size)
         for key, entry in m.tensors.items():
             validate_coverage(entry, f"global tensor {key!r}")
+        validate_references(m)
         validate_extents(m.blobs())
         return m
 
@@ -691,16 +711,34 @@ def validate_ranks(ranks: tuple[RankState, ...], world_size: int) -> None:
             validate_coverage(entry, _Name("rank {} tensor {!r}", r.rank, key))
 
 
+def validate_references(m: "Manifest") -> None:
+    """References (``Blob.step``) exist from format version 3 on, in a step's checkpoint
+    of a store, and point at another step."""
+    refs = [b for _, _, b in m.blobs() if b.step is not None]
+    if not refs:
+        return
+    if m.format_version < REFERENCE_VERSION:
+        raise FormatError(f"a blob refers to step {refs[0].step}, which format version {m.format_version} "
+                          f"cannot say (references exist from version {REFERENCE_VERSION})")
+    if m.step is None:
+        raise FormatError(f"a blob refers to step {refs[0].step}, but this checkpoint is not a step of a store")
+    if any(b.step == m.step for b in refs):
+        raise FormatError(f"a blob refers to step {m.step}, its own step: a blob of its own files names no step")
+
+
 def validate_extents(blobs) -> None:
     """No two blobs share stored bytes: each byte of a data file belongs to one blob, so
     what a manifest can make a reader allocate is bounded by its files' real sizes
-    (raw blobs 1x, zstd at most ZSTD_MAX_RATIO x). ``blobs``: (rank, key, blob)."""
-    spans = sorted((b.file, b.offset, b.offset + b.length, rank, key) for rank, key, b in blobs if b.length)
+    (raw blobs 1x, zstd at most ZSTD_MAX_RATIO x); a blob another step stores counts as
+    that step's file, and may be referenced once. ``blobs``: (rank, key, blob)."""
+    spans = sorted(((-1 if b.step is None else b.step, b.file), b.offset, b.offset + b.length, rank, key)
+                   for rank, key, b in blobs if b.length)
     for (f1, _, end1, r1, k1), (f2, start2, _, r2, k2) in zip(spans, spans[1:]):
         if f1 == f2 and start2 < end1:
             a = "skeleton" if k1 is None else repr(k1)
             b = "skeleton" if k2 is None else repr(k2)
-            raise FormatError(f"blobs of {a} (rank {r1}) and {b} (rank {r2}) overlap in {f1} at byte {start2}")
+            where = f1[1] if f1[0] < 0 else f"{f1[1]} of step {f1[0]}"
+            raise FormatError(f"blobs of {a} (rank {r1}) and {b} (rank {r2}) overlap in {where} at byte {start2}")
 
 
 def validate_coverage(entry: TensorEntry, what: str) -> None:

@@ -68,8 +68,13 @@ class RankWriter:
     """One rank's data file for one save attempt, fed chunk by chunk."""
 
     def __init__(self, storage: Storage, attempt: str, rank: int, policy: CompressionPolicy,
-                 rt: Runtime | None = None):
+                 rt: Runtime | None = None, references: dict | None = None):
         self.storage = storage
+        # Incremental saves: {(raw length, xxh3-128): a committed blob of the same store
+        # (Blob.step set)}; a chunk whose raw bytes match one is recorded as a reference
+        # to it instead of being encoded and written. Each is used at most once (a
+        # manifest references a stored blob once: format.validate_extents).
+        self._references = dict(references) if references else None
         self.attempt = attempt
         self.rank = rank
         self.policy = policy
@@ -139,8 +144,13 @@ class RankWriter:
             return self._out
 
     def _store(self, raw: memoryview, itemsize: int, release=None, hint=None) -> fmt.Blob:
-        """Hash, encode and append one blob; calls ``release`` once ``raw`` is not needed."""
+        """Hash, encode and append one blob; calls ``release`` once ``raw`` is not needed.
+        A blob unchanged since a committed save of the store is not written: the
+        reference to it is returned (``release`` is then the caller's)."""
         raw_hash = digest(raw)
+        ref = self._reference(len(raw), raw_hash)
+        if ref is not None:
+            return ref
         chain, stored = encode(raw, itemsize, self.policy, hint, self.rt.codec_memo)
         if release is not None and stored is not raw:
             release()  # the encoded copy is all we still need
@@ -151,6 +161,12 @@ class RankWriter:
             if release is not None:
                 release()
         return fmt.Blob(self.file, offset, len(stored), len(raw), tuple(chain), raw_hash)
+
+    def _reference(self, raw_length: int, raw_hash: str) -> fmt.Blob | None:
+        if self._references is None or not raw_length:
+            return None
+        with self._lock:
+            return self._references.pop((raw_length, raw_hash), None)
 
     def _chunk_task(self, key, offsets, sizes, itemsize, buf: StagingBuffer, scope: Scope, write: bool) -> None:
         released = False
@@ -182,15 +198,22 @@ class RankWriter:
             if self._error is not None:
                 return
             view, memo, policy = buf.view, self.rt.codec_memo, self.policy
-            stored_parts, records, all_raw = [], [], True
+            stored_parts, records, all_raw, refs = [], [], True, []
             for key, start, nbytes, itemsize, shape in entries:
                 raw = view[start:start + nbytes]
                 offsets = (0,) * len(shape)
+                raw_hash = digest(raw)
+                ref = self._reference(nbytes, raw_hash)
+                if ref is not None:  # unchanged since a committed save: referenced, not written
+                    refs.append((key, fmt.Chunk(offsets, shape, ref)))
+                    continue
                 chain, stored = encode(raw, itemsize, policy, (Scope.LOCAL, key, offsets), memo)
                 all_raw = all_raw and not chain
                 stored_parts.append(stored)
-                records.append((key, offsets, shape, len(stored), nbytes, tuple(chain), digest(raw)))
-            if all_raw:  # the stored bytes are the buffer's, in order: one write, no copy
+                records.append((key, offsets, shape, len(stored), nbytes, tuple(chain), raw_hash))
+            if not records:
+                data = b""
+            elif all_raw and not refs:  # the stored bytes are the buffer's, in order: one write, no copy
                 end = entries[-1][1] + entries[-1][2]
                 data = view[entries[0][1]:end]
             else:
@@ -201,6 +224,7 @@ class RankWriter:
                 chunks.append((key, fmt.Chunk(offsets, shape, fmt.Blob(self.file, at if length else 0, length,
                                                                         nbytes, chain, raw_hash))))
                 at += length
+            chunks += refs
             with self._lock:
                 for key, chunk in chunks:
                     self._chunks.setdefault((Scope.LOCAL, key), []).append(chunk)

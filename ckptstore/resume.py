@@ -185,6 +185,8 @@ def _finish(store, state, info, rank: int, world: int, skipped, epoch) -> tuple[
         # draw the same random numbers. Give each its own stream, deterministically.
         state, rederived = _rederive_rng(state, rank)
     age = max(0.0, time.time() - fmt.parse_time(manifest.committed_at))
+    if info.tier is None:  # the store's own checkpoint: the next incremental save may reference it
+        store.note_committed(manifest)
     return state, ResumeInfo(
         store.url, info.step, world, rank, info.saved_world_size, info.rank_state_of, manifest.generation,
         manifest.committed_at, age, dict(manifest.metrics), tuple(skipped), rederived, epoch, info.tier)

@@ -186,7 +186,7 @@ def test_I4_manifest_from_json_rejects_missing_fields(where):
     assert victim in str(ei.value)
 
 
-@pytest.mark.parametrize("version", [0, 3, 99, "1", "2", None, True])
+@pytest.mark.parametrize("version", [0, 4, 99, "1", "2", None, True])
 def test_I4_manifest_from_json_rejects_unknown_version(version):
     d = sample_manifest().to_json()
     d["format_version"] = version

@@ -90,7 +90,7 @@ def test_a_version_1_checkpoint_written_by_the_previous_release_still_loads(tmp_
     assert verify(str(ckpt)) == []
 
 
-def test_new_saves_are_version_2_and_name_cpu_storages_by_index(tmp_path):
+def test_new_saves_name_cpu_storages_by_index(tmp_path):
     shared = torch.arange(6.0)
     state = {"a": torch.randn(3), "b": shared, "b_view": shared[2:], "u16": torch.zeros(4, dtype=torch.uint16),
              "p": torch.nn.Parameter(torch.ones(2)), "n": 3}
@@ -100,7 +100,7 @@ def test_new_saves_are_version_2_and_name_cpu_storages_by_index(tmp_path):
         path = tmp_path / name
         ckptstore.save(obj, str(path)).result()
         manifest = latest_manifest(LocalStorage(str(path)))
-        assert manifest.format_version == fmt.FORMAT_VERSION == 2
+        assert manifest.format_version == fmt.FORMAT_VERSION == 3  # (version 3 adds references only)
         # a, b (shared by b_view), u16, p: four storages, named 0..3 in manifest order,
         # as pairs: torch's weights-only unpickler refuses a bare int id before 2.9
         assert _skeleton_pids(path) == [("storage", i) for i in (0, 1, 1, 2, 3)]

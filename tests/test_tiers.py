@@ -357,3 +357,15 @@ def test_a_save_that_fails_locally_promotes_nothing_and_stays_the_saves_own_erro
     store.save(3, state(3)).result()
     ckptstore.wait()
     assert store._committed_steps() == [3]
+
+
+def test_a_two_tier_store_saves_whole_checkpoints(tmp_path):
+    store = ckptstore.Store(tmp_path / "durable", local=tmp_path / "local", durable_every=1)
+    assert not store.incremental and not store.local.incremental
+    frozen = {"w": torch.randn(512, 1024)}  # 2 MiB that never changes
+    for step in (1, 2):
+        store.save(step, dict(frozen)).result()
+    ckptstore.wait()
+    for tier in (store.local, store):
+        m = latest_manifest(tier.location(2))
+        assert not [b for _, _, b in m.blobs() if b.step is not None]

@@ -287,16 +287,23 @@ def commit(storage: Storage, own: fmt.Vote, world_size: int, created_at: str, me
 def check_files(storage: Storage, ranks, tensors) -> None:
     """Every data file the manifest will name is there and long enough: a file lost
     while the committer waited (deleted by hand, or by a gc run with a grace shorter
-    than the wait) must not be published (I1)."""
+    than the wait) must not be published (I1). A reference's file (incremental saves)
+    is looked up in its step's location: gc keeps a file as long as a manifest present
+    references it, so one that is there now stays once this manifest is."""
+    from .references import ReferencingStorage, read_key
+
     need: dict[str, int] = {}
     blobs = [b for r in ranks for _, b in r.blobs()]
     blobs += [c.blob for e in tensors.values() for c in e.chunks]
     for b in blobs:
-        need[b.file] = max(need.get(b.file, 0), b.offset + b.length)
+        key = read_key(b)
+        need[key] = max(need.get(key, 0), b.offset + b.length)
     if not getattr(storage, "sees_all_data", True):
         # A multi-node local tier (storage/split.py): only this node's files are here;
         # every other rank wrote and fsynced its own before it voted.
         need = {name: size for name, size in need.items() if names.parse_data_file(name)[1] == 0}
+    if any(b.step is not None for b in blobs):
+        storage = ReferencingStorage(storage)
     for name, size in sorted(need.items()):
         try:
             have = storage.stat(name).size

@@ -91,6 +91,11 @@ def plan(storage: Storage, policy: Retention = Retention(), grace: float = DEFAU
     for loc in committed:
         if loc.step in protect:
             result.kept.setdefault(_label(loc), []).append("promotion in flight")
+    # Incremental saves: a kept checkpoint's references keep the attempts they point at,
+    # in whatever location (mark phase). A manifest that cannot be read may reference
+    # anything: then no committed checkpoint's data is deleted, only manifests.
+    live = references_of([loc.manifest for loc in committed if _label(loc) in result.kept])
+    unknown = any(loc.manifest_error is not None for loc in locations)
 
     for loc in locations:
         label = _label(loc)
@@ -107,13 +112,19 @@ def plan(storage: Storage, policy: Retention = Retention(), grace: float = DEFAU
             keys = [names.manifest_name(g) for g in loc.generations]
             if loc.skip_marked:  # informational, and only about this checkpoint
                 keys.append(names.SKIPPED_NAME)
-            size = 0
+            size, doomed, why = 0, [], "not kept by any policy"
             for attempt in sorted(referenced):
+                if unknown or attempt in live.get(label, ()):
+                    # a kept checkpoint reads these files: they stay (their location keeps
+                    # no manifest; gc deletes them once nothing references them)
+                    why += "; its data stays, referenced by a kept checkpoint" if not unknown else \
+                        "; its data stays while a manifest of the store cannot be read"
+                    continue
                 files, n = _attempt_keys(loc, attempt)
                 keys += files
                 size += n
-            result.deletions.append(Deletion("checkpoint", label, keys, size, "not kept by any policy",
-                                             seen, tuple(sorted(referenced))))
+                doomed.append(attempt)
+            result.deletions.append(Deletion("checkpoint", label, keys, size, why, seen, tuple(doomed)))
         elif loc.committed:
             for g in loc.generations[:-1]:
                 keys = [names.manifest_name(g)]
@@ -123,7 +134,7 @@ def plan(storage: Storage, policy: Retention = Retention(), grace: float = DEFAU
                 except (CkptStoreError, ValueError):
                     old = None
                 doomed: tuple[str, ...] = ()
-                if old and old not in referenced and old in loc.attempts:
+                if old and old not in referenced and old in loc.attempts and old not in live.get(label, ()):
                     files, size = _attempt_keys(loc, old)
                     keys += files
                     loc.attempts.pop(old)
@@ -131,7 +142,7 @@ def plan(storage: Storage, policy: Retention = Retention(), grace: float = DEFAU
                 result.deletions.append(Deletion("generation", label, keys, size, f"generation {g} superseded",
                                                  seen, doomed))
         for attempt, info in sorted(loc.attempts.items()):
-            if attempt in referenced:
+            if attempt in referenced or attempt in live.get(label, ()):
                 continue
             if info.age(now) < grace:
                 continue  # may belong to a save still in flight
@@ -188,6 +199,33 @@ class _Recheck:
         return None
 
 
+def references_of(manifests) -> dict[str, set[str]]:
+    """{location name: attempts} that the blobs of ``manifests`` reference in other
+    locations (incremental saves: Blob.step)."""
+    live: dict[str, set[str]] = {}
+    for m in manifests:
+        for _, _, b in m.blobs():
+            if b.step is not None:
+                live.setdefault(names.step_dir_name(b.step), set()).add(names.parse_data_file(b.file)[0])
+    return live
+
+
+def _live_now(storage: Storage) -> tuple[dict[str, set[str]], bool]:
+    """The references of every manifest present now (every generation), and whether
+    one could not be read; looked up once per execute, just before its deletions."""
+    manifests, unknown = [], False
+    for loc in scan_store(storage):
+        unknown = unknown or loc.manifest_error is not None
+        for g in loc.generations:
+            try:
+                manifests.append(read_manifest(loc.storage, g))
+            except ObjectNotFoundError:
+                continue
+            except CkptStoreError:
+                unknown = True
+    return references_of(manifests), unknown
+
+
 def execute(storage: Storage, gc_plan: GcPlan, on_deleted=None) -> None:
     """Carry out a plan, deletion by deletion, each in its key order (manifests first).
 
@@ -197,12 +235,22 @@ def execute(storage: Storage, gc_plan: GcPlan, on_deleted=None) -> None:
     too (the location's own directory included).
     """
     rechecks: dict[str, _Recheck] = {}
+    live = None  # references of the manifests present now: read once, before the first data deletion
     for d in gc_plan.deletions:
         prefix = "" if d.location == "." else f"{d.location}/"
         check = rechecks.get(d.location)
         if check is None:
             check = rechecks[d.location] = _Recheck(storage.child(d.location) if prefix else storage)
         d.skipped = check.why_not(d)
+        if d.skipped is None and d.attempts:
+            if live is None:
+                live = _live_now(storage)
+            refs, unknown = live
+            taken = sorted(set(d.attempts) & refs.get(d.location, set()))
+            if unknown:
+                d.skipped = "a manifest present cannot be read: it may reference these files"
+            elif taken:
+                d.skipped = f"attempt {taken[0]} is referenced by a checkpoint present now"
         if d.skipped is None:
             for key in d.keys:
                 storage.delete(prefix + key)

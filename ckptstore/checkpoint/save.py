@@ -29,6 +29,7 @@ class SaveOptions:
     replicated: tuple[str, ...] = ()  # fnmatch patterns of state paths replicated on every rank
     epoch: int | None = None  # the run incarnation, recorded in the manifest (fencing.py)
     fence: Any = None  # called by the committer just before the manifest: raises FencedError
+    references: Any = None  # incremental: {(raw length, xxh3): committed Blob with step} (references.index)
 
 
 class SaveFuture:
@@ -121,7 +122,7 @@ def start_save(obj, storage: Storage, *, rt: Runtime, attempt: str, step: int | 
     """Stage ``obj`` (blocking), then write, vote and commit on background threads."""
     created_at = fmt.utc_now()
     future = SaveFuture(storage.describe(), step, attempt, storage=storage, rank=rank, world_size=world_size)
-    writer = RankWriter(storage, attempt, rank, options.compression, rt)
+    writer = RankWriter(storage, attempt, rank, options.compression, rt, references=options.references)
     try:
         staged = snapshot(obj, writer, rt.pool, options.chunk_bytes, options.pickle_protocol,
                           rank=rank, world_size=world_size, replicated=options.replicated,

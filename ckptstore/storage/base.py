@@ -166,6 +166,12 @@ class Storage(abc.ABC):
     def child(self, prefix: str) -> "Storage":
         """The same store rooted at ``prefix`` below this root."""
 
+    def sibling(self, name: str) -> "Storage":
+        """The location ``name`` beside this one, under the same parent (a step of the
+        same store, for a checkpoint's references). A store at the top of its backend
+        (a bucket, a file system root) has none: ValueError."""
+        raise ValueError(f"{self.describe()}: this store cannot reach locations beside it")
+
     @abc.abstractmethod
     def put(self, key: str, data, *, if_absent: bool = False) -> None: ...
 

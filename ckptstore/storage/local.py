@@ -305,6 +305,14 @@ class LocalStorage(Storage):
     def child(self, prefix: str) -> "LocalStorage":
         return type(self)(self._base, tuple(self._parts(prefix, prefix=True)))  # subclasses keep their kind
 
+    def sibling(self, name: str) -> "LocalStorage":
+        if self._sub:
+            return type(self)(self._base, self._sub[:-1]).child(name)
+        parent = os.path.dirname(self._base)
+        if parent == self._base:
+            return super().sibling(name)
+        return type(self)(parent).child(name)
+
     def put(self, key: str, data, *, if_absent: bool = False) -> None:
         parts = self._parts(key)
         name = parts[-1]

@@ -51,6 +51,12 @@ class MemoryStorage(Storage):
             return key
         return f"{self._prefix}/{key}" if key else self._prefix
 
+    def sibling(self, name: str) -> "MemoryStorage":
+        if not self._prefix:
+            return super().sibling(name)
+        parent = self._prefix.rsplit("/", 1)[0] if "/" in self._prefix else ""
+        return MemoryStorage(self._objects, parent, self._name).child(name)
+
     def child(self, prefix: str) -> "MemoryStorage":
         return MemoryStorage(self._objects, self._k(self._check(prefix, prefix=True)), self._name)
 

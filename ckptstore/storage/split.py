@@ -42,6 +42,9 @@ class SplitStorage(Storage):
     def child(self, prefix: str) -> "SplitStorage":
         return SplitStorage(self.shared.child(prefix), self.data.child(prefix))
 
+    def sibling(self, name: str) -> "SplitStorage":
+        return SplitStorage(self.shared.sibling(name), self.data.sibling(name))
+
     def put(self, key: str, data, *, if_absent: bool = False) -> None:
         self._route(key).put(key, data, if_absent=if_absent)
 

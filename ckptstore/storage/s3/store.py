@@ -195,6 +195,12 @@ class S3Storage(Storage):
     def child(self, prefix: str) -> "S3Storage":
         return S3Storage(self.bucket, self._join(self._check(prefix, prefix=True)), _shared=self._shared)
 
+    def sibling(self, name: str) -> "S3Storage":
+        if not self.prefix:
+            return super().sibling(name)
+        parent = self.prefix.rsplit("/", 1)[0] if "/" in self.prefix else ""
+        return S3Storage(self.bucket, parent, _shared=self._shared).child(name)
+
     def put(self, key: str, data, *, if_absent: bool = False) -> None:
         full = self._k(key)
         body = _as_bytes(data)
