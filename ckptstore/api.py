@@ -341,6 +341,7 @@ class Store:
         self._one_node = False  # every rank of the group runs on one host (checked at the first save)
         self.incremental = bool(incremental) and local is None  # (a tiered store promotes whole files)
         self._references: dict = {}  # what the next save may reference (references.index)
+        self._reference_step: int | None = None  # the step those blobs' index came from
         if local is not None:
             self._add_local_tier(local, durable_every, local_keep, promote_bandwidth, compression,
                                  commit_timeout, chunk_bytes, local_shared, storage_options)
@@ -400,7 +401,8 @@ class Store:
             # Tell rank 0 where it waits for votes, so it fails now, not at its timeout.
             write_failure_vote(self.location(step0), attempt, step0, world, rank, error)
             raise error
-        after_commit = self._apply_retention if (self.keep is not None and rank == 0) else None
+        after_commit = functools.partial(self._apply_retention, step) if (self.keep is not None and rank == 0) \
+            else None
         fence = None if self.epoch is None else functools.partial(check_fence, self._epochs, self.epoch)
         refs = {k: b for k, b in self._references.items() if b.step != step} if self.incremental else None
         options = dataclasses.replace(self.options, replicated=tuple(replicated), epoch=self.epoch, fence=fence,
@@ -413,15 +415,19 @@ class Store:
         return lifecycle.track(future)
 
     def _note_commit(self, future: SaveFuture) -> None:
-        """After a commit, the next save may reference what it holds."""
+        """After a commit, the next save may reference what it holds; after a failure
+        (a referenced file gone, say) the next one references nothing and writes all."""
         if future._future.exception() is None:
             self.note_committed(future._future.result())
+        else:
+            self._references = {}
 
     def note_committed(self, manifest: fmt.Manifest) -> None:
         """Incremental saves: the next one may reference ``manifest``'s chunks (a
         committed checkpoint of this store: the last save's, or the step a resume loaded)."""
         if self.incremental:
-            self._references = index_references(manifest)
+            self._references = index_references(manifest, rank_and_world(self.process_group)[0])
+            self._reference_step = manifest.step
 
     def _save_tiered(self, step, state, metrics, replicated, durable: bool) -> SaveFuture:
         rank, world = rank_and_world(self.process_group)
@@ -469,14 +475,26 @@ class Store:
         finally:
             self._sweeping.release()
 
-    def _apply_retention(self) -> None:
-        gc.collect(self.storage, self.keep, self.grace, protect=self._protect())
+    def _apply_retention(self, committed: int | None = None) -> None:
+        """Retention after the commit of step ``committed`` (or after a promotion)."""
+        gc.collect(self.storage, self.keep, self.grace, protect=self._kept_here(committed))
+
+    def _kept_here(self, committed: int | None = None) -> dict[int, str]:
+        """Steps this process needs whatever the policy says: a local tier's promotions
+        in flight, and the step the next incremental save references (``committed``, the
+        step just committed, is about to be it; after a rollback it need not be among
+        the newest)."""
+        kept = {step: "promotion in flight" for step in self._protect()}
+        base = committed if committed is not None else (self._reference_step if self._references else None)
+        if self.incremental and base is not None:
+            kept.setdefault(base, "the next incremental save's reference")
+        return kept
 
     def gc(self, keep: Retention | None = None, grace: float | str | None = None, dry_run: bool = False) -> gc.GcPlan:
         """Delete what ``keep`` (default: the store's policy) does not keep, and debris."""
         policy = keep if keep is not None else (self.keep or Retention())
         return gc.collect(self.storage, policy, self.grace if grace is None else parse_duration(grace), dry_run,
-                          protect=self._protect())
+                          protect=self._kept_here())
 
     def pin(self, step: int, note: str = "") -> None:
         """Protect a committed checkpoint from retention and gc."""

@@ -731,8 +731,8 @@ def validate_extents(blobs) -> None:
     what a manifest can make a reader allocate is bounded by its files' real sizes
     (raw blobs 1x, zstd at most ZSTD_MAX_RATIO x); a blob another step stores counts as
     that step's file, and may be referenced once. ``blobs``: (rank, key, blob)."""
-    spans = sorted(((-1 if b.step is None else b.step, b.file), b.offset, b.offset + b.length, rank, key)
-                   for rank, key, b in blobs if b.length)
+    spans = sorted((((-1 if b.step is None else b.step, b.file), b.offset, b.offset + b.length, rank, key)
+                    for rank, key, b in blobs if b.length), key=lambda s: s[:3])
     for (f1, _, end1, r1, k1), (f2, start2, _, r2, k2) in zip(spans, spans[1:]):
         if f1 == f2 and start2 < end1:
             a = "skeleton" if k1 is None else repr(k1)

@@ -203,3 +203,12 @@ def test_a_local_tier_without_a_shared_place_is_refused_on_several_hosts(zygotes
         refused = [l for l in lines if l.startswith("refused")]
         assert refused and "node0, node1" in refused[0] and "local_shared" in refused[0], lines
     assert not (tmp_path / "durable-local").exists() or not list((tmp_path / "durable-local").rglob("*.bin"))
+
+
+def test_incremental_saves_of_equal_ranks_each_reference_their_own_blobs(zygotes, tmp_path):
+    """Every rank saves the same model: each references the chunks of its own files, so
+    no stored blob is referenced twice and the manifest loads on every rank."""
+    results = run_group(zygotes, "incremental", str(tmp_path / "store"), 2, LONG_TIMEOUT)
+    for rank, (code, lines) in results.items():
+        assert code == 0, (rank, lines)
+        assert _line(lines, "incremental")[1:] == ["4", "ok"], lines

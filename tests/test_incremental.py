@@ -130,6 +130,11 @@ def test_resaving_a_step_never_references_that_step(tmp_path):
     m = store.manifest(1)
     assert m.generation == 2 and not [b for _, _, b in m.blobs() if b.step is not None]
     assert same(store.load(1), model_state(1))
+    # the older generation's manifest is retired at once; its files are gc's to judge
+    step1 = tmp_path / "s" / "step-000000000001" / "attempts"
+    assert len(list(step1.iterdir())) == 2
+    store.gc(grace=0)
+    assert [p.name for p in step1.iterdir()] == [m.attempt] and same(store.load(1), model_state(1))
 
 
 def test_consolidate_follows_references(tmp_path):
@@ -239,3 +244,28 @@ def test_saves_and_gc_killed_at_random_never_leave_a_checkpoint_without_its_chun
     _, info = store.resume()
     store.save(info.step + 1, state(info.step + 1)).result()
     assert [b.step for _, _, b in store.manifest(info.step + 1).blobs() if b.step is not None]
+
+
+def test_a_rollback_keeps_the_step_the_next_save_references(tmp_path):
+    store = ckptstore.Store(tmp_path / "s", keep=Retention(last=2), compression="none")
+    for step in (10, 20, 30):
+        store.save(step, model_state(step)).result()
+    store.save(15, model_state(15)).result()  # back to an earlier step (a loss spike, say)
+    assert 15 in store.steps()  # retention keeps what the next save references
+    store.save(16, model_state(16)).result()
+    store.gc(grace=0)
+    for step in store.steps():
+        assert same(store.load(step), model_state(step))
+    assert 16 in store.steps() and written(store, 16) <= 0.15 * written(store, 10)
+
+
+def test_a_step_directory_copied_elsewhere_is_refused_and_a_symlink_is_followed(tmp_path):
+    store = ckptstore.Store(tmp_path / "s")
+    for step in (1, 2):
+        store.save(step, model_state(step)).result()
+    shutil.copytree(store.location(2).describe(), tmp_path / "copy")
+    with pytest.raises(FormatError, match="not its step's directory"):
+        ckptstore.load(str(tmp_path / "copy"))
+    os.symlink(store.location(2).describe(), tmp_path / "latest")  # beside it: not the store
+    (tmp_path / "step-000000000002").symlink_to(store.location(2).describe())
+    assert same(ckptstore.load(str(tmp_path / "step-000000000002")), model_state(2))

@@ -192,10 +192,13 @@ def read_manifest(storage: Storage, generation: int) -> fmt.Manifest:
 
 
 def commit(storage: Storage, own: fmt.Vote, world_size: int, created_at: str, metrics: dict,
-           timeout: float, epoch: int | None = None, fence=None) -> fmt.Manifest:
+           timeout: float, epoch: int | None = None, fence=None, retire_files: bool = True) -> fmt.Manifest:
     """Rank 0: gather and validate votes, write the manifest, retire older generations.
     ``fence()``, when given, runs just before the manifest is written and raises to
-    refuse the commit (a newer run has claimed the store: fencing.py)."""
+    refuse the commit (a newer run has claimed the store: fencing.py).
+    ``retire_files=False`` (a store whose checkpoints may reference each other's data):
+    retiring deletes the older manifests only, and gc, which knows what every kept
+    manifest references, deletes their files."""
     attempt = own.attempt
     where = storage.describe()
     votes = {0: own}
@@ -267,6 +270,12 @@ def commit(storage: Storage, own: fmt.Vote, world_size: int, created_at: str, me
         created_at=created_at, committed_at=fmt.utc_now(), ranks=ranks, tensors=tensors, metrics=metrics,
         library=f"ckptstore {__version__}", epoch=epoch,
     )
+    try:  # what a reader will check of the whole: no manifest goes out that it would refuse
+        fmt.validate_references(manifest)
+        fmt.validate_extents(manifest.blobs())
+    except FormatError as e:
+        abort(storage, attempt, str(e))
+        raise CommitError(f"{where}: refusing to commit: {e}") from e
     try:
         storage.put(names.manifest_name(generation), manifest.to_bytes(), if_absent=True)
     except AlreadyExistsError as e:
@@ -277,7 +286,7 @@ def commit(storage: Storage, own: fmt.Vote, world_size: int, created_at: str, me
         # Retire only once a reader's own listing shows the new generation as the visible one.
         if generations(storage)[-1:] != [generation]:
             raise CommitError(f"generation {generation} is not the visible one after its commit")
-        retire_generations(storage, below=generation, live_attempt=attempt)
+        retire_generations(storage, below=generation, live_attempt=attempt, files=retire_files)
     except Exception as e:  # committed already: a leftover generation is gc's to clean
         warnings.warn(f"{where}: committed generation {generation}, but retiring older ones failed: {e}",
                       RuntimeWarning, stacklevel=2)
@@ -356,10 +365,10 @@ def attempt_files(storage: Storage, attempt: str):
             yield info
 
 
-def retire_generations(storage: Storage, below: int, live_attempt: str) -> None:
-    """Delete generations older than ``below``: each manifest before its files (I7).
-    The files of ``live_attempt`` (the new generation's) are never deleted, whatever an
-    older manifest claims."""
+def retire_generations(storage: Storage, below: int, live_attempt: str, files: bool = True) -> None:
+    """Delete generations older than ``below``: each manifest before its files (I7;
+    ``files=False``: the manifests only). The files of ``live_attempt`` (the new
+    generation's) are never deleted, whatever an older manifest claims."""
     for gen in generations(storage):
         if gen >= below:
             break
@@ -369,7 +378,7 @@ def retire_generations(storage: Storage, below: int, live_attempt: str) -> None:
         except (CkptStoreError, ValueError):
             attempt = None  # unreadable: drop the manifest, leave files to gc
         storage.delete(names.manifest_name(gen))
-        if attempt is not None and attempt != live_attempt:  # parsed: the attempt passed the grammar
+        if files and attempt is not None and attempt != live_attempt:  # parsed: the attempt passed the grammar
             for info in list(attempt_files(storage, attempt)):
                 storage.delete(info.key)
 

@@ -89,13 +89,20 @@ def plan(storage: Storage, policy: Retention = Retention(), grace: float = DEFAU
              for loc in committed]
     result.kept = select_kept(cands, policy, now)
     for loc in committed:
-        if loc.step in protect:
-            result.kept.setdefault(_label(loc), []).append("promotion in flight")
+        if loc.step in protect:  # a mapping says why; a set: a local tier's promotion
+            why = protect[loc.step] if isinstance(protect, dict) else "promotion in flight"
+            result.kept.setdefault(_label(loc), []).append(why)
     # Incremental saves: a kept checkpoint's references keep the attempts they point at,
     # in whatever location (mark phase). A manifest that cannot be read may reference
     # anything: then no committed checkpoint's data is deleted, only manifests.
     live = references_of([loc.manifest for loc in committed if _label(loc) in result.kept])
-    unknown = any(loc.manifest_error is not None for loc in locations)
+    unknown = False
+    for loc in locations:
+        if loc.manifest_error is not None:
+            refs = _references_of_unreadable(loc.storage, loc.generations[-1])
+            unknown = unknown or refs is None
+            for where, attempts in (refs or {}).items():
+                live.setdefault(where, set()).update(attempts)
 
     for loc in locations:
         label = _label(loc)
@@ -210,20 +217,56 @@ def references_of(manifests) -> dict[str, set[str]]:
     return live
 
 
+def _references_of_unreadable(storage: Storage, generation: int) -> dict[str, set[str]] | None:
+    """What a manifest that does not pass validation may reference, read leniently:
+    every record with a ``step`` and a data ``file``; None when that cannot be told
+    (not JSON, or a reference that names no valid step or data file)."""
+    import json
+
+    from .. import format as fmt
+    from .commit import read_capped
+
+    refs: dict[str, set[str]] = {}
+
+    def visit(o) -> None:
+        if isinstance(o, dict):
+            if "step" in o and "file" in o:
+                step, parsed = o["step"], names.parse_data_file(o["file"]) if isinstance(o["file"], str) else None
+                if type(step) is not int or not 0 <= step <= names.MAX_STEP or parsed is None:
+                    raise ValueError("a reference that cannot be followed")
+                refs.setdefault(names.step_dir_name(step), set()).add(parsed[0])
+            for v in o.values():
+                visit(v)
+        elif isinstance(o, list):
+            for v in o:
+                visit(v)
+
+    try:
+        visit(json.loads(read_capped(storage, names.manifest_name(generation), fmt.max_manifest_bytes(), "manifest")))
+    except (ValueError, RecursionError, CkptStoreError):
+        return None
+    return refs
+
+
 def _live_now(storage: Storage) -> tuple[dict[str, set[str]], bool]:
     """The references of every manifest present now (every generation), and whether
-    one could not be read; looked up once per execute, just before its deletions."""
-    manifests, unknown = [], False
+    one of them cannot be told; looked up once per execute, before its deletions."""
+    manifests, unknown, lenient = [], False, []
     for loc in scan_store(storage):
-        unknown = unknown or loc.manifest_error is not None
         for g in loc.generations:
             try:
                 manifests.append(read_manifest(loc.storage, g))
             except ObjectNotFoundError:
                 continue
             except CkptStoreError:
-                unknown = True
-    return references_of(manifests), unknown
+                refs = _references_of_unreadable(loc.storage, g)
+                unknown = unknown or refs is None
+                lenient.append(refs or {})
+    live = references_of(manifests)
+    for refs in lenient:
+        for where, attempts in refs.items():
+            live.setdefault(where, set()).update(attempts)
+    return live, unknown
 
 
 def execute(storage: Storage, gc_plan: GcPlan, on_deleted=None) -> None:

@@ -33,15 +33,20 @@ def read_key(blob: fmt.Blob) -> str:
 MIN_REFERENCE_BYTES = 64 << 10
 
 
-def index(manifest: fmt.Manifest) -> dict[tuple[int, str], fmt.Blob]:
-    """What a next save of the same store may reference: each tensor chunk of
-    ``manifest`` (a step's checkpoint) of at least MIN_REFERENCE_BYTES, by (raw length,
-    xxh3-128), as a blob naming the step whose location stores it."""
+def index(manifest: fmt.Manifest, rank: int) -> dict[tuple[int, str], fmt.Blob]:
+    """What ``rank``'s next save of the same store may reference: each tensor chunk of
+    ``manifest`` (a step's checkpoint) of at least MIN_REFERENCE_BYTES that lies in a
+    file this rank wrote, by (raw length, xxh3-128), as a blob naming the step whose
+    location stores it. Only its own files: two ranks holding equal chunks (a model
+    every rank saves whole) then never reference the same stored blob, which a manifest
+    may reference once."""
     out: dict[tuple[int, str], fmt.Blob] = {}
     if manifest.step is None:
         return out
     for _, key, b in manifest.blobs():
         if key is None or b.raw_length < MIN_REFERENCE_BYTES:  # (key None: a skeleton)
+            continue
+        if names.parse_data_file(b.file)[1] != rank:
             continue
         out.setdefault((b.raw_length, b.xxh3_128), b if b.step is not None else
                        dataclasses.replace(b, step=manifest.step))
@@ -57,6 +62,13 @@ def resolve(storage: Storage, manifest: fmt.Manifest) -> tuple[Storage, fmt.Mani
     are without references, else both made to address references (module docstring)."""
     if not has_references(manifest):
         return storage, manifest
+    own = storage.describe().rstrip("/").rsplit("/", 1)[-1]
+    if manifest.step is None or own != names.step_dir_name(manifest.step):
+        # References lead beside the location; only a step's own directory of a store
+        # may be followed there (a copy elsewhere would read whatever lies beside it).
+        raise fmt.FormatError(f"{storage.describe()}: the checkpoint refers to other steps of its store, but this "
+                              f"location is not its step's directory ({names.step_dir_name(manifest.step)}): "
+                              "load it from its store, or consolidate it")
     return ReferencingStorage(storage), readable(manifest)
 
 
@@ -94,7 +106,11 @@ class ReferencingStorage(Storage):
         with self._lock:
             sib = self._siblings.get(step_dir)
             if sib is None:
-                sib = self._siblings[step_dir] = self.base.sibling(step_dir)
+                try:
+                    sib = self._siblings[step_dir] = self.base.sibling(step_dir)
+                except ValueError as e:
+                    raise fmt.FormatError(f"{self.base.describe()}: a reference to {step_dir} cannot be "
+                                          f"followed: {e}") from e
         return sib, rest
 
     def child(self, prefix: str) -> Storage:

@@ -149,7 +149,8 @@ def start_save(obj, storage: Storage, *, rt: Runtime, attempt: str, step: int | 
                 write_vote(storage, vote)
             if rank == 0:
                 manifest = commit(storage, vote, world_size, created_at, dict(metrics or {}), options.commit_timeout,
-                                  epoch=options.epoch, fence=options.fence)
+                                  epoch=options.epoch, fence=options.fence,
+                                  retire_files=options.references is None)  # (incremental: gc's to judge)
             else:
                 manifest = await_outcome(storage, attempt, options.commit_timeout, rank)
         except BaseException as e:

@@ -62,7 +62,7 @@ def verify_manifest(storage: Storage, manifest: fmt.Manifest, quick: bool = Fals
             problems.append(Problem(where, rank, key, blob.file, blob.offset, problem))
             continue
         if not quick:
-            ident = (storage.describe(blob.file), blob.offset, blob.length, blob.xxh3_128)
+            ident = _identity(storage, blob)
             if seen is not None and ident in seen:
                 known.append((rank, key, blob, seen[ident]))
                 if on_blob is not None:
@@ -75,14 +75,20 @@ def verify_manifest(storage: Storage, manifest: fmt.Manifest, quick: bool = Fals
     errors = check_blobs(storage, reads, pool, scratch=_buffer, on_blob=on_blob, sizes=sizes)
     for (rank, key, blob), err in zip(checked, errors):
         if seen is not None:
-            seen[(storage.describe(blob.file), blob.offset, blob.length, blob.xxh3_128)] = \
-                None if err is None else str(err)
+            seen[_identity(storage, blob)] = None if err is None else str(err)
         if err is not None:
             problems.append(Problem(where, rank, key, blob.file, blob.offset, str(err)))
     for rank, key, blob, err in known:
         if err is not None:
             problems.append(Problem(where, rank, key, blob.file, blob.offset, err))
     return problems
+
+
+def _identity(storage: Storage, blob: fmt.Blob) -> tuple:
+    """A stored blob and everything a record says of it: two records agree on a verdict
+    only when they describe the same bytes the same way."""
+    return (storage.describe(blob.file), blob.offset, blob.length, blob.raw_length, repr(blob.codec),
+            blob.xxh3_128)
 
 
 _scratch = threading.local()

@@ -308,8 +308,9 @@ class LocalStorage(Storage):
     def sibling(self, name: str) -> "LocalStorage":
         if self._sub:
             return type(self)(self._base, self._sub[:-1]).child(name)
-        parent = os.path.dirname(self._base)
-        if parent == self._base:
+        real = os.path.realpath(self._base)  # a checkpoint reached through a symlink: beside the real one
+        parent = os.path.dirname(real)
+        if parent == real:
             return super().sibling(name)
         return type(self)(parent).child(name)
 

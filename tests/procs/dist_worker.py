@@ -24,6 +24,8 @@ Scenarios
               is lost: "lost <step> <tier> ok|bad".
   tiers_hosts a two-tier store without local_shared on ranks that report different host names:
               "refused <message>" from every rank.
+  incremental every rank saves the same whole model (DDP without replicated=) at steps 1 and 2
+              of an incremental store: "incremental <referenced chunks of this rank> ok|bad".
 """
 
 import os
@@ -179,6 +181,18 @@ elif scenario == "tiers_hosts":
         say("saved")
     except ValueError as e:
         say("refused", str(e))
+elif scenario == "incremental":
+    import torch
+
+    store = ckptstore.Store(root, commit_timeout=timeout, compression="none")
+    model = {f"w{i}": torch.randn(256, 256, generator=torch.Generator().manual_seed(i)) for i in range(4)}
+    for step in (1, 2):  # equal on every rank, unchanged between the steps
+        store.save(step, {"model": model, "step": step}).result()
+    m = store.manifest(2)
+    mine = [b for _, _, b in m.blobs() if b.step is not None and f"data-r{rank:05d}" in b.file]
+    got = store.load(2, rank=rank)
+    ok = got["step"] == 2 and all(torch.equal(got["model"][k], v) for k, v in model.items())
+    say("incremental", len(mine), "ok" if ok else "bad")
 else:
     raise SystemExit(f"unknown scenario {scenario}")
 say("done")
