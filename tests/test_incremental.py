@@ -269,3 +269,34 @@ def test_a_step_directory_copied_elsewhere_is_refused_and_a_symlink_is_followed(
     os.symlink(store.location(2).describe(), tmp_path / "latest")  # beside it: not the store
     (tmp_path / "step-000000000002").symlink_to(store.location(2).describe())
     assert same(ckptstore.load(str(tmp_path / "step-000000000002")), model_state(2))
+
+
+def test_references_on_s3_follow_the_store_and_gc_keeps_what_they_read(monkeypatch):
+    """The moto S3 server: references are read from the step's prefix beside the
+    checkpoint; a dropped step's data stays while a kept one references it."""
+    pytest.importorskip("moto.server")
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import s3util
+
+    endpoint = s3util.moto_endpoint()
+    for k in s3util.UNSET_ENV:
+        monkeypatch.delenv(k, raising=False)
+    for k, v in s3util.aws_env(endpoint).items():
+        monkeypatch.setenv(k, v)
+    bucket = s3util.new_bucket(endpoint)
+    try:
+        store = ckptstore.Store(f"s3://{bucket}/run", keep=Retention(last=2), grace=0)
+        for step in range(1, 5):
+            store.save(step, model_state(step)).result()
+        assert store.steps() == [3, 4]
+        assert {b.step for _, _, b in store.manifest(4).blobs() if b.step is not None} == {1}
+        assert same(store.load(4), model_state(4))
+        assert same(ckptstore.load(f"s3://{bucket}/run/step-000000000004"), model_state(4))
+        out = CliRunner().invoke(main, ["verify", f"s3://{bucket}/run"])
+        assert out.exit_code == 0, out.output
+        store.gc()
+        assert same(store.load(3), model_state(3))
+    finally:
+        s3util.empty_bucket(bucket, endpoint)
