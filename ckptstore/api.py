@@ -73,7 +73,8 @@ def _is_stream(f) -> bool:
 
 def save(obj: Any, f, pickle_module: Any = pickle, pickle_protocol: int = 2, *,
          compression: str | CompressionPolicy = "auto", commit_timeout: float = 600.0,
-         chunk_bytes: int | None = None, storage_options: dict | None = None) -> SaveFuture:
+         chunk_bytes: int | None = None, storage_options: dict | None = None,
+         incremental: bool = True) -> SaveFuture:
     """Save ``obj`` like ``torch.save``; returns once its tensors are staged.
 
     ``f`` is a local path, a ``memory://`` or (with the S3 backend) ``s3://`` URL, or a
@@ -85,6 +86,8 @@ def save(obj: Any, f, pickle_module: Any = pickle, pickle_protocol: int = 2, *,
     ``pickle_module`` pickles the object skeleton, as in torch.save.
     This call is not collective: in a distributed job it saves this process's object.
     ``storage_options`` go to the backend (for S3: endpoint_url, part_size, ...).
+    Saving again to a checkpoint directory is incremental (``incremental=False``: not):
+    a chunk unchanged since the generation it replaces is referenced, not written again.
     """
     lifecycle.raise_earlier_failure()
     options = _options(compression, commit_timeout, chunk_bytes, pickle_protocol)
@@ -104,9 +107,18 @@ def save(obj: Any, f, pickle_module: Any = pickle, pickle_protocol: int = 2, *,
         replace_file(store, f)
         return future
     storage = open_storage(f, **(storage_options or {}))
+    if incremental:  # read by the writer's first chunk, off the blocking part
+        options = dataclasses.replace(options, references=functools.partial(_earlier_references, storage))
     future = start_save(obj, storage, rt=rt, attempt=names.new_attempt_id(), step=None, rank=0,
                         world_size=1, metrics=None, options=options)
     return lifecycle.track(future)
+
+
+def _earlier_references(storage: Storage) -> dict:
+    """What a drop-in save may reference of the checkpoint it replaces (none: {})."""
+    from .checkpoint.references import index_earlier
+
+    return index_earlier(latest_manifest(storage))
 
 
 def prepare(state: Any = None, *, nbytes: int | None = None) -> Future:

@@ -265,6 +265,9 @@ class Blob:
     # A reference (format version 3): the blob lies in the location of this step of the
     # same store, in a file of that location's attempt; None: in this checkpoint's files.
     step: int | None = None
+    # A reference within this location (version 3, drop-in saves to one path): ``file``
+    # is a data file of an older generation's attempt here.
+    earlier: bool = False
 
     _FIELDS = frozenset({"file", "offset", "length", "raw_length", "codec", "xxh3_128"})
     _CHUNK_FIELDS = _FIELDS | {"offsets", "sizes"}
@@ -280,6 +283,8 @@ class Blob:
         }
         if self.step is not None:
             d["step"] = self.step
+        if self.earlier:
+            d["earlier"] = True
         return d
 
     @classmethod
@@ -287,11 +292,17 @@ class Blob:
         """Parse and bound one blob record; ``attempt`` is the only attempt its file may
         lie in, unless the record is a reference (``step``), whose file may be any
         attempt's (of that step's location)."""
-        step = None
+        step, earlier = None, False
         if type(d) is not dict or d.keys() != fields:
-            _fields(d, fields, {"step"}, what)
+            _fields(d, fields, {"step", "earlier"}, what)
             if "step" in d:
                 step = _int(d["step"], what, 0, MAX_STEP, ".step")
+            if "earlier" in d:
+                if d["earlier"] is not True:
+                    raise FormatError(f"{what}.earlier must be true when present")
+                if step is not None:
+                    raise FormatError(f"{what}: a reference names another step or an earlier attempt here, not both")
+                earlier = True
         codec = _codec_chain(d["codec"], what)
         digest = d["xxh3_128"]
         if type(digest) is not str or not _DIGEST_RE.fullmatch(digest):
@@ -303,9 +314,11 @@ class Blob:
         if codec and raw_length > length * ZSTD_MAX_RATIO:
             raise FormatError(f"{what}: {length} zstd bytes cannot decode to raw_length {raw_length}")
         file = d["file"]
-        if step is not None:
+        if step is not None or earlier:
             if _data_file_attempt(file) is None:
                 check_data_file(file, "", f"{what}.file")  # raises, naming what is wrong
+            if earlier and _data_file_attempt(file) == attempt:
+                raise FormatError(f"{what}: a reference to an earlier attempt names this checkpoint's own")
         elif _data_file_attempt(file) != attempt:
             check_data_file(file, attempt, f"{what}.file")  # raises, naming what is wrong
         return cls(
@@ -316,6 +329,7 @@ class Blob:
             codec=codec,
             xxh3_128=digest,
             step=step,
+            earlier=earlier,
         )
 
 
@@ -453,6 +467,8 @@ def _blob_fields(b: Blob, names: dict[str, str]) -> str:
         file = names[b.file] = json.dumps(b.file)
     codec = "[]" if not b.codec else json.dumps([dict(c) for c in b.codec], separators=(",", ":"), allow_nan=False)
     step = "" if b.step is None else f',"step":{int(b.step)}'
+    if b.earlier:
+        step += ',"earlier":true'
     return (f'"file":{file},"offset":{int(b.offset)},"length":{int(b.length)},"raw_length":{int(b.raw_length)},'
             f'"codec":{codec},"xxh3_128":{json.dumps(b.xxh3_128)}{step}')
 
@@ -712,8 +728,12 @@ def validate_ranks(ranks: tuple[RankState, ...], world_size: int) -> None:
 
 
 def validate_references(m: "Manifest") -> None:
-    """References (``Blob.step``) exist from format version 3 on, in a step's checkpoint
-    of a store, and point at another step."""
+    """References exist from format version 3 on: ``Blob.step`` in a step's checkpoint
+    of a store, pointing at another step; ``Blob.earlier`` at an earlier attempt of the
+    same location."""
+    if m.format_version < REFERENCE_VERSION and any(b.earlier for _, _, b in m.blobs()):
+        raise FormatError(f"a blob refers to an earlier attempt, which format version {m.format_version} "
+                          f"cannot say (references exist from version {REFERENCE_VERSION})")
     refs = [b for _, _, b in m.blobs() if b.step is not None]
     if not refs:
         return

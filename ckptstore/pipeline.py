@@ -74,7 +74,9 @@ class RankWriter:
         # (Blob.step set)}; a chunk whose raw bytes match one is recorded as a reference
         # to it instead of being encoded and written. Each is used at most once (a
         # manifest references a stored blob once: format.validate_extents).
-        self._references = dict(references) if references else None
+        # (or a function giving it, called once by the first chunk that asks: reading an
+        # earlier manifest stays off the blocking part of a drop-in save)
+        self._references = references if callable(references) else (dict(references) if references else None)
         self.attempt = attempt
         self.rank = rank
         self.policy = policy
@@ -166,6 +168,11 @@ class RankWriter:
         if self._references is None or not raw_length:
             return None
         with self._lock:
+            if callable(self._references):
+                try:
+                    self._references = dict(self._references() or {})
+                except Exception:  # no earlier checkpoint to refer to: write everything
+                    self._references = {}
             return self._references.pop((raw_length, raw_hash), None)
 
     def _chunk_task(self, key, offsets, sizes, itemsize, buf: StagingBuffer, scope: Scope, write: bool) -> None:

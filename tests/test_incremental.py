@@ -300,3 +300,61 @@ def test_references_on_s3_follow_the_store_and_gc_keeps_what_they_read(monkeypat
         assert same(store.load(3), model_state(3))
     finally:
         s3util.empty_bucket(bucket, endpoint)
+
+
+# ---------------------------------------------------------------------------- drop-in saves to one path
+def test_saving_again_to_one_path_writes_only_what_changed(tmp_path):
+    path = tmp_path / "ckpt"
+    sizes = []
+    for step in range(1, 4):
+        ckptstore.save(model_state(step), str(path), compression="none").result()
+        sizes.append(sum(p.stat().st_size for p in path.rglob("data-*.bin")))
+    assert sizes[1] - sizes[0] <= 0.15 * sizes[0] and sizes[2] - sizes[1] <= 0.15 * sizes[0]
+    m = ckptstore.api.latest_manifest(ckptstore.storage.open_storage(str(path)))
+    assert m.generation == 3 and any(b.earlier for _, _, b in m.blobs())
+    # the first generation's file stays (the third reads it); the second's went with it
+    attempts = sorted(p.name for p in (path / "attempts").iterdir())
+    assert len(attempts) == 2 and m.attempt in attempts
+    assert same(ckptstore.load(str(path)), model_state(3))
+    out = CliRunner().invoke(main, ["verify", str(path)])
+    assert out.exit_code == 0, out.output
+    plan = CliRunner().invoke(main, ["gc", str(path), "--grace", "0", "--json"])  # the referenced file stays
+    assert plan.exit_code == 0, plan.output
+    assert sorted(p.name for p in (path / "attempts").iterdir()) == attempts
+    assert same(ckptstore.load(str(path)), model_state(3))
+
+
+def test_saving_again_to_one_path_without_incremental_writes_everything(tmp_path):
+    path = tmp_path / "ckpt"
+    for step in (1, 2):
+        ckptstore.save(model_state(step), str(path), compression="none", incremental=False).result()
+    m = ckptstore.api.latest_manifest(ckptstore.storage.open_storage(str(path)))
+    assert not any(b.earlier for _, _, b in m.blobs())
+    assert [p.name for p in (path / "attempts").iterdir()] == [m.attempt]
+
+
+def earlier_json(tmp_path) -> dict:
+    path = tmp_path / "ckpt"
+    for step in (1, 2):
+        ckptstore.save(model_state(step), str(path)).result()
+    return ckptstore.api.latest_manifest(ckptstore.storage.open_storage(str(path))).to_json()
+
+
+def _first_earlier(d: dict) -> dict:
+    return next(c for e in d["ranks"][0]["tensors"].values() for c in e["chunks"] if c.get("earlier"))
+
+
+@pytest.mark.parametrize("change", ["false", "with_step", "own_attempt", "version_2"])
+def test_a_bad_earlier_reference_is_refused(tmp_path, change):
+    d = earlier_json(tmp_path)
+    chunk = _first_earlier(d)
+    if change == "false":
+        chunk["earlier"] = False
+    elif change == "with_step":
+        chunk["step"] = 1
+    elif change == "own_attempt":
+        chunk["file"] = chunk["file"].replace(chunk["file"].split("/")[1], d["attempt"])
+    else:
+        d["format_version"] = 2
+    with pytest.raises(FormatError):
+        fmt.Manifest.from_json(d)

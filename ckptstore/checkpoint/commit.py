@@ -286,7 +286,8 @@ def commit(storage: Storage, own: fmt.Vote, world_size: int, created_at: str, me
         # Retire only once a reader's own listing shows the new generation as the visible one.
         if generations(storage)[-1:] != [generation]:
             raise CommitError(f"generation {generation} is not the visible one after its commit")
-        retire_generations(storage, below=generation, live_attempt=attempt, files=retire_files)
+        earlier = {names.parse_data_file(b.file)[0] for _, _, b in manifest.blobs() if b.earlier}
+        retire_generations(storage, below=generation, live_attempt=attempt, files=retire_files, keep=earlier)
     except Exception as e:  # committed already: a leftover generation is gc's to clean
         warnings.warn(f"{where}: committed generation {generation}, but retiring older ones failed: {e}",
                       RuntimeWarning, stacklevel=2)
@@ -365,10 +366,12 @@ def attempt_files(storage: Storage, attempt: str):
             yield info
 
 
-def retire_generations(storage: Storage, below: int, live_attempt: str, files: bool = True) -> None:
+def retire_generations(storage: Storage, below: int, live_attempt: str, files: bool = True,
+                       keep=frozenset()) -> None:
     """Delete generations older than ``below``: each manifest before its files (I7;
     ``files=False``: the manifests only). The files of ``live_attempt`` (the new
-    generation's) are never deleted, whatever an older manifest claims."""
+    generation's) and of the attempts in ``keep`` (earlier ones it refers to) are never
+    deleted, whatever an older manifest claims."""
     for gen in generations(storage):
         if gen >= below:
             break
@@ -378,7 +381,7 @@ def retire_generations(storage: Storage, below: int, live_attempt: str, files: b
         except (CkptStoreError, ValueError):
             attempt = None  # unreadable: drop the manifest, leave files to gc
         storage.delete(names.manifest_name(gen))
-        if files and attempt is not None and attempt != live_attempt:  # parsed: the attempt passed the grammar
+        if files and attempt is not None and attempt != live_attempt and attempt not in keep:  # (parsed: grammar)
             for info in list(attempt_files(storage, attempt)):
                 storage.delete(info.key)
 

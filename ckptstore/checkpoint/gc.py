@@ -113,7 +113,7 @@ def plan(storage: Storage, policy: Retention = Retention(), grace: float = DEFAU
             # keep the whole location and let a person look (verify reports it).
             result.kept[label] = [f"unreadable manifest: {loc.manifest_error}"]
             continue
-        referenced = {loc.manifest.attempt} if loc.manifest else set()
+        referenced = attempts_named(loc.manifest) if loc.manifest else set()
         if loc.committed and label not in result.kept:
             # The whole checkpoint goes: its manifests, then the attempts they name.
             keys = [names.manifest_name(g) for g in loc.generations]
@@ -173,7 +173,7 @@ class _Recheck:
     def __init__(self, storage: Storage):
         self.storage = storage
         self._gens: tuple[int, ...] | None = None
-        self._live: dict[int, str | None] = {}  # generation -> attempt (None: unreadable)
+        self._live: dict[int, set[str] | None] = {}  # generation -> attempts it reads (None: unreadable)
 
     def generations(self) -> tuple[int, ...]:
         gens = tuple(generations(self.storage))
@@ -183,9 +183,9 @@ class _Recheck:
             for g in gens:
                 if g not in self._live:
                     try:
-                        self._live[g] = read_manifest(self.storage, g).attempt
+                        self._live[g] = attempts_named(read_manifest(self.storage, g))
                     except ObjectNotFoundError:
-                        self._live[g] = ""  # retired while we looked: references nothing
+                        self._live[g] = set()  # retired while we looked: references nothing
                     except CkptStoreError:
                         self._live[g] = None
         return gens
@@ -201,9 +201,16 @@ class _Recheck:
                 continue
             if attempt is None and d.attempts:
                 return f"generation {g} cannot be read: it may reference these files"
-            if attempt in d.attempts:
-                return f"generation {g}, committed since the plan, references attempt {attempt}"
+            taken = sorted(attempt & set(d.attempts)) if attempt is not None else []
+            if taken:
+                return f"generation {g}, committed since the plan, references attempt {taken[0]}"
         return None
+
+
+def attempts_named(m) -> set[str]:
+    """The attempts of this location whose files manifest ``m`` reads: its own, and the
+    earlier ones its blobs refer to (drop-in saves, ``Blob.earlier``)."""
+    return {m.attempt} | {names.parse_data_file(b.file)[0] for _, _, b in m.blobs() if b.earlier}
 
 
 def references_of(manifests) -> dict[str, set[str]]:

@@ -53,6 +53,20 @@ def index(manifest: fmt.Manifest, rank: int) -> dict[tuple[int, str], fmt.Blob]:
     return out
 
 
+def index_earlier(manifest: fmt.Manifest) -> dict[tuple[int, str], fmt.Blob]:
+    """What a drop-in save to the same location may reference of ``manifest`` (its
+    visible checkpoint, one rank): its tensor chunks of at least MIN_REFERENCE_BYTES, as
+    blobs of an earlier attempt here (``Blob.earlier``)."""
+    out: dict[tuple[int, str], fmt.Blob] = {}
+    if manifest.step is not None or manifest.world_size != 1:
+        return out
+    for _, key, b in manifest.blobs():
+        if key is None or b.raw_length < MIN_REFERENCE_BYTES or b.step is not None:
+            continue
+        out.setdefault((b.raw_length, b.xxh3_128), b if b.earlier else dataclasses.replace(b, earlier=True))
+    return out
+
+
 def has_references(manifest: fmt.Manifest) -> bool:
     return any(b.step is not None for _, _, b in manifest.blobs())
 

@@ -150,7 +150,8 @@ def start_save(obj, storage: Storage, *, rt: Runtime, attempt: str, step: int | 
             if rank == 0:
                 manifest = commit(storage, vote, world_size, created_at, dict(metrics or {}), options.commit_timeout,
                                   epoch=options.epoch, fence=options.fence,
-                                  retire_files=options.references is None)  # (incremental: gc's to judge)
+                                  # a step referenced by other steps: its retired files are gc's to judge
+                                  retire_files=options.references is None or step is None)
             else:
                 manifest = await_outcome(storage, attempt, options.commit_timeout, rank)
         except BaseException as e:
