@@ -116,9 +116,7 @@ def save(obj: Any, f, pickle_module: Any = pickle, pickle_protocol: int = 2, *,
 
 def _earlier_references(storage: Storage) -> dict:
     """What a drop-in save may reference of the checkpoint it replaces (none: {})."""
-    from .checkpoint.references import index_earlier
-
-    return index_earlier(latest_manifest(storage))
+    return index_references(latest_manifest(storage), 0)
 
 
 def prepare(state: Any = None, *, nbytes: int | None = None) -> Future:
@@ -534,6 +532,11 @@ class Store:
         tiers = [("local", self.local), ("durable", self)]
         return [(name, s) for name, s in tiers if generations(s.location(step))]
 
+    def _copies(self, step: int) -> list[tuple[str | None, "Store"]]:
+        """Where a load of ``step`` looks, in order: with one tier, this store (no
+        listing: the load lists the location itself); with two, ``tiers_of``."""
+        return self.tiers_of(step) if self.local is not None else [(None, self)]
+
     def _committed_steps(self) -> list[int]:
         found = []
         for name in self.storage.list(""):
@@ -548,7 +551,7 @@ class Store:
 
     def manifest(self, step: int | None = None) -> fmt.Manifest:
         step = self._resolve(step)
-        holders = self.tiers_of(step)
+        holders = self._copies(step)
         return latest_manifest((holders[0][1] if holders else self).location(step))
 
     def _resolve(self, step: int | None) -> int:
@@ -583,7 +586,7 @@ class Store:
     def _load_nearest(self, step: int, map_location, weights_only: bool, rank, template):
         """(object, LoadInfo) of ``step`` from the first tier whose copy loads; a copy
         with bad bytes or files falls back to the next tier, with a warning."""
-        holders = self.tiers_of(step)
+        holders = self._copies(step)
         if not holders:
             raise CheckpointNotFoundError(f"{self.location(step).describe()}: no committed checkpoint")
         for i, (tier, store) in enumerate(holders):

@@ -702,6 +702,10 @@ class Manifest:
             for chunk in entry.chunks:
                 yield None, key, chunk.blob
 
+    def earlier_attempts(self) -> set[str]:
+        """The earlier attempts of its location whose files it reads (``Blob.earlier``)."""
+        return {parse_data_file(b.file)[0] for _, _, b in self.blobs() if b.earlier}
+
     def files(self) -> set[str]:
         return {blob.file for _, _, blob in self.blobs()}
 

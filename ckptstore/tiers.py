@@ -141,6 +141,7 @@ def sweep_own_data(tier, rank: int, retired_here: set[str], keep: set[str], now:
 
     from . import names
     from .checkpoint.commit import generations, read_manifest
+    from .checkpoint.gc import attempts_named
 
     now = time.time() if now is None else now
     shared_root, data = tier.storage.shared, tier.storage.data
@@ -155,7 +156,7 @@ def sweep_own_data(tier, rank: int, retired_here: set[str], keep: set[str], now:
         referenced = set()
         for gen in generations(shared):
             try:
-                referenced.add(read_manifest(shared, gen).attempt)
+                referenced |= attempts_named(read_manifest(shared, gen))
             except Exception:
                 referenced = None  # unreadable: keep everything of the step
                 break

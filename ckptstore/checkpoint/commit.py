@@ -286,8 +286,8 @@ def commit(storage: Storage, own: fmt.Vote, world_size: int, created_at: str, me
         # Retire only once a reader's own listing shows the new generation as the visible one.
         if generations(storage)[-1:] != [generation]:
             raise CommitError(f"generation {generation} is not the visible one after its commit")
-        earlier = {names.parse_data_file(b.file)[0] for _, _, b in manifest.blobs() if b.earlier}
-        retire_generations(storage, below=generation, live_attempt=attempt, files=retire_files, keep=earlier)
+        retire_generations(storage, below=generation, live_attempt=attempt, files=retire_files,
+                           keep=manifest.earlier_attempts())
     except Exception as e:  # committed already: a leftover generation is gc's to clean
         warnings.warn(f"{where}: committed generation {generation}, but retiring older ones failed: {e}",
                       RuntimeWarning, stacklevel=2)

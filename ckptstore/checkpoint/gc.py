@@ -95,14 +95,9 @@ def plan(storage: Storage, policy: Retention = Retention(), grace: float = DEFAU
     # Incremental saves: a kept checkpoint's references keep the attempts they point at,
     # in whatever location (mark phase). A manifest that cannot be read may reference
     # anything: then no committed checkpoint's data is deleted, only manifests.
-    live = references_of([loc.manifest for loc in committed if _label(loc) in result.kept])
-    unknown = False
-    for loc in locations:
-        if loc.manifest_error is not None:
-            refs = _references_of_unreadable(loc.storage, loc.generations[-1])
-            unknown = unknown or refs is None
-            for where, attempts in (refs or {}).items():
-                live.setdefault(where, set()).update(attempts)
+    live, unknown = _with_unreadable(
+        references_of([loc.manifest for loc in committed if _label(loc) in result.kept]),
+        [(loc.storage, loc.generations[-1]) for loc in locations if loc.manifest_error is not None])
 
     for loc in locations:
         label = _label(loc)
@@ -210,7 +205,7 @@ class _Recheck:
 def attempts_named(m) -> set[str]:
     """The attempts of this location whose files manifest ``m`` reads: its own, and the
     earlier ones its blobs refer to (drop-in saves, ``Blob.earlier``)."""
-    return {m.attempt} | {names.parse_data_file(b.file)[0] for _, _, b in m.blobs() if b.earlier}
+    return {m.attempt} | m.earlier_attempts()
 
 
 def references_of(manifests) -> dict[str, set[str]]:
@@ -255,10 +250,23 @@ def _references_of_unreadable(storage: Storage, generation: int) -> dict[str, se
     return refs
 
 
+def _with_unreadable(live: dict[str, set[str]], unreadable) -> tuple[dict[str, set[str]], bool]:
+    """``live`` plus the references of the manifests ``unreadable`` ((storage,
+    generation) that do not validate), read leniently; and whether one of them cannot
+    be told at all."""
+    unknown = False
+    for storage, generation in unreadable:
+        refs = _references_of_unreadable(storage, generation)
+        unknown = unknown or refs is None
+        for where, attempts in (refs or {}).items():
+            live.setdefault(where, set()).update(attempts)
+    return live, unknown
+
+
 def _live_now(storage: Storage) -> tuple[dict[str, set[str]], bool]:
     """The references of every manifest present now (every generation), and whether
     one of them cannot be told; looked up once per execute, before its deletions."""
-    manifests, unknown, lenient = [], False, []
+    manifests, unreadable = [], []
     for loc in scan_store(storage):
         for g in loc.generations:
             try:
@@ -266,14 +274,8 @@ def _live_now(storage: Storage) -> tuple[dict[str, set[str]], bool]:
             except ObjectNotFoundError:
                 continue
             except CkptStoreError:
-                refs = _references_of_unreadable(loc.storage, g)
-                unknown = unknown or refs is None
-                lenient.append(refs or {})
-    live = references_of(manifests)
-    for refs in lenient:
-        for where, attempts in refs.items():
-            live.setdefault(where, set()).update(attempts)
-    return live, unknown
+                unreadable.append((loc.storage, g))
+    return _with_unreadable(references_of(manifests), unreadable)
 
 
 def execute(storage: Storage, gc_plan: GcPlan, on_deleted=None) -> None:

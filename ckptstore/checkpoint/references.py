@@ -34,36 +34,27 @@ MIN_REFERENCE_BYTES = 64 << 10
 
 
 def index(manifest: fmt.Manifest, rank: int) -> dict[tuple[int, str], fmt.Blob]:
-    """What ``rank``'s next save of the same store may reference: each tensor chunk of
-    ``manifest`` (a step's checkpoint) of at least MIN_REFERENCE_BYTES that lies in a
-    file this rank wrote, by (raw length, xxh3-128), as a blob naming the step whose
-    location stores it. Only its own files: two ranks holding equal chunks (a model
-    every rank saves whole) then never reference the same stored blob, which a manifest
-    may reference once."""
+    """What ``rank``'s next save may reference of ``manifest``: each tensor chunk of at
+    least MIN_REFERENCE_BYTES that lies in a file this rank wrote, by (raw length,
+    xxh3-128), as a reference: to the step whose location stores it (``manifest`` a step
+    of a store), or to an earlier attempt of the same location (a drop-in save to one
+    path, one rank: ``Blob.earlier``). Only its own files: two ranks holding equal
+    chunks (a model every rank saves whole) then never reference the same stored blob,
+    which a manifest may reference once."""
     out: dict[tuple[int, str], fmt.Blob] = {}
-    if manifest.step is None:
+    drop_in = manifest.step is None
+    if drop_in and manifest.world_size != 1:
         return out
     for _, key, b in manifest.blobs():
         if key is None or b.raw_length < MIN_REFERENCE_BYTES:  # (key None: a skeleton)
             continue
         if names.parse_data_file(b.file)[1] != rank:
             continue
-        out.setdefault((b.raw_length, b.xxh3_128), b if b.step is not None else
-                       dataclasses.replace(b, step=manifest.step))
-    return out
-
-
-def index_earlier(manifest: fmt.Manifest) -> dict[tuple[int, str], fmt.Blob]:
-    """What a drop-in save to the same location may reference of ``manifest`` (its
-    visible checkpoint, one rank): its tensor chunks of at least MIN_REFERENCE_BYTES, as
-    blobs of an earlier attempt here (``Blob.earlier``)."""
-    out: dict[tuple[int, str], fmt.Blob] = {}
-    if manifest.step is not None or manifest.world_size != 1:
-        return out
-    for _, key, b in manifest.blobs():
-        if key is None or b.raw_length < MIN_REFERENCE_BYTES or b.step is not None:
-            continue
-        out.setdefault((b.raw_length, b.xxh3_128), b if b.earlier else dataclasses.replace(b, earlier=True))
+        if drop_in:  # (a drop-in's blobs name no step: format.validate_references)
+            ref = b if b.earlier else dataclasses.replace(b, earlier=True)
+        else:
+            ref = b if b.step is not None else dataclasses.replace(b, step=manifest.step)
+        out.setdefault((b.raw_length, b.xxh3_128), ref)
     return out
 
 
