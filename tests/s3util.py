@@ -79,6 +79,17 @@ UNSET_ENV = ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_MAX_ATTEMPTS", "AWS_RETR
              "AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_CA_BUNDLE")
 
 
+def point_boto3_at(endpoint: str, monkeypatch) -> dict[str, str]:
+    """This process's boto3 standard configuration (environment) points at ``endpoint``
+    for the test (monkeypatch undoes it); returns the variables set."""
+    for k in UNSET_ENV:
+        monkeypatch.delenv(k, raising=False)
+    env = aws_env(endpoint)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    return env
+
+
 def subprocess_env(endpoint: str, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in UNSET_ENV}
     env.update(aws_env(endpoint))

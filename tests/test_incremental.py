@@ -281,10 +281,7 @@ def test_references_on_s3_follow_the_store_and_gc_keeps_what_they_read(monkeypat
     import s3util
 
     endpoint = s3util.moto_endpoint()
-    for k in s3util.UNSET_ENV:
-        monkeypatch.delenv(k, raising=False)
-    for k, v in s3util.aws_env(endpoint).items():
-        monkeypatch.setenv(k, v)
+    s3util.point_boto3_at(endpoint, monkeypatch)
     bucket = s3util.new_bucket(endpoint)
     try:
         store = ckptstore.Store(f"s3://{bucket}/run", keep=Retention(last=2), grace=0)

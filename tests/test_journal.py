@@ -97,10 +97,7 @@ def s3env(monkeypatch):
     import s3util
 
     endpoint = s3util.moto_endpoint()
-    for k in s3util.UNSET_ENV:
-        monkeypatch.delenv(k, raising=False)
-    for k, v in s3util.aws_env(endpoint).items():
-        monkeypatch.setenv(k, v)
+    s3util.point_boto3_at(endpoint, monkeypatch)
     bucket = s3util.new_bucket(endpoint)
     yield bucket
     s3util.empty_bucket(bucket, endpoint)

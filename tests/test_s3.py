@@ -64,10 +64,7 @@ def endpoint():
 @pytest.fixture
 def s3env(endpoint, monkeypatch):
     """boto3's standard configuration (environment) points at the moto server."""
-    for k in s3util.UNSET_ENV:
-        monkeypatch.delenv(k, raising=False)
-    for k, v in s3util.aws_env(endpoint).items():
-        monkeypatch.setenv(k, v)
+    s3util.point_boto3_at(endpoint, monkeypatch)
     return endpoint
 
 

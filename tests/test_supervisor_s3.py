@@ -53,11 +53,7 @@ def endpoint():
 def s3env(endpoint, monkeypatch):
     """This process (the journal reads, the status CLI) finds the moto server through
     boto3's standard configuration, as the supervisor's children do."""
-    for k in s3util.UNSET_ENV:
-        monkeypatch.delenv(k, raising=False)
-    for k, v in s3util.aws_env(endpoint).items():
-        monkeypatch.setenv(k, v)
-    return s3util.aws_env(endpoint)
+    return s3util.point_boto3_at(endpoint, monkeypatch)
 
 
 @pytest.fixture

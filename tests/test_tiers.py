@@ -41,10 +41,7 @@ def endpoint():
 
 @pytest.fixture
 def bucket(endpoint, monkeypatch):
-    for k in s3util.UNSET_ENV:
-        monkeypatch.delenv(k, raising=False)
-    for k, v in s3util.aws_env(endpoint).items():
-        monkeypatch.setenv(k, v)
+    s3util.point_boto3_at(endpoint, monkeypatch)
     name = s3util.new_bucket(endpoint)
     yield name
     s3util.empty_bucket(name, endpoint)
