@@ -114,6 +114,12 @@ def save(obj: Any, f, pickle_module: Any = pickle, pickle_protocol: int = 2, *,
     return lifecycle.track(future)
 
 
+def _if_present(location: Storage, generation: int, references: dict) -> dict:
+    """``references`` while the manifest they came from is still there, else none: a
+    gc run elsewhere dropped it, and with it the right to its files (gc.py)."""
+    return references if location.exists(names.manifest_name(generation)) else {}
+
+
 def _earlier_references(storage: Storage) -> dict:
     """What a drop-in save may reference of the checkpoint it replaces (none: {})."""
     return index_references(latest_manifest(storage), 0)
@@ -351,7 +357,8 @@ class Store:
         self._one_node = False  # every rank of the group runs on one host (checked at the first save)
         self.incremental = bool(incremental) and local is None  # (a tiered store promotes whole files)
         self._references: dict = {}  # what the next save may reference (references.index)
-        self._reference_step: int | None = None  # the step those blobs' index came from
+        self._reference_base: tuple[int, int] | None = None  # (step, generation) of the manifest they came from
+        self._bases_in_flight: list[int] = []  # the reference steps of saves not settled yet
         if local is not None:
             self._add_local_tier(local, durable_every, local_keep, promote_bandwidth, compression,
                                  commit_timeout, chunk_bytes, local_shared, storage_options)
@@ -411,18 +418,35 @@ class Store:
             # Tell rank 0 where it waits for votes, so it fails now, not at its timeout.
             write_failure_vote(self.location(step0), attempt, step0, world, rank, error)
             raise error
-        after_commit = functools.partial(self._apply_retention, step) if (self.keep is not None and rank == 0) \
-            else None
         fence = None if self.epoch is None else functools.partial(check_fence, self._epochs, self.epoch)
-        refs = {k: b for k, b in self._references.items() if b.step != step} if self.incremental else None
-        options = dataclasses.replace(self.options, replicated=tuple(replicated), epoch=self.epoch, fence=fence,
-                                      references=refs)
-        future = start_save(state, where, rt=runtime(), attempt=attempt, step=step, rank=rank,
-                            world_size=world, metrics=_check_metrics(metrics), options=options,
-                            after_commit=after_commit)
+        refs, base = None, self._reference_base if self.incremental and self._references else None
         if self.incremental:
-            future.add_done_callback(self._note_commit)
+            refs = {k: b for k, b in self._references.items() if b.step != step}
+        settled = functools.partial(self._base_settled, [base[0]] if base is not None else [])
+        if base is not None:  # read by the writer's first chunk: no base any more, no references
+            refs = functools.partial(_if_present, self.location(base[0]), base[1], refs)
+            self._bases_in_flight.append(base[0])  # retention keeps it until this save settles
+        after_commit = None
+        if self.keep is not None and rank == 0:  # (once committed, the manifest itself keeps what it reads)
+            after_commit = lambda: (settled(), self._apply_retention(step))  # noqa: E731
+        options = dataclasses.replace(self.options, replicated=tuple(replicated), epoch=self.epoch, fence=fence,
+                                      references=refs, reference_base=base)
+        try:
+            future = start_save(state, where, rt=runtime(), attempt=attempt, step=step, rank=rank,
+                                world_size=world, metrics=_check_metrics(metrics), options=options,
+                                after_commit=after_commit)
+        except BaseException:
+            settled()
+            raise
+        if self.incremental:
+            future.add_done_callback(lambda f: (settled(), self._note_commit(f)))
         return lifecycle.track(future)
+
+    def _base_settled(self, pending: list[int]) -> None:
+        """A save no longer needs its base kept (``pending``: [its base step], emptied
+        here, so that a second call does nothing)."""
+        if pending:
+            self._bases_in_flight.remove(pending.pop())
 
     def _note_commit(self, future: SaveFuture) -> None:
         """After a commit, the next save may reference what it holds; after a failure
@@ -437,7 +461,7 @@ class Store:
         committed checkpoint of this store: the last save's, or the step a resume loaded)."""
         if self.incremental:
             self._references = index_references(manifest, rank_and_world(self.process_group)[0])
-            self._reference_step = manifest.step
+            self._reference_base = (manifest.step, manifest.generation)
 
     def _save_tiered(self, step, state, metrics, replicated, durable: bool) -> SaveFuture:
         rank, world = rank_and_world(self.process_group)
@@ -486,18 +510,22 @@ class Store:
             self._sweeping.release()
 
     def _apply_retention(self, committed: int | None = None) -> None:
-        """Retention after the commit of step ``committed`` (or after a promotion)."""
-        gc.collect(self.storage, self.keep, self.grace, protect=self._kept_here(committed))
+        """Retention after the commit of step ``committed`` (or after a promotion). The
+        store's own writer deletes a dropped checkpoint's files at once: the only save
+        that could reference them is its own next one, whose base it protects."""
+        gc.collect(self.storage, self.keep, self.grace, protect=self._kept_here(committed), immediate=True)
 
     def _kept_here(self, committed: int | None = None) -> dict[int, str]:
         """Steps this process needs whatever the policy says: a local tier's promotions
-        in flight, and the step the next incremental save references (``committed``, the
+        in flight, the step the next incremental save references (``committed``, the
         step just committed, is about to be it; after a rollback it need not be among
-        the newest)."""
+        the newest), and the steps that saves still in flight reference."""
         kept = {step: "promotion in flight" for step in self._protect()}
-        base = committed if committed is not None else (self._reference_step if self._references else None)
+        base = committed if committed is not None else (self._reference_base[0] if self._references else None)
         if self.incremental and base is not None:
             kept.setdefault(base, "the next incremental save's reference")
+        for step in list(self._bases_in_flight):
+            kept.setdefault(step, "referenced by a save in flight")
         return kept
 
     def gc(self, keep: Retention | None = None, grace: float | str | None = None, dry_run: bool = False) -> gc.GcPlan:

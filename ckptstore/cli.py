@@ -153,7 +153,10 @@ def ls(url: str, as_json: bool, show_all: bool, local: str | None) -> None:
                      + (f"UNREADABLE MANIFEST: {r['error']}" if r.get("error") else "")])
         for a in r.get("attempts", []):
             if not a["committed"]:
-                rows.append([f"  {a['attempt']}", "", f"uncommitted, age {a['age_s']:.0f}s",
+                state = f"read by {', '.join(a['read_by'])}" if a["read_by"] else \
+                    f"released {a['released_age_s']:.0f}s ago" if a["released_age_s"] is not None else \
+                    f"uncommitted, age {a['age_s']:.0f}s"
+                rows.append([f"  {a['attempt']}", "", state,
                              f"voted {a['voted']}", _human_bytes(a["bytes"]), "",
                              *([""] if local is not None else []), "aborted" if a["aborted"] else ""])
     tiers = ["TIERS"] if local is not None else []
@@ -168,13 +171,31 @@ def _ls_records(url: str, show_all: bool) -> list[dict]:
     except CkptStoreError as e:
         _fail(str(e), EXIT_PROBLEM)
     records = []
+    readers = _readers(locations) if show_all else {}
     for loc in locations:
         if loc.committed or loc.manifest_error or show_all:
             rec = _ls_record(loc, now)
             if show_all:
-                rec["attempts"] = _attempt_records(loc, now)
+                rec["attempts"] = _attempt_records(loc, now, readers)
             records.append(rec)
     return records
+
+
+def _readers(locations: list[Location]) -> dict[tuple[str, str], list[str]]:
+    """{(location, attempt): the checkpoints whose manifests read its files}: incremental
+    saves keep a dropped checkpoint's data while a newer one references it."""
+    from .checkpoint.gc import attempts_named, references_of
+
+    out: dict[tuple[str, str], list[str]] = {}
+    for loc in locations:
+        if loc.manifest is None:
+            continue
+        reads = {loc.name or ".": attempts_named(loc.manifest) - {loc.manifest.attempt},
+                 **references_of([loc.manifest])}
+        for where, attempts in reads.items():
+            for attempt in attempts:
+                out.setdefault((where, attempt), []).append(loc.name or ".")
+    return out
 
 
 def _merge_tiers(by_tier: dict[str, list[dict]]) -> list[dict]:
@@ -196,10 +217,12 @@ def _printable(text: str) -> str:
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
-def _attempt_records(loc: Location, now: float) -> list[dict]:
+def _attempt_records(loc: Location, now: float, readers: dict) -> list[dict]:
     committed = loc.manifest.attempt if loc.manifest else None
+    released = None if loc.released_at is None else round(max(0.0, now - loc.released_at), 3)
     return [{"attempt": a.attempt, "committed": a.attempt == committed, "age_s": round(a.age(now), 3),
-             "voted": a.voted, "aborted": a.aborted, "files": a.files, "bytes": a.bytes}
+             "voted": a.voted, "aborted": a.aborted, "files": a.files, "bytes": a.bytes,
+             "read_by": readers.get((loc.name or ".", a.attempt), []), "released_age_s": released}
             for a in sorted(loc.attempts.values(), key=lambda a: a.attempt)]
 
 
@@ -285,6 +308,8 @@ def gc(url, keep_last, keep_every, keep_within, keep_best, grace, dry_run, as_js
     A checkpoint is kept when any policy keeps it; pinned checkpoints and the newest
     committed one are always kept. Without any --keep option no committed checkpoint is
     deleted. Manifests go before their files, so an interrupted gc is safe to re-run.
+    The files of a deleted manifest are released, not deleted: a save in flight may
+    reference them, so a run after the grace deletes them (--grace 0: at once).
     """
     storage = _open(url, containers=False)
     policy = Retention(last=keep_last, every=keep_every, within=keep_within, best=keep_best)
@@ -309,7 +334,11 @@ def gc(url, keep_last, keep_every, keep_within, keep_best, grace, dry_run, as_js
             click.echo(f"skipped {d.kind:<10} {d.location}: {d.skipped}")
     for key in p.foreign:
         click.echo(f"left    foreign    {key}: not a name ckptstore writes (symlink, special file or unknown)")
-    click.echo(f"{verb} {len(done)} item(s), {_human_bytes(p.bytes)}; kept {len(p.kept)} checkpoint(s)")
+    if p.held_back:
+        click.echo(f"held    data: {p.held_back}")
+    released = f"; released {_human_bytes(p.released_bytes)} (a gc run after the grace deletes it)" \
+        if p.released_bytes else ""
+    click.echo(f"{verb} {len(done)} item(s), {_human_bytes(p.bytes)}{released}; kept {len(p.kept)} checkpoint(s)")
 
 
 # ---------------------------------------------------------------------------- consolidate

@@ -19,6 +19,9 @@ from .errors import FormatError
 ATTEMPTS_DIR = "attempts"
 PIN_NAME = "pin.json"
 SKIPPED_NAME = "resume-skipped.json"  # a resume could not use this step (informational)
+# A gc deleted a manifest whose files (here) may still be referenced by a save in flight:
+# those files go only after the grace, counted from this marker's last write (gc.py).
+RELEASED_NAME = "released.json"
 PROGRESS_NAME = "progress.json"  # at a store's root: the last step a run reached
 EPOCHS_DIR = "epochs"  # at a store's root: one create-only claim per run incarnation
 ABORT_LEAF = "abort.json"
@@ -175,12 +178,12 @@ def attempt_file_of(key: str) -> tuple[str, str] | None:
 
 def is_temp_name(leaf: str) -> bool:
     """A temporary file left by an interrupted put (local disk) of a name ckptstore
-    writes: a manifest, a pin, a skip mark, or a file of an attempt. Anyone else's ``x.tmp-...`` is not."""
+    writes: a manifest, a pin, a skip or release mark, or a file of an attempt. Anyone else's ``x.tmp-...`` is not."""
     m = _TMP_RE.fullmatch(leaf)
     if m is None:
         return False
     final = m.group(1)
-    return (parse_manifest_name(final) is not None or final in (PIN_NAME, SKIPPED_NAME)
+    return (parse_manifest_name(final) is not None or final in (PIN_NAME, SKIPPED_NAME, RELEASED_NAME)
             or (attempt_leaf_kind(final) not in (None, "temp")))
 
 

@@ -28,6 +28,7 @@ from cliutil import age_files, cli, failed_attempt, files_below, tree
 
 import ckptstore
 from ckptstore import format as fmt
+from ckptstore import names
 from ckptstore.checkpoint import gc as gc_mod
 from ckptstore.checkpoint.catalog import scan_store
 from ckptstore.checkpoint.commit import read_manifest
@@ -213,8 +214,22 @@ def test_cli_gc_flags(tmp_path, flags, expected):
     assert {k["name"] for k in report["kept"]} == {fmt.step_dir_name(s) for s in expected}
     gone = set(LOSS) - expected
     assert sorted(d["location"] for d in report["deleted"]) == [fmt.step_dir_name(s) for s in sorted(gone)]
-    assert all(d["kind"] == "checkpoint" and d["objects"] == 2 and d["bytes"] > 0 for d in report["deleted"])  # manifest, data file
-    assert report["bytes"] == sum(d["bytes"] for d in report["deleted"]) and report["dry_run"] is False
+    # The manifests go; their data files are released (a save in flight may reference them).
+    assert all(d["kind"] == "checkpoint" and d["objects"] == 1 and d["bytes"] == 0 for d in report["deleted"])
+    assert report["bytes"] == 0 and report["dry_run"] is False
+    assert report["released_bytes"] > 0 if gone else report["released_bytes"] == 0
+    assert assert_visible_whole(root) == sorted(expected)
+    for s in gone:
+        left = files_below(os.path.join(root, fmt.step_dir_name(s)))
+        assert names.RELEASED_NAME in left and any(k.endswith(".bin") for k in left), (s, left)
+    # Within the grace nothing more goes; with none (nothing writes), the released files do.
+    again = json.loads(cli("gc", root, *flags, "--json").stdout)
+    assert again["deleted"] == [] and again["released_bytes"] == 0
+    r = cli("gc", root, *flags, "--grace", "0", "--json")
+    assert r.exit_code == 0, r.output
+    swept = json.loads(r.stdout)
+    assert sorted({d["kind"] for d in swept["deleted"]}) == (["attempt", "mark"] if gone else [])
+    assert swept["bytes"] >= report["released_bytes"]
     assert assert_visible_whole(root) == sorted(expected)
     for s in gone:
         assert files_below(os.path.join(root, fmt.step_dir_name(s))) == {}, s
@@ -323,11 +338,23 @@ def test_I7_dry_run_prints_exactly_what_gc_then_deletes_and_changes_nothing(tmp_
         return d["kind"], d["location"], d["bytes"], d["objects"]
 
     assert sorted(map(key, deleted["deleted"])) == sorted(map(key, planned["deleted"]))
+    assert deleted["released_bytes"] == planned["released_bytes"] > 0
     after = files_below(root)
-    assert set(after) <= set(before)
+    marks = {f"{fmt.step_dir_name(s)}/{names.RELEASED_NAME}" for s in (0, 1, 3)}  # dropped 0, 1; step 3's gen 1
+    assert set(after) - set(before) == marks
     assert len(set(f for f in before if not f.endswith("/")) - set(after)) == sum(
         d["objects"] for d in planned["deleted"])
     assert cli("gc", root, "--keep-last", "2", "--grace", "1h", "--json").stdout.count('"kind"') == 0
+    # After the grace the released files go, and then the marks (and the young debris, old by then).
+    storage = LocalStorage(root)
+    later = gc_mod.plan(storage, Retention(last=2), HOUR, now=time.time() + HOUR + 60)
+    assert sorted((d.kind, d.location) for d in later.deletions) == [
+        ("attempt", "step-000000000000"), ("attempt", "step-000000000001"), ("attempt", "step-000000000003"),
+        ("attempt", "step-000000000003"), ("attempt", "step-000000000007"), ("mark", "step-000000000000"), ("mark", "step-000000000001"),
+        ("mark", "step-000000000003"), ("temp", "step-000000000001")]
+    gc_mod.execute(storage, later)
+    assert sorted(os.listdir(root)) == [fmt.step_dir_name(s) for s in (2, 3)]
+    assert assert_visible_whole(root) == [2, 3]
 
 
 def test_I7_gc_deletes_superseded_generations_and_old_debris_keeps_young(tmp_path):
@@ -348,12 +375,15 @@ def test_I7_gc_deletes_superseded_generations_and_old_debris_keeps_young(tmp_pat
         assert any(f"/{a}/" in f for f in left), f"young attempt {where} deleted"
     assert not os.path.exists(d["tmp_old"]) and os.path.exists(d["tmp_young"])
     assert sorted(n for n in os.listdir(s3) if n.startswith("manifest")) == [fmt.manifest_name(2)]
-    assert not any(f"/{d['gen1_attempt']}/" in f for f in left)
+    assert any(f"/{d['gen1_attempt']}/" in f for f in left)  # released: it goes after the grace
+    assert report["released_bytes"] > 0
     assert assert_visible_whole(root) == [0, 1, 2, 3]
     assert ckptstore.Store(root).manifest(3).generation == 2
     # Once the grace period is over (here: 0), the rest of the debris goes too.
     r = cli("gc", root, "--grace", "0", "--json")
-    assert sorted(x["kind"] for x in json.loads(r.stdout)["deleted"]) == ["attempt", "attempt", "temp"]
+    assert sorted(x["kind"] for x in json.loads(r.stdout)["deleted"]) == ["attempt", "attempt", "attempt", "mark",
+                                                                          "temp"]
+    assert not any(f"/{d['gen1_attempt']}/" in f for f in files_below(root))
     assert files_below(os.path.join(root, fmt.step_dir_name(7))) == {}
     assert assert_visible_whole(root) == [0, 1, 2, 3]
 
@@ -640,6 +670,8 @@ def test_I7_gc_loop_beside_a_writer_and_a_reader(tmp_path):
     for s in steps:
         assert single_value(ckptstore.Store(root).load(s)) == s
     assert cli("gc", root, "--keep-last", "2", "--grace", "60").exit_code == 0
+    storage = LocalStorage(root)  # and once more when the released files' grace is over
+    gc_mod.execute(storage, gc_mod.plan(storage, Retention(last=2), 60, now=time.time() + 120))
     assert ckptstore.Store(root).steps() == [STRESS_ROUNDS - 2, STRESS_ROUNDS - 1]
     assert cli("verify", root).exit_code == 0
     listing = json.loads(cli("ls", "--all", "--json", root).stdout)
@@ -667,22 +699,43 @@ def kill_template(tmp_path_factory):
     return root, young
 
 
-@pytest.mark.slow
-def test_I7_gc_sigkilled_at_random_moments_then_rerun(tmp_path, zygote, kill_template):
+@pytest.fixture(scope="module")
+def released_template(kill_template, tmp_path_factory):
+    """The kill template after one gc run: the manifests of steps 0..7 and of the
+    superseded generations gone, their files released (a release mark beside them)."""
     template, young = kill_template
+    root = str(tmp_path_factory.mktemp("gc-kill-released") / "template")
+    shutil.copytree(template, root)
+    p = gc_mod.collect(LocalStorage(root), Retention(last=2), HOUR)
+    assert p.released_bytes > 0 and {d.kind for d in p.deletions} == {"checkpoint", "generation", "attempt"}
+    assert sum(os.path.basename(f) == names.RELEASED_NAME for f in files_below(root)) == 9  # 0..7 and 9
+    return root, young
+
+
+@pytest.mark.slow
+def test_I7_gc_sigkilled_at_random_moments_then_rerun(tmp_path, zygote, kill_template, released_template):
+    """A gc SIGKILLed at random moments, in both of its phases: the run that deletes
+    manifests and releases their files, and a run after the grace that deletes the
+    released files. Every retained checkpoint stays whole; running gc again finishes."""
+    young = kill_template[1]
     young_dir = os.path.join(fmt.step_dir_name(11), "attempts", young)
-    policy, grace = Retention(last=2), HOUR
-    total = sum(len(d.keys) for d in gc_mod.plan(LocalStorage(template), policy, grace).deletions)
-    assert total > 20  # manifests, data files and votes of 2-rank debris (one-rank saves write no vote)
+    policy, grace, later = Retention(last=2), HOUR, 2 * HOUR + 60
+    totals = {phase: sum(len(d.keys) for d in gc_mod.plan(LocalStorage(t[0]), policy, grace,
+                                                          now=time.time() + offset).deletions)
+              for phase, t, offset in (("release", kill_template, 0), ("sweep", released_template, later))}
+    assert totals["release"] > 10 and totals["sweep"] >= 18, totals  # manifests; data files and marks
     rng = random.Random(SEED)
     for trial in range(KILL_TRIALS):
+        phase = ("release", "sweep")[trial % 2]
+        template, offset = (kill_template[0], 0) if phase == "release" else (released_template[0], later)
         root = str(tmp_path / f"trial-{trial}")
         shutil.copytree(template, root)
         young_files = {k: v for k, v in files_below(root).items() if k.startswith(young_dir)}
         mode = rng.choice(["self", "parent"])
+        total = totals[phase]
         k = rng.randint(0, total)
-        label = f"seed {SEED} trial {trial}: {mode} kill after {k}/{total} deletions"
-        child = zygote.run(THIS, "gc-kill", root, mode, k)
+        label = f"seed {SEED} trial {trial} ({phase}): {mode} kill after {k}/{total} deletions"
+        child = zygote.run(THIS, "gc-kill", root, mode, k, offset)
         if mode == "parent":
             seen = 0
             while seen < k:
@@ -700,13 +753,17 @@ def test_I7_gc_sigkilled_at_random_moments_then_rerun(tmp_path, zygote, kill_tem
         steps = assert_visible_whole(root)
         assert {8, 9} <= set(steps), f"{label}: retained checkpoint lost: {steps}"
         assert set(steps) <= set(KILL_STEPS)
-        assert {k: v for k, v in files_below(root).items() if k.startswith(young_dir)} == young_files, label
-        # Running gc again finishes the job.
+        if phase == "release":
+            assert {k: v for k, v in files_below(root).items() if k.startswith(young_dir)} == young_files, label
+        # Running gc again finishes the job: now, and once more after the grace.
         gc_mod.collect(LocalStorage(root), policy, grace)
         assert assert_visible_whole(root) == [8, 9], label
-        assert gc_mod.plan(LocalStorage(root), policy, grace).deletions == [], label
+        storage = LocalStorage(root)
+        gc_mod.execute(storage, gc_mod.plan(storage, policy, grace, now=time.time() + later))
+        assert assert_visible_whole(root) == [8, 9], label
+        assert gc_mod.plan(storage, policy, grace, now=time.time() + later).deletions == [], label
         left = files_below(root)
-        expected = {f for f in left if f.startswith(young_dir)}
+        expected = set()
         for s in (8, 9):
             m = ckptstore.Store(root).manifest(s)
             expected |= {f"{fmt.step_dir_name(s)}/{fmt.manifest_name(m.generation)}"}
@@ -759,9 +816,9 @@ def _gc_loop(root: str, stop: str) -> None:
         n += 1
 
 
-def _gc_kill(root: str, mode: str, k: str) -> None:
-    """gc with a deletion counter; in mode 'self' it SIGKILLs itself right after the k-th
-    deleted object (k=0: before the first)."""
+def _gc_kill(root: str, mode: str, k: str, offset: str) -> None:
+    """gc with a deletion counter, its clock ``offset`` seconds ahead; in mode 'self' it
+    SIGKILLs itself right after the k-th deleted object (k=0: before the first)."""
     k = int(k)
     count = [0]
 
@@ -777,7 +834,7 @@ def _gc_kill(root: str, mode: str, k: str) -> None:
             maybe_die()
 
     storage = Counting(root)
-    plan = gc_mod.plan(storage, Retention(last=2), HOUR)
+    plan = gc_mod.plan(storage, Retention(last=2), HOUR, now=time.time() + float(offset))
     print(f"plan {sum(len(d.keys) for d in plan.deletions)}", flush=True)
     maybe_die()
     gc_mod.execute(storage, plan)

@@ -554,6 +554,12 @@ def test_I7_gc_deletes_only_what_ckptstore_wrote_inside_an_attempt(tmp_path):
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert [d["location"] for d in report["deleted"]] == [names.step_dir_name(1)]
+    assert "data-r00000-s00.bin" in os.listdir(attempt)  # released: the run after the grace deletes it
+    age_files(root, 7200)  # (the release mark too)
+    result = cli("gc", "--json", root, "--keep-last", "1", "--grace", "1h")
+    assert result.exit_code == 0, result.output
+    assert [(d["kind"], d["location"]) for d in json.loads(result.stdout)["deleted"]] == [
+        ("attempt", names.step_dir_name(1)), ("mark", names.step_dir_name(1))]
     left = sorted(os.listdir(attempt))
     assert left == ["fifo", "link", "notes.txt", "sub", "y.tmp-0badf00d"]
     assert open(os.path.join(attempt, "sub", "keep.txt")).read() == "mine"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -15,10 +16,13 @@ from click.testing import CliRunner
 
 import ckptstore
 from ckptstore import format as fmt
+from ckptstore import names
+from ckptstore.checkpoint import gc as gc_mod
 from ckptstore.checkpoint.references import MIN_REFERENCE_BYTES
 from ckptstore.checkpoint.retention import Retention
 from ckptstore.cli import main
-from ckptstore.errors import FormatError
+from ckptstore.errors import CommitError, FormatError
+from ckptstore.storage import LocalStorage
 
 
 def model_state(step: int, frozen_layers: int = 9) -> dict:
@@ -257,6 +261,199 @@ def test_a_rollback_keeps_the_step_the_next_save_references(tmp_path):
     for step in store.steps():
         assert same(store.load(step), model_state(step))
     assert 16 in store.steps() and written(store, 16) <= 0.15 * written(store, 10)
+
+
+# ---------------------------------------------------------------------------- a gc elsewhere
+def hooked(store: ckptstore.Store, op: str, when, action) -> list:
+    """Make ``store`` run ``action()`` once, the first time its storage (any view of it)
+    calls ``op(key)`` with ``when(view, key)`` true, before the call itself: an exact
+    interleaving of a save with another process's gc. Returns the keys it fired on."""
+    fired: list = []
+    original = getattr(LocalStorage, op)
+
+    def call(self, key, *args, **kwargs):
+        if not fired and when(self, key):
+            fired.append(self.describe(key))
+            action()
+        return original(self, key, *args, **kwargs)
+
+    store.storage = type("Hooked", (LocalStorage,), {op: call})(store.url)
+    return fired
+
+
+def verified(root) -> bool:
+    out = CliRunner().invoke(main, ["verify", str(root)])
+    return out.exit_code == 0 or print(out.output)
+
+
+def rolled_back_to_step_1(root) -> ckptstore.Store:
+    """Steps 1, 2, 3 committed, then a run resumed from step 1 (a loss spike after it,
+    which it leaves unmarked): its next save references step 1, not the newest step."""
+    store = ckptstore.Store(root, compression="none")
+    for step in (1, 2, 3):  # steps 2 and 3 change every layer: they reference nothing
+        store.save(step, model_state(step, frozen_layers=9 if step == 1 else 0)).result()
+    store = ckptstore.Store(root, compression="none")
+    _, info = store.resume(validate=lambda state, m: m.step == 1, mark_skipped=False)
+    assert info.step == 1
+    return store
+
+
+def gc_elsewhere(root, **kw):
+    """Another process's gc keeping only the newest step (the CLI's rules)."""
+    return lambda: gc_mod.collect(LocalStorage(root), Retention(last=1), **kw)
+
+
+@pytest.mark.parametrize("immediate", [False, True], ids=["released", "deleted-at-once"])
+def test_a_gc_elsewhere_dropping_the_base_just_before_the_manifest_lands(tmp_path, immediate):
+    """The narrowest window: the commit has checked its base and its files, and another
+    process's gc drops that base before the manifest is written. gc releases the base's
+    files instead of deleting them, so the new checkpoint stays whole, through later
+    gc runs too. (Deleting them at once, as a store's own writer may, is the race this
+    prevents: the control case shows the window is really hit.)"""
+    root = tmp_path / "s"
+    store = rolled_back_to_step_1(root)
+    fired = hooked(store, "put", lambda view, key: names.parse_manifest_name(key) is not None,
+                   gc_elsewhere(root, immediate=immediate))
+    store.save(2, model_state(2)).result()  # the run goes on from step 1: step 2 again
+    assert len(fired) == 1 and "step-000000000002" in fired[0]
+    m = store.manifest(2)
+    assert m.generation == 2 and {b.step for _, _, b in m.blobs() if b.step is not None} == {1}
+    assert not (root / "step-000000000001" / fmt.manifest_name(1)).exists()  # the base is gone
+    if immediate:
+        with pytest.raises(ckptstore.CkptStoreError):
+            store.load(2)
+        return
+    assert same(store.load(2), model_state(2))
+    assert (root / "step-000000000001" / names.RELEASED_NAME).exists()
+    listing = {r["name"]: r for r in json.loads(CliRunner().invoke(main, ["ls", "--all", "--json", str(root)]).output)}
+    [kept] = listing["step-000000000001"]["attempts"]
+    assert kept["read_by"] == ["step-000000000002"] and kept["released_age_s"] is not None
+    assert "read by step-000000000002" in CliRunner().invoke(main, ["ls", "--all", str(root)]).output
+    # Later gc runs, after the grace too, keep step 1's files while step 2 reads them.
+    storage = LocalStorage(root)
+    gc_mod.execute(storage, gc_mod.plan(storage, Retention(last=2), now=time.time() + gc_mod.DEFAULT_GRACE + 60))
+    assert store.steps() == [2, 3]
+    assert same(store.load(2), model_state(2)) and verified(root)
+    # Once no checkpoint reads them, they go (one grace after the manifest that read them).
+    gc_mod.collect(storage, Retention(last=1))
+    assert list((root / "step-000000000001").rglob("data-*.bin"))
+    gc_mod.execute(storage, gc_mod.plan(storage, Retention(last=1), now=time.time() + gc_mod.DEFAULT_GRACE + 60))
+    assert not (root / "step-000000000001").exists() and store.steps() == [3]
+
+
+def test_a_gc_elsewhere_dropping_the_base_before_the_commit_checks_it_refuses_the_commit(tmp_path):
+    """gc drops the base while the save writes or checks its files: the commit finds the
+    base gone and refuses, naming why; nothing committed is lost, and the next save
+    writes everything."""
+    root = tmp_path / "s"
+    store = rolled_back_to_step_1(root)
+    fired = hooked(store, "stat", lambda view, key: key.endswith(".bin"), gc_elsewhere(root))
+    with pytest.raises(CommitError, match="references come from was deleted"):
+        store.save(2, model_state(2)).result()
+    assert fired and "step-000000000001" in fired[0]
+    assert store.steps() == [3] and same(store.load(3), model_state(3, frozen_layers=0))
+    store.save(2, model_state(2)).result()
+    m = store.manifest(2)
+    assert not [b for _, _, b in m.blobs() if b.step is not None] and same(store.load(2), model_state(2))
+
+
+def test_a_base_dropped_before_the_save_starts_makes_it_write_everything(tmp_path):
+    root = tmp_path / "s"
+    store = rolled_back_to_step_1(root)
+    gc_elsewhere(root)()
+    store.save(2, model_state(2)).result()  # the writer's first chunk finds no base: no references
+    assert not [b for _, _, b in store.manifest(2).blobs() if b.step is not None]
+    assert same(store.load(2), model_state(2))
+
+
+def test_retention_keeps_the_base_of_a_save_still_in_flight(tmp_path):
+    """Saves overlap: step 3 is staged (its references come from step 1) while step 2
+    commits, and step 2's retention (the last 1) would drop step 1 at once. It keeps step
+    1 until step 3 has settled."""
+    import threading
+
+    root = tmp_path / "s"
+    store = ckptstore.Store(root, compression="none", keep=Retention(last=1))
+    store.save(1, model_state(1)).result()
+    go = threading.Event()
+    hooked(store, "put", lambda view, key: names.parse_manifest_name(key) is not None and
+           "step-000000000002" in view.describe(key), lambda: go.wait(60))
+    second = store.save(2, model_state(2))  # its commit waits for ``go``
+    third = store.save(3, model_state(3))  # staged now: its references still come from step 1
+    go.set()
+    second.result()
+    third.result()
+    assert {b.step for _, _, b in store.manifest(3).blobs() if b.step is not None} == {1}
+    assert store.steps() == [3] and same(store.load(3), model_state(3))
+    store.save(4, model_state(4)).result()
+    assert store.steps() == [4] and same(store.load(4), model_state(4)) and verified(root)
+
+
+def test_dropping_the_last_reader_of_old_released_files_releases_them_again(tmp_path):
+    """Step 1's files, released long ago, stay while step 2 reads them. The run that drops
+    step 2 must not delete them too: a save whose base is step 2 may be committing."""
+    root = tmp_path / "s"
+    store = ckptstore.Store(root, compression="none")
+    for step in (1, 2, 3):  # step 2 references step 1; step 3 changes everything
+        store.save(step, model_state(step, frozen_layers=0 if step == 3 else 9)).result()
+    storage = LocalStorage(root)
+    gc_mod.collect(storage, Retention(last=2))  # drops step 1: its files stay (step 2 reads them)
+    step1 = root / "step-000000000001"
+    assert (step1 / names.RELEASED_NAME).exists() and list(step1.rglob("data-*.bin"))
+    grace = gc_mod.DEFAULT_GRACE
+    later = time.time() + grace + 60  # step 1's mark has aged
+    plan = gc_mod.plan(storage, Retention(last=1), now=later)
+    assert ("checkpoint", "step-000000000002") in [(d.kind, d.location) for d in plan.deletions]
+    assert not [d for d in plan.deletions if d.location == "step-000000000001"]  # neither its files nor mark
+    gc_mod.execute(storage, plan)
+    assert list(step1.rglob("data-*.bin")) and store.steps() == [3]
+    # A grace after the rewritten marks, both go.
+    gc_mod.execute(storage, gc_mod.plan(storage, Retention(last=1), now=time.time() + grace + 60))
+    assert sorted(p.name for p in root.iterdir()) == ["step-000000000003"]
+
+
+def test_a_release_mark_rewritten_since_the_plan_is_not_deleted(tmp_path):
+    root = tmp_path / "s"
+    store = ckptstore.Store(root, compression="none")
+    for step in (1, 2):
+        store.save(step, model_state(step, frozen_layers=0)).result()
+    storage = LocalStorage(root)
+    gc_mod.collect(storage, Retention(last=1))
+    plan = gc_mod.plan(storage, Retention(last=1), now=time.time() + gc_mod.DEFAULT_GRACE + 60)
+    assert sorted(d.kind for d in plan.deletions) == ["attempt", "mark"]
+    mark = root / "step-000000000001" / names.RELEASED_NAME
+    os.utime(mark, (time.time() + 10, time.time() + 10))  # another gc released files here meanwhile
+    gc_mod.execute(storage, plan)
+    assert [d.skipped for d in plan.deletions if d.kind == "mark"] == ["another gc released files here since the plan"]
+    assert mark.exists()
+
+
+def test_while_a_manifest_cannot_be_read_gc_plans_no_data_deletion_and_executes_its_plan(tmp_path):
+    """A manifest that is not JSON may reference any file: gc then deletes manifests
+    only, and its plan (what --dry-run prints) is exactly what it executes."""
+    root = tmp_path / "s"
+    store = ckptstore.Store(root, compression="none")
+    for step in (1, 2, 3, 4):
+        store.save(step, model_state(step)).result()
+    store.save(4, model_state(4)).result()  # a superseded generation, once retiring is undone:
+    (root / "step-000000000004" / fmt.manifest_name(1)).write_bytes(
+        (root / "step-000000000004" / fmt.manifest_name(2)).read_bytes().replace(b'"generation":2', b'"generation":1'))
+    (root / "step-000000000002" / fmt.manifest_name(1)).write_bytes(b"not json")
+    before = sorted(str(p.relative_to(root)) for p in root.rglob("data-*.bin"))
+    storage = LocalStorage(root)
+    later = time.time() + gc_mod.DEFAULT_GRACE + 60  # everything idle, every mark aged
+    plan = gc_mod.plan(storage, Retention(last=1), now=later)
+    assert plan.held_back and "cannot be read" in plan.held_back
+    assert sorted((d.kind, d.location) for d in plan.deletions) == [
+        ("checkpoint", "step-000000000001"), ("checkpoint", "step-000000000003"),
+        ("generation", "step-000000000004")]
+    assert plan.bytes == 0 and plan.released_bytes == 0
+    gc_mod.execute(storage, plan)
+    assert [d.skipped for d in plan.deletions] == [None] * 3
+    assert sorted(str(p.relative_to(root)) for p in root.rglob("data-*.bin")) == before
+    assert same(store.load(4), model_state(4))
+    out = CliRunner().invoke(main, ["gc", str(root), "--keep-last", "1", "--dry-run"])
+    assert "held    data: a manifest of the store cannot be read" in out.output
 
 
 def test_a_step_directory_copied_elsewhere_is_refused_and_a_symlink_is_followed(tmp_path):

@@ -18,6 +18,7 @@ import random
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from itertools import accumulate
 from pathlib import Path
@@ -707,6 +708,15 @@ def test_cli_gc_keeps_last_on_an_s3_url(s3env, bucket):
     r = run_cli(s3env, "gc", url, "--keep-last", "1", "--json")
     assert r.returncode == 0, r.stderr
     assert store.steps() == [3]
+    # The dropped steps' files are released (a save in flight may reference them) ...
+    assert json.loads(r.stdout)["released_bytes"] > 0
+    assert store.storage.child("step-000000000001").list("") == ["attempts/", "released.json"]
+    # ... and go in a run after the grace (its mark's age comes from S3's LastModified).
+    from ckptstore.checkpoint import gc as gc_mod
+    from ckptstore.checkpoint.retention import Retention
+
+    assert gc_mod.plan(store.storage, Retention(last=1)).deletions == []
+    gc_mod.execute(store.storage, gc_mod.plan(store.storage, Retention(last=1), now=time.time() + 7 * 3600))
     assert store.storage.list("") == ["step-000000000003/"]
 
 

@@ -192,13 +192,16 @@ def read_manifest(storage: Storage, generation: int) -> fmt.Manifest:
 
 
 def commit(storage: Storage, own: fmt.Vote, world_size: int, created_at: str, metrics: dict,
-           timeout: float, epoch: int | None = None, fence=None, retire_files: bool = True) -> fmt.Manifest:
+           timeout: float, epoch: int | None = None, fence=None, retire_files: bool = True,
+           base: tuple[int, int] | None = None) -> fmt.Manifest:
     """Rank 0: gather and validate votes, write the manifest, retire older generations.
     ``fence()``, when given, runs just before the manifest is written and raises to
     refuse the commit (a newer run has claimed the store: fencing.py).
     ``retire_files=False`` (a store whose checkpoints may reference each other's data):
     retiring deletes the older manifests only, and gc, which knows what every kept
-    manifest references, deletes their files."""
+    manifest references, deletes their files. ``base``: (step, generation) of the
+    manifest the votes' references came from (incremental saves): it must still be
+    there just before the manifest is written (check_base)."""
     attempt = own.attempt
     where = storage.describe()
     votes = {0: own}
@@ -276,6 +279,12 @@ def commit(storage: Storage, own: fmt.Vote, world_size: int, created_at: str, me
     except FormatError as e:
         abort(storage, attempt, str(e))
         raise CommitError(f"{where}: refusing to commit: {e}") from e
+    if base is not None and any(b.step is not None for _, _, b in manifest.blobs()):
+        try:
+            check_base(storage, base)
+        except CommitError as e:
+            abort(storage, attempt, str(e))
+            raise
     try:
         storage.put(names.manifest_name(generation), manifest.to_bytes(), if_absent=True)
     except AlreadyExistsError as e:
@@ -323,6 +332,19 @@ def check_files(storage: Storage, ranks, tensors) -> None:
         if have < size:
             raise CommitError(f"{storage.describe(name)}: data file holds {have} bytes, the votes "
                               f"name {size}; nothing was committed")
+
+
+def check_base(storage: Storage, base: tuple[int, int]) -> None:
+    """The manifest an incremental save's references came from is still there. gc
+    releases the files of a manifest it deletes and deletes them only after its grace
+    (gc.py), so a base present now keeps the files this commit references for longer
+    than the commit takes; a base deleted already may have taken them with it."""
+    step, generation = base
+    here = storage.sibling(names.step_dir_name(step))
+    if not here.exists(names.manifest_name(generation)):
+        raise CommitError(f"{here.describe(names.manifest_name(generation))}: the checkpoint this save's "
+                          "references come from was deleted while it ran (a gc run by another process?); "
+                          "nothing was committed, and the next save writes everything")
 
 
 def merge_shards(votes: list[fmt.Vote]) -> dict[str, fmt.TensorEntry]:

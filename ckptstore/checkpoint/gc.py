@@ -11,13 +11,26 @@ a gc killed at any moment leaves every listed checkpoint whole, and running it a
 finishes the job. Names read from storage pass the grammar of ``names`` before gc
 acts on them; entries outside it (symlinks, special files, foreign names) are
 reported, never deleted.
+
+Incremental saves reference the files of the checkpoint they started from (their
+base), which a gc run by another process may drop while the save is in flight. So
+gc *releases* the files of a manifest it deletes instead of deleting them: it first
+writes a release mark (``names.RELEASED_NAME``) in every location those files lie in,
+and a later run deletes them once they are still unreferenced and the mark is older
+than the grace. A save checks that its base manifest is still there just before it
+commits (commit.check_base): a base present then keeps its files for at least the
+grace, and a base gone refuses the commit. The store's own writer, which protects
+its next save's base itself (``Store``), and a run with no grace delete the files at
+once (``immediate``).
 """
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 
+from .. import format as fmt
 from .. import names
 from ..errors import CkptStoreError, ObjectNotFoundError
 from ..storage import Storage
@@ -30,7 +43,7 @@ DEFAULT_GRACE = 6 * 3600.0
 
 @dataclass
 class Deletion:
-    kind: str  # "checkpoint", "generation", "attempt" or "temp"
+    kind: str  # "checkpoint", "generation", "attempt", "temp" or "mark" (an aged release mark)
     location: str
     keys: list[str]  # in deletion order: manifests first
     bytes: int
@@ -38,6 +51,9 @@ class Deletion:
     seen_generations: tuple[int, ...] = ()  # the location's generations when planned
     attempts: tuple[str, ...] = ()  # attempts whose files it deletes
     skipped: str | None = None  # why execute left it alone (the store changed since the plan)
+    release: tuple[str, ...] = ()  # locations whose release mark is written before the keys go
+    released_bytes: int = 0  # data this deletion releases: a run after the grace deletes it
+    mark_mtime: float | None = None  # a "mark" deletion: the mark as planned (rewritten since: kept)
 
 
 @dataclass
@@ -48,10 +64,15 @@ class GcPlan:
     stale_upload_age: float | None = None  # abort multipart uploads idle longer than this
     aborted_uploads: list[str] = field(default_factory=list)
     foreign: list[str] = field(default_factory=list)  # entries gc never touches (symlinks, foreign names)
+    held_back: str | None = None  # why no data of the store is deleted this run (a manifest unreadable)
 
     @property
     def bytes(self) -> int:
         return sum(d.bytes for d in self.deletions if d.skipped is None)
+
+    @property
+    def released_bytes(self) -> int:
+        return sum(d.released_bytes for d in self.deletions if d.skipped is None)
 
     def to_json(self) -> dict:
         return {
@@ -62,6 +83,8 @@ class GcPlan:
             "skipped": [{"kind": d.kind, "location": d.location, "reason": d.skipped}
                         for d in self.deletions if d.skipped is not None],
             "bytes": self.bytes,
+            "released_bytes": self.released_bytes,
+            "held_back": self.held_back,
             "stale_uploads": self.aborted_uploads,
             "foreign": self.foreign,
         }
@@ -77,10 +100,13 @@ def _label(loc: Location) -> str:
 
 
 def plan(storage: Storage, policy: Retention = Retention(), grace: float = DEFAULT_GRACE,
-         now: float | None = None, protect=frozenset()) -> GcPlan:
+         now: float | None = None, protect=frozenset(), immediate: bool = False) -> GcPlan:
     """What gc would delete; ``protect``: steps kept whatever the policy says (a local
-    tier's steps waiting for their promotion)."""
+    tier's steps waiting for their promotion, the writer's next reference base);
+    ``immediate``: the caller is the store's only writer, so a dropped checkpoint's
+    files go with its manifest instead of being released (module docstring)."""
     now = time.time() if now is None else now
+    release = not immediate and grace > 0
     locations = scan_store(storage)
     result = GcPlan(storage.describe(), stale_upload_age=grace)
     committed = [loc for loc in locations if loc.committed]
@@ -94,11 +120,15 @@ def plan(storage: Storage, policy: Retention = Retention(), grace: float = DEFAU
             result.kept.setdefault(_label(loc), []).append(why)
     # Incremental saves: a kept checkpoint's references keep the attempts they point at,
     # in whatever location (mark phase). A manifest that cannot be read may reference
-    # anything: then no committed checkpoint's data is deleted, only manifests.
+    # anything: then no data is deleted, only manifests (execute holds to the same).
     live, unknown = _with_unreadable(
         references_of([loc.manifest for loc in committed if _label(loc) in result.kept]),
         [(loc.storage, loc.generations[-1]) for loc in locations if loc.manifest_error is not None])
+    if unknown:
+        result.held_back = "a manifest of the store cannot be read: it may reference any data"
 
+    # First the manifests that go, and the files that releases ...
+    fresh: dict[str, set[str]] = {}  # location -> attempts released by this run
     for loc in locations:
         label = _label(loc)
         seen = tuple(loc.generations)
@@ -114,50 +144,114 @@ def plan(storage: Storage, policy: Retention = Retention(), grace: float = DEFAU
             keys = [names.manifest_name(g) for g in loc.generations]
             if loc.skip_marked:  # informational, and only about this checkpoint
                 keys.append(names.SKIPPED_NAME)
-            size, doomed, why = 0, [], "not kept by any policy"
-            for attempt in sorted(referenced):
-                if unknown or attempt in live.get(label, ()):
-                    # a kept checkpoint reads these files: they stay (their location keeps
-                    # no manifest; gc deletes them once nothing references them)
-                    why += "; its data stays, referenced by a kept checkpoint" if not unknown else \
-                        "; its data stays while a manifest of the store cannot be read"
-                    continue
-                files, n = _attempt_keys(loc, attempt)
-                keys += files
-                size += n
-                doomed.append(attempt)
-            result.deletions.append(Deletion("checkpoint", label, keys, size, why, seen, tuple(doomed)))
+            data = _data_of(loc, referenced, live.get(label, set()), unknown, release)
+            result.deletions.append(Deletion(
+                "checkpoint", label, keys + data.keys, data.bytes, "not kept by any policy" + data.why, seen,
+                data.attempts, release=_releases(fresh, label, _every_generation(loc)) if release else (),
+                released_bytes=data.released))
         elif loc.committed:
             for g in loc.generations[:-1]:
-                keys = [names.manifest_name(g)]
-                size = 0
                 try:
-                    old = read_manifest(loc.storage, g).attempt
+                    old = read_manifest(loc.storage, g)
                 except (CkptStoreError, ValueError):
                     old = None
-                doomed: tuple[str, ...] = ()
-                if old and old not in referenced and old in loc.attempts and old not in live.get(label, ()):
-                    files, size = _attempt_keys(loc, old)
-                    keys += files
-                    loc.attempts.pop(old)
-                    doomed = (old,)
-                result.deletions.append(Deletion("generation", label, keys, size, f"generation {g} superseded",
-                                                 seen, doomed))
+                mine = {old.attempt} - referenced if old is not None and old.attempt in loc.attempts else set()
+                data = _data_of(loc, mine, live.get(label, set()), unknown, release)
+                for attempt in mine:
+                    loc.attempts.pop(attempt)  # deleted or released here: not debris below
+                result.deletions.append(Deletion(
+                    "generation", label, [names.manifest_name(g)] + data.keys, data.bytes,
+                    f"generation {g} superseded" + data.why, seen, data.attempts,
+                    release=_releases(fresh, label, [old] if old is not None else []) if release else (),
+                    released_bytes=data.released))
+    # ... then the files no manifest names: debris, and what earlier runs released.
+    for loc in locations:
+        if loc.manifest_error is not None:
+            continue
+        label = _label(loc)
+        seen = tuple(loc.generations)
+        referenced = attempts_named(loc.manifest) if loc.manifest else set()
+        released_age = None if loc.released_at is None else max(0.0, now - loc.released_at)
         for attempt, info in sorted(loc.attempts.items()):
-            if attempt in referenced or attempt in live.get(label, ()):
+            if attempt in referenced or attempt in live.get(label, ()) or attempt in fresh.get(label, ()) \
+                    or unknown:
                 continue
-            if info.age(now) < grace:
-                continue  # may belong to a save still in flight
+            idle = info.age(now) if released_age is None else min(info.age(now), released_age)
+            if idle < grace:
+                continue  # may belong to a save still in flight, or be a released base's
             files, size = _attempt_keys(loc, attempt)
-            why = "aborted" if info.aborted else "never committed"
+            why = "released" if released_age is not None and not loc.committed else \
+                "aborted" if info.aborted else "never committed"
             result.deletions.append(Deletion("attempt", label, files, size,
-                                             f"attempt {attempt} {why}, idle {info.age(now):.0f}s",
+                                             f"attempt {attempt} {why}, idle {idle:.0f}s",
                                              seen, (attempt,)))
+        if released_age is not None and released_age >= grace and label not in fresh:  # (a fresh one: rewritten)
+            result.deletions.append(Deletion("mark", label, [names.RELEASED_NAME], 0,
+                                             f"release mark aged {released_age:.0f}s", seen,
+                                             mark_mtime=loc.released_at))
         for key, mtime in loc.temp_files:
             if now - mtime >= grace:
                 result.deletions.append(Deletion("temp", label, [key], 0, "temporary file of an interrupted write",
                                                  seen))
     return result
+
+
+@dataclass
+class _Data:
+    """What deleting a manifest does to the attempts it names in its own location."""
+
+    keys: list[str] = field(default_factory=list)  # deleted now
+    bytes: int = 0
+    attempts: tuple[str, ...] = ()
+    released: int = 0  # bytes released: deleted by a later run
+    why: str = ""
+
+
+def _data_of(loc: Location, attempts, live: set[str], unknown: bool, release: bool) -> _Data:
+    out = _Data()
+    doomed = []
+    for attempt in sorted(attempts):
+        files, n = _attempt_keys(loc, attempt)
+        if unknown or attempt in live:
+            # a kept checkpoint reads these files: they stay (their location keeps no
+            # manifest; gc deletes them once nothing references them)
+            out.why = "; its data stays while a manifest of the store cannot be read" if unknown else \
+                "; its data stays, referenced by a kept checkpoint"
+        elif release:
+            out.released += n
+        else:
+            out.keys += files
+            out.bytes += n
+            doomed.append(attempt)
+    if out.released:
+        out.why += "; its data is released: a gc run after the grace deletes it"
+    out.attempts = tuple(doomed)
+    return out
+
+
+def _every_generation(loc: Location) -> list:
+    """The readable manifests of ``loc``, the visible one and any older ones left."""
+    older = []
+    for g in loc.generations[:-1]:
+        try:
+            older.append(read_manifest(loc.storage, g))
+        except (CkptStoreError, ValueError):
+            continue
+    return older + [loc.manifest]
+
+
+def _releases(fresh: dict[str, set[str]], label: str, manifests: list) -> tuple[str, ...]:
+    """The locations whose files ``manifests`` (of location ``label``) read: their own
+    and the ones their references lead to; the attempts they read there are added to
+    ``fresh``."""
+    reads: dict[str, set[str]] = {label: set()}
+    for m in manifests:
+        reads[label] |= attempts_named(m)
+    for where, attempts in references_of(manifests).items():
+        reads.setdefault(where, set()).update(attempts)
+    for where, attempts in reads.items():
+        fresh.setdefault(where, set()).update(attempts)
+    return tuple(sorted(reads))
 
 
 class _Recheck:
@@ -223,9 +317,6 @@ def _references_of_unreadable(storage: Storage, generation: int) -> dict[str, se
     """What a manifest that does not pass validation may reference, read leniently:
     every record with a ``step`` and a data ``file``; None when that cannot be told
     (not JSON, or a reference that names no valid step or data file)."""
-    import json
-
-    from .. import format as fmt
     from .commit import read_capped
 
     refs: dict[str, set[str]] = {}
@@ -294,6 +385,9 @@ def execute(storage: Storage, gc_plan: GcPlan, on_deleted=None) -> None:
         if check is None:
             check = rechecks[d.location] = _Recheck(storage.child(d.location) if prefix else storage)
         d.skipped = check.why_not(d)
+        if d.skipped is None and d.kind == "mark" and not _unchanged(storage, prefix + names.RELEASED_NAME,
+                                                                      d.mark_mtime):
+            d.skipped = "another gc released files here since the plan"
         if d.skipped is None and d.attempts:
             if live is None:
                 live = _live_now(storage)
@@ -304,6 +398,10 @@ def execute(storage: Storage, gc_plan: GcPlan, on_deleted=None) -> None:
             elif taken:
                 d.skipped = f"attempt {taken[0]} is referenced by a checkpoint present now"
         if d.skipped is None:
+            for where in d.release:  # before the manifest goes (a gc killed between: nothing lost)
+                mark = {"released_at": fmt.utc_now(), "by": d.location, "reason": d.reason}
+                storage.put(("" if where == "." else f"{where}/") + names.RELEASED_NAME,
+                            json.dumps(mark).encode())
             for key in d.keys:
                 storage.delete(prefix + key)
         if on_deleted is not None:
@@ -312,9 +410,18 @@ def execute(storage: Storage, gc_plan: GcPlan, on_deleted=None) -> None:
         gc_plan.aborted_uploads = storage.abort_stale_uploads(gc_plan.stale_upload_age)
 
 
+def _unchanged(storage: Storage, key: str, mtime: float | None) -> bool:
+    """``key`` is still the one last written at ``mtime`` (listings and HEAD may round
+    S3's times differently; a rewrite is a grace younger)."""
+    try:
+        return mtime is not None and abs(storage.stat(key).mtime - mtime) <= 1.0
+    except ObjectNotFoundError:
+        return False
+
+
 def collect(storage: Storage, policy: Retention = Retention(), grace: float = DEFAULT_GRACE,
-            dry_run: bool = False, protect=frozenset()) -> GcPlan:
-    p = plan(storage, policy, grace, protect=protect)
+            dry_run: bool = False, protect=frozenset(), immediate: bool = False) -> GcPlan:
+    p = plan(storage, policy, grace, protect=protect, immediate=immediate)
     if dry_run:
         p.aborted_uploads = storage.abort_stale_uploads(grace, dry_run=True)
     else:

@@ -30,6 +30,7 @@ class SaveOptions:
     epoch: int | None = None  # the run incarnation, recorded in the manifest (fencing.py)
     fence: Any = None  # called by the committer just before the manifest: raises FencedError
     references: Any = None  # incremental: {(raw length, xxh3): committed Blob with step} (references.index)
+    reference_base: tuple[int, int] | None = None  # (step, generation) of the manifest ``references`` came from
 
 
 class SaveFuture:
@@ -149,7 +150,7 @@ def start_save(obj, storage: Storage, *, rt: Runtime, attempt: str, step: int | 
                 write_vote(storage, vote)
             if rank == 0:
                 manifest = commit(storage, vote, world_size, created_at, dict(metrics or {}), options.commit_timeout,
-                                  epoch=options.epoch, fence=options.fence,
+                                  epoch=options.epoch, fence=options.fence, base=options.reference_base,
                                   # a step referenced by other steps: its retired files are gc's to judge
                                   retire_files=options.references is None or step is None)
             else:
