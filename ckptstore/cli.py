@@ -381,6 +381,84 @@ def consolidate(src: str, dst: str, as_torch: bool, rank: int, weights_only: boo
     click.echo(f"wrote {dst}")
 
 
+# ---------------------------------------------------------------------------- zarr interop
+@main.command("export")
+@click.argument("src")
+@click.argument("dest", type=click.Path())
+@click.option("--zarr", "as_zarr", is_flag=True, required=True,
+              help="Write a zarr v3 hierarchy through tensorstore (the one export format).")
+@click.option("--rank", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Whose rank-local values to export (sharded tensors are exported whole).")
+@click.option("--extension-types", is_flag=True,
+              help="bfloat16 and float8 as tensorstore's extension types (bit for bit) instead of widened "
+                   "exactly to float32/float16 (which every zarr reader opens).")
+@click.option("--weights-only/--no-weights-only", default=True, show_default=True,
+              help="Refuse pickled objects outside torch's allow-list (trust the source before disabling).")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON report.")
+def export(src: str, dest: str, as_zarr: bool, rank: int, extension_types: bool, weights_only: bool,
+           as_json: bool) -> None:
+    """Write every tensor of checkpoint SRC as a zarr v3 array below the new local
+    directory DEST, with dtype and shape kept (docs/interop.md)."""
+    import warnings
+
+    from . import api, zarr_io
+
+    if os.path.lexists(dest):
+        _fail(f"{dest}: already exists; export never writes into an existing path", EXIT_USAGE)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", api.WorldSizeChangedWarning)
+            state = api.load(src, map_location="cpu", weights_only=weights_only, rank=rank)
+        total = sum(t.numel() * t.element_size() for t in _tensors_of(state))
+        with _progress(total, "exporting", as_json) as bar:
+            report = zarr_io.export_state(state, dest, extension_types=extension_types, source=src,
+                                          on_bytes=bar.update)
+    except FileNotFoundError as e:
+        _fail(str(e), EXIT_USAGE)
+    except CkptStoreError as e:
+        _fail(str(e), EXIT_PROBLEM)
+    if as_json:
+        click.echo(json.dumps({"dest": dest, "arrays": report.arrays, "values": report.values,
+                               "skipped": report.skipped, "bytes": report.bytes}, indent=2))
+        return
+    for line in report.skipped:
+        click.echo(f"skipped {line}")
+    click.echo(f"wrote {dest}: {len(report.arrays)} array(s), {_human_bytes(report.bytes)}, "
+               f"{report.values} plain value(s)")
+
+
+@main.command("import")
+@click.argument("src", type=click.Path(exists=True, file_okay=False))
+@click.argument("dest")
+def import_(src: str, dest: str) -> None:
+    """Save the zarr v3 hierarchy at local directory SRC (an export, or any hierarchy of
+    arrays) as a new ckptstore checkpoint DEST."""
+    from . import api, zarr_io
+
+    if (not is_url(dest) and os.path.lexists(dest)) or (is_url(dest) and open_storage(dest).list("")):
+        _fail(f"{dest}: already exists; import never replaces a checkpoint", EXIT_USAGE)
+    try:
+        state = zarr_io.import_state(src)
+        api.save(state, dest).result()
+    except CkptStoreError as e:
+        _fail(str(e), EXIT_PROBLEM)
+    click.echo(f"wrote {dest}: {len(_tensors_of(state))} tensor(s)")
+
+
+def _tensors_of(state) -> list:
+    from .checkpoint.flatten import tensor_paths
+
+    found, _ = tensor_paths(state)
+    return [t for _, t in found.values()]
+
+
+def _progress(total: int, label: str, quiet: bool):
+    """A progress bar over ``total`` bytes with its ETA on a terminal's stderr; hidden
+    when stderr is not a terminal or the output is JSON."""
+    return click.progressbar(length=max(total, 1), label=label, file=sys.stderr,
+                             hidden=quiet or not sys.stderr.isatty(), show_eta=True, show_percent=True)
+
+
 # ---------------------------------------------------------------------------- doctor
 def doctor_report() -> dict:
     import platform
