@@ -44,6 +44,7 @@ from .errors import (
     CheckpointNotFoundError,
     CkptStoreError,
     CommitError,
+    FencedError,
     FormatError,
     IntegrityError,
     NotACheckpointError,
@@ -359,6 +360,7 @@ class Store:
         self._references: dict = {}  # what the next save may reference (references.index)
         self._reference_base: tuple[int, int] | None = None  # (step, generation) of the manifest they came from
         self._bases_in_flight: list[int] = []  # the reference steps of saves not settled yet
+        self._base_lock = threading.Lock()
         if local is not None:
             self._add_local_tier(local, durable_every, local_keep, promote_bandwidth, compression,
                                  commit_timeout, chunk_bytes, local_shared, storage_options)
@@ -419,16 +421,18 @@ class Store:
             write_failure_vote(self.location(step0), attempt, step0, world, rank, error)
             raise error
         fence = None if self.epoch is None else functools.partial(check_fence, self._epochs, self.epoch)
-        refs, base = None, self._reference_base if self.incremental and self._references else None
-        if self.incremental:
-            refs = {k: b for k, b in self._references.items() if b.step != step}
+        with self._base_lock:  # (one step with the retention's look at the bases: _apply_retention)
+            refs, base = None, self._reference_base if self.incremental and self._references else None
+            if self.incremental:
+                refs = {k: b for k, b in self._references.items() if b.step != step}
+            if base is not None:
+                self._bases_in_flight.append(base[0])  # retention keeps it until this save settles
         settled = functools.partial(self._base_settled, [base[0]] if base is not None else [])
         if base is not None:  # read by the writer's first chunk: no base any more, no references
             refs = functools.partial(_if_present, self.location(base[0]), base[1], refs)
-            self._bases_in_flight.append(base[0])  # retention keeps it until this save settles
         after_commit = None
         if self.keep is not None and rank == 0:  # (once committed, the manifest itself keeps what it reads)
-            after_commit = lambda: (settled(), self._apply_retention(step))  # noqa: E731
+            after_commit = lambda manifest: (settled(), self._apply_retention(step, manifest))  # noqa: E731
         options = dataclasses.replace(self.options, replicated=tuple(replicated), epoch=self.epoch, fence=fence,
                                       references=refs, reference_base=base)
         try:
@@ -509,11 +513,22 @@ class Store:
         finally:
             self._sweeping.release()
 
-    def _apply_retention(self, committed: int | None = None) -> None:
-        """Retention after the commit of step ``committed`` (or after a promotion). The
-        store's own writer deletes a dropped checkpoint's files at once: the only save
-        that could reference them is its own next one, whose base it protects."""
-        gc.collect(self.storage, self.keep, self.grace, protect=self._kept_here(committed), immediate=True)
+    def _apply_retention(self, committed: int | None = None, manifest: fmt.Manifest | None = None) -> None:
+        """Retention after the commit of step ``committed`` (its ``manifest``), or after
+        a promotion. The store's own writer deletes a dropped checkpoint's files at once:
+        the only saves that could reference them are its own, whose bases it protects.
+        A save starting meanwhile either registered its base before the protected steps
+        are taken, or takes the new checkpoint as its base (one lock for both)."""
+        with self._base_lock:
+            if manifest is not None:
+                self.note_committed(manifest)
+            protect = self._kept_here(committed)
+        if self.epoch is not None:
+            try:
+                check_fence(self._epochs, self.epoch)
+            except FencedError:
+                return  # a newer run owns the store now, and its retention with it
+        gc.collect(self.storage, self.keep, self.grace, protect=protect, immediate=True)
 
     def _kept_here(self, committed: int | None = None) -> dict[int, str]:
         """Steps this process needs whatever the policy says: a local tier's promotions

@@ -154,8 +154,7 @@ def ls(url: str, as_json: bool, show_all: bool, local: str | None) -> None:
         for a in r.get("attempts", []):
             if not a["committed"]:
                 state = f"read by {', '.join(a['read_by'])}" if a["read_by"] else \
-                    f"released {a['released_age_s']:.0f}s ago" if a["released_age_s"] is not None else \
-                    f"uncommitted, age {a['age_s']:.0f}s"
+                    f"released, idle {a['age_s']:.0f}s" if a["released"] else f"uncommitted, age {a['age_s']:.0f}s"
                 rows.append([f"  {a['attempt']}", "", state,
                              f"voted {a['voted']}", _human_bytes(a["bytes"]), "",
                              *([""] if local is not None else []), "aborted" if a["aborted"] else ""])
@@ -219,10 +218,9 @@ def _printable(text: str) -> str:
 
 def _attempt_records(loc: Location, now: float, readers: dict) -> list[dict]:
     committed = loc.manifest.attempt if loc.manifest else None
-    released = None if loc.released_at is None else round(max(0.0, now - loc.released_at), 3)
     return [{"attempt": a.attempt, "committed": a.attempt == committed, "age_s": round(a.age(now), 3),
              "voted": a.voted, "aborted": a.aborted, "files": a.files, "bytes": a.bytes,
-             "read_by": readers.get((loc.name or ".", a.attempt), []), "released_age_s": released}
+             "read_by": readers.get((loc.name or ".", a.attempt), []), "released": a.released}
             for a in sorted(loc.attempts.values(), key=lambda a: a.attempt)]
 
 
@@ -299,7 +297,8 @@ def _keep_best(ctx, param, values):
 @click.option("--keep-within", callback=_duration, help="Keep checkpoints committed within DURATION (e.g. 7d, 12h).")
 @click.option("--keep-best", multiple=True, callback=_keep_best, help="METRIC:min|max:N, repeatable.")
 @click.option("--grace", callback=_duration, default="6h", show_default=True,
-              help="Leave uncommitted attempts alone until idle this long.")
+              help="Leave uncommitted and released attempts alone until idle this long (0: delete "
+                   "released files at once; only for a store nothing writes to).")
 @click.option("--dry-run", is_flag=True, help="Print what would be deleted; change nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON report.")
 def gc(url, keep_last, keep_every, keep_within, keep_best, grace, dry_run, as_json) -> None:

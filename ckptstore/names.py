@@ -19,12 +19,13 @@ from .errors import FormatError
 ATTEMPTS_DIR = "attempts"
 PIN_NAME = "pin.json"
 SKIPPED_NAME = "resume-skipped.json"  # a resume could not use this step (informational)
-# A gc deleted a manifest whose files (here) may still be referenced by a save in flight:
-# those files go only after the grace, counted from this marker's last write (gc.py).
-RELEASED_NAME = "released.json"
 PROGRESS_NAME = "progress.json"  # at a store's root: the last step a run reached
 EPOCHS_DIR = "epochs"  # at a store's root: one create-only claim per run incarnation
 ABORT_LEAF = "abort.json"
+# In an attempt: a gc deleted a manifest that read this attempt's files, which a save in
+# flight may still reference; rewriting it makes the attempt young again, so the files go
+# only once it has been idle for the grace (gc.py).
+RELEASED_LEAF = "released.json"
 TMP_MARK = ".tmp-"  # a temporary file of an unfinished put: "<final name>.tmp-<8 hex>"
 
 GENERATION_DIGITS = 10
@@ -121,6 +122,10 @@ def vote_name(attempt: str, rank: int) -> str:
     return f"{attempt_dir(attempt)}/vote-r{_rank_field(rank)}.json"
 
 
+def released_name(attempt: str) -> str:
+    return f"{attempt_dir(attempt)}/{RELEASED_LEAF}"
+
+
 def abort_name(attempt: str) -> str:
     return f"{attempt_dir(attempt)}/{ABORT_LEAF}"
 
@@ -146,13 +151,15 @@ def parse_vote_leaf(leaf: str) -> int | None:
 
 def attempt_leaf_kind(leaf: str) -> str | None:
     """What a file directly inside an attempt directory is: "data", "vote", "abort",
-    "heartbeat" or "temp"; None for a name ckptstore never writes there."""
+    "release", "heartbeat" or "temp"; None for a name ckptstore never writes there."""
     if _DATA_RE.fullmatch(leaf):
         return "data"
     if _VOTE_RE.fullmatch(leaf):
         return "vote"
     if leaf == ABORT_LEAF:
         return "abort"
+    if leaf == RELEASED_LEAF:
+        return "release"
     if _HEARTBEAT_RE.fullmatch(leaf):
         return "heartbeat"
     if is_temp_name(leaf):
@@ -178,12 +185,12 @@ def attempt_file_of(key: str) -> tuple[str, str] | None:
 
 def is_temp_name(leaf: str) -> bool:
     """A temporary file left by an interrupted put (local disk) of a name ckptstore
-    writes: a manifest, a pin, a skip or release mark, or a file of an attempt. Anyone else's ``x.tmp-...`` is not."""
+    writes: a manifest, a pin, a skip mark, or a file of an attempt. Anyone else's ``x.tmp-...`` is not."""
     m = _TMP_RE.fullmatch(leaf)
     if m is None:
         return False
     final = m.group(1)
-    return (parse_manifest_name(final) is not None or final in (PIN_NAME, SKIPPED_NAME, RELEASED_NAME)
+    return (parse_manifest_name(final) is not None or final in (PIN_NAME, SKIPPED_NAME)
             or (attempt_leaf_kind(final) not in (None, "temp")))
 
 

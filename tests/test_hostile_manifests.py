@@ -559,7 +559,7 @@ def test_I7_gc_deletes_only_what_ckptstore_wrote_inside_an_attempt(tmp_path):
     result = cli("gc", "--json", root, "--keep-last", "1", "--grace", "1h")
     assert result.exit_code == 0, result.output
     assert [(d["kind"], d["location"]) for d in json.loads(result.stdout)["deleted"]] == [
-        ("attempt", names.step_dir_name(1)), ("mark", names.step_dir_name(1))]
+        ("attempt", names.step_dir_name(1))]
     left = sorted(os.listdir(attempt))
     assert left == ["fifo", "link", "notes.txt", "sub", "y.tmp-0badf00d"]
     assert open(os.path.join(attempt, "sub", "keep.txt")).read() == "mine"

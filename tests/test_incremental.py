@@ -324,10 +324,10 @@ def test_a_gc_elsewhere_dropping_the_base_just_before_the_manifest_lands(tmp_pat
             store.load(2)
         return
     assert same(store.load(2), model_state(2))
-    assert (root / "step-000000000001" / names.RELEASED_NAME).exists()
+    assert list((root / "step-000000000001").rglob(names.RELEASED_LEAF))
     listing = {r["name"]: r for r in json.loads(CliRunner().invoke(main, ["ls", "--all", "--json", str(root)]).output)}
     [kept] = listing["step-000000000001"]["attempts"]
-    assert kept["read_by"] == ["step-000000000002"] and kept["released_age_s"] is not None
+    assert kept["read_by"] == ["step-000000000002"] and kept["released"] is True
     assert "read by step-000000000002" in CliRunner().invoke(main, ["ls", "--all", str(root)]).output
     # Later gc runs, after the grace too, keep step 1's files while step 2 reads them.
     storage = LocalStorage(root)
@@ -389,6 +389,23 @@ def test_retention_keeps_the_base_of_a_save_still_in_flight(tmp_path):
     assert store.steps() == [4] and same(store.load(4), model_state(4)) and verified(root)
 
 
+def test_a_save_started_while_retention_runs_keeps_its_base(tmp_path):
+    """Step 3's save starts while the retention after step 2's commit runs (the last 1:
+    it drops step 1 at once). Step 3 then references step 2, or step 1 stays: its base is
+    never deleted under it."""
+    root = tmp_path / "s"
+    store = ckptstore.Store(root, compression="none", keep=Retention(last=1))
+    store.save(1, model_state(1)).result()
+    third = []
+    fired = hooked(store, "delete", lambda view, key: names.parse_manifest_name(key.rsplit("/", 1)[-1]) is not None,
+                   lambda: third.append(store.save(3, model_state(3))))  # in the middle of the retention
+    store.save(2, model_state(2)).result()
+    assert fired and "step-000000000001" in fired[0]
+    third[0].result()
+    assert store.steps() == [3] and same(store.load(3), model_state(3)) and verified(root)
+    assert {b.step for _, _, b in store.manifest(3).blobs() if b.step is not None} == {1}
+
+
 def test_dropping_the_last_reader_of_old_released_files_releases_them_again(tmp_path):
     """Step 1's files, released long ago, stay while step 2 reads them. The run that drops
     step 2 must not delete them too: a save whose base is step 2 may be committing."""
@@ -399,33 +416,36 @@ def test_dropping_the_last_reader_of_old_released_files_releases_them_again(tmp_
     storage = LocalStorage(root)
     gc_mod.collect(storage, Retention(last=2))  # drops step 1: its files stay (step 2 reads them)
     step1 = root / "step-000000000001"
-    assert (step1 / names.RELEASED_NAME).exists() and list(step1.rglob("data-*.bin"))
+    assert list(step1.rglob(names.RELEASED_LEAF)) and list(step1.rglob("data-*.bin"))
     grace = gc_mod.DEFAULT_GRACE
-    later = time.time() + grace + 60  # step 1's mark has aged
+    later = time.time() + grace + 60  # step 1's release has aged
     plan = gc_mod.plan(storage, Retention(last=1), now=later)
     assert ("checkpoint", "step-000000000002") in [(d.kind, d.location) for d in plan.deletions]
-    assert not [d for d in plan.deletions if d.location == "step-000000000001"]  # neither its files nor mark
+    assert not [d for d in plan.deletions if d.location == "step-000000000001"]  # its files are released again
     gc_mod.execute(storage, plan)
     assert list(step1.rglob("data-*.bin")) and store.steps() == [3]
-    # A grace after the rewritten marks, both go.
+    # A grace after that, both go.
     gc_mod.execute(storage, gc_mod.plan(storage, Retention(last=1), now=time.time() + grace + 60))
     assert sorted(p.name for p in root.iterdir()) == ["step-000000000003"]
 
 
-def test_a_release_mark_rewritten_since_the_plan_is_not_deleted(tmp_path):
+def test_an_attempt_released_again_since_the_plan_is_not_deleted(tmp_path):
+    """Another gc released step 1's files after this gc planned their deletion (a save
+    may reference them): the deletion, checked again just before it runs, is skipped."""
     root = tmp_path / "s"
     store = ckptstore.Store(root, compression="none")
     for step in (1, 2):
         store.save(step, model_state(step, frozen_layers=0)).result()
     storage = LocalStorage(root)
     gc_mod.collect(storage, Retention(last=1))
-    plan = gc_mod.plan(storage, Retention(last=1), now=time.time() + gc_mod.DEFAULT_GRACE + 60)
-    assert sorted(d.kind for d in plan.deletions) == ["attempt", "mark"]
-    mark = root / "step-000000000001" / names.RELEASED_NAME
-    os.utime(mark, (time.time() + 10, time.time() + 10))  # another gc released files here meanwhile
+    later = time.time() + gc_mod.DEFAULT_GRACE + 60
+    plan = gc_mod.plan(storage, Retention(last=1), now=later)
+    assert [(d.kind, d.location) for d in plan.deletions] == [("attempt", "step-000000000001")]
+    [mark] = (root / "step-000000000001").rglob(names.RELEASED_LEAF)
+    os.utime(mark, (later - 10, later - 10))  # rewritten, on the plan's clock, 10 s before it runs
     gc_mod.execute(storage, plan)
-    assert [d.skipped for d in plan.deletions if d.kind == "mark"] == ["another gc released files here since the plan"]
-    assert mark.exists()
+    assert plan.deletions[0].skipped and "written to since the plan" in plan.deletions[0].skipped
+    assert list((root / "step-000000000001").rglob("data-*.bin"))
 
 
 def test_while_a_manifest_cannot_be_read_gc_plans_no_data_deletion_and_executes_its_plan(tmp_path):

@@ -22,9 +22,10 @@ class Attempt:
     attempt: str
     files: int
     bytes: int
-    newest_mtime: float  # the most recent write under the attempt
+    newest_mtime: float  # the most recent write under the attempt (a release mark's included)
     voted: list[int]
     aborted: bool
+    released: bool = False  # a gc deleted a manifest that read it (names.RELEASED_LEAF)
 
     def age(self, now: float) -> float:
         return max(0.0, now - self.newest_mtime)
@@ -49,7 +50,6 @@ class Location:
     attempt_files: dict[str, list] = field(default_factory=dict)
     pinned: bool = False
     skip_marked: bool = False  # a resume skipped this step (names.SKIPPED_NAME)
-    released_at: float | None = None  # when a gc last released files here (names.RELEASED_NAME)
 
     @property
     def committed(self) -> bool:
@@ -86,9 +86,7 @@ def scan_location(storage: Storage, name: str) -> Location:
             loc.foreign.append(info.key)
             continue
         if len(parts) == 1:
-            if parts[0] == names.RELEASED_NAME:
-                loc.released_at = info.mtime
-            elif names.is_temp_name(parts[0]):  # an interrupted manifest or pin write
+            if names.is_temp_name(parts[0]):  # an interrupted manifest or pin write
                 loc.temp_files.append((info.key, info.mtime))
             continue  # manifests, pin, and what else the location holds at its top
         if parts[0] != names.ATTEMPTS_DIR:
@@ -114,6 +112,8 @@ def scan_location(storage: Storage, name: str) -> Location:
             a.voted.append(names.parse_vote_leaf(parts[2]))
         elif kind == "abort":
             a.aborted = True
+        elif kind == "release":
+            a.released = True
     for a in loc.attempts.values():
         a.voted.sort()
     return loc
@@ -121,8 +121,7 @@ def scan_location(storage: Storage, name: str) -> Location:
 
 def is_location(storage: Storage) -> bool:
     entries = storage.list("")
-    return (f"{names.ATTEMPTS_DIR}/" in entries or names.RELEASED_NAME in entries
-            or any(names.parse_manifest_name(n) is not None for n in entries))
+    return f"{names.ATTEMPTS_DIR}/" in entries or any(names.parse_manifest_name(n) is not None for n in entries)
 
 
 def scan_store(storage: Storage) -> list[Location]:

@@ -307,8 +307,8 @@ def check_files(storage: Storage, ranks, tensors) -> None:
     """Every data file the manifest will name is there and long enough: a file lost
     while the committer waited (deleted by hand, or by a gc run with a grace shorter
     than the wait) must not be published (I1). A reference's file (incremental saves)
-    is looked up in its step's location: gc keeps a file as long as a manifest present
-    references it, so one that is there now stays once this manifest is."""
+    is looked up in its step's location; that it stays until this manifest lands is
+    check_base's part (gc releases what a deleted base read for a grace)."""
     from .references import ReferencingStorage, read_key
 
     need: dict[str, int] = {}

@@ -14,14 +14,17 @@ reported, never deleted.
 
 Incremental saves reference the files of the checkpoint they started from (their
 base), which a gc run by another process may drop while the save is in flight. So
-gc *releases* the files of a manifest it deletes instead of deleting them: it first
-writes a release mark (``names.RELEASED_NAME``) in every location those files lie in,
-and a later run deletes them once they are still unreferenced and the mark is older
-than the grace. A save checks that its base manifest is still there just before it
-commits (commit.check_base): a base present then keeps its files for at least the
-grace, and a base gone refuses the commit. The store's own writer, which protects
-its next save's base itself (``Store``), and a run with no grace delete the files at
-once (``immediate``).
+gc *releases* the files of a manifest it deletes instead of deleting them: before it
+deletes the manifest it writes a release mark (``names.RELEASED_LEAF``) into each
+attempt directory holding files that manifest reads (its own attempt's, and those its
+references lead to). The mark makes the attempt young again, so the usual rule for
+files no manifest names (idle for the grace) deletes them one grace later at the
+earliest, and each attempt deletion checks the attempt's age again just before it
+runs. A save checks that its base manifest is still there just before it commits
+(commit.check_base): a base present then keeps its files for at least the grace, and
+a base gone refuses the commit. The store's own writer, which protects the bases of
+its saves itself (``Store``), and a run with no grace delete the files at once
+(``immediate``).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from .. import names
 from ..errors import CkptStoreError, ObjectNotFoundError
 from ..storage import Storage
 from .catalog import Location, read_pin, read_skip_mark, scan_store
-from .commit import generations, read_manifest
+from .commit import attempt_files, generations, read_manifest
 from .retention import Candidate, Retention, select_kept
 
 DEFAULT_GRACE = 6 * 3600.0
@@ -43,7 +46,7 @@ DEFAULT_GRACE = 6 * 3600.0
 
 @dataclass
 class Deletion:
-    kind: str  # "checkpoint", "generation", "attempt", "temp" or "mark" (an aged release mark)
+    kind: str  # "checkpoint", "generation", "attempt" or "temp"
     location: str
     keys: list[str]  # in deletion order: manifests first
     bytes: int
@@ -51,9 +54,8 @@ class Deletion:
     seen_generations: tuple[int, ...] = ()  # the location's generations when planned
     attempts: tuple[str, ...] = ()  # attempts whose files it deletes
     skipped: str | None = None  # why execute left it alone (the store changed since the plan)
-    release: tuple[str, ...] = ()  # locations whose release mark is written before the keys go
+    release: tuple[tuple[str, str], ...] = ()  # (location, attempt): marked released before the keys go
     released_bytes: int = 0  # data this deletion releases: a run after the grace deletes it
-    mark_mtime: float | None = None  # a "mark" deletion: the mark as planned (rewritten since: kept)
 
 
 @dataclass
@@ -62,6 +64,8 @@ class GcPlan:
     kept: dict[str, list[str]] = field(default_factory=dict)
     deletions: list[Deletion] = field(default_factory=list)
     stale_upload_age: float | None = None  # abort multipart uploads idle longer than this
+    grace: float = DEFAULT_GRACE  # an attempt idle less long stays (checked again at execution)
+    clock_offset: float = 0.0  # plan(now=...) minus the time it ran: execute keeps that clock
     aborted_uploads: list[str] = field(default_factory=list)
     foreign: list[str] = field(default_factory=list)  # entries gc never touches (symlinks, foreign names)
     held_back: str | None = None  # why no data of the store is deleted this run (a manifest unreadable)
@@ -105,10 +109,11 @@ def plan(storage: Storage, policy: Retention = Retention(), grace: float = DEFAU
     tier's steps waiting for their promotion, the writer's next reference base);
     ``immediate``: the caller is the store's only writer, so a dropped checkpoint's
     files go with its manifest instead of being released (module docstring)."""
-    now = time.time() if now is None else now
+    started = time.time()
+    now = started if now is None else now
     release = not immediate and grace > 0
     locations = scan_store(storage)
-    result = GcPlan(storage.describe(), stale_upload_age=grace)
+    result = GcPlan(storage.describe(), stale_upload_age=grace, grace=grace, clock_offset=now - started)
     committed = [loc for loc in locations if loc.committed]
     cands = [Candidate(_label(loc), loc.step, loc.committed_at(), dict(loc.manifest.metrics), loc.pinned,
                        read_skip_mark(loc) is not None)
@@ -129,6 +134,7 @@ def plan(storage: Storage, policy: Retention = Retention(), grace: float = DEFAU
 
     # First the manifests that go, and the files that releases ...
     fresh: dict[str, set[str]] = {}  # location -> attempts released by this run
+    where = {_label(loc): loc for loc in locations}
     for loc in locations:
         label = _label(loc)
         seen = tuple(loc.generations)
@@ -147,7 +153,7 @@ def plan(storage: Storage, policy: Retention = Retention(), grace: float = DEFAU
             data = _data_of(loc, referenced, live.get(label, set()), unknown, release)
             result.deletions.append(Deletion(
                 "checkpoint", label, keys + data.keys, data.bytes, "not kept by any policy" + data.why, seen,
-                data.attempts, release=_releases(fresh, label, _every_generation(loc)) if release else (),
+                data.attempts, release=_releases(fresh, label, _every_generation(loc), where) if release else (),
                 released_bytes=data.released))
         elif loc.committed:
             for g in loc.generations[:-1]:
@@ -157,12 +163,12 @@ def plan(storage: Storage, policy: Retention = Retention(), grace: float = DEFAU
                     old = None
                 mine = {old.attempt} - referenced if old is not None and old.attempt in loc.attempts else set()
                 data = _data_of(loc, mine, live.get(label, set()), unknown, release)
+                released = _releases(fresh, label, [old] if old is not None else [], where) if release else ()
                 for attempt in mine:
                     loc.attempts.pop(attempt)  # deleted or released here: not debris below
                 result.deletions.append(Deletion(
                     "generation", label, [names.manifest_name(g)] + data.keys, data.bytes,
-                    f"generation {g} superseded" + data.why, seen, data.attempts,
-                    release=_releases(fresh, label, [old] if old is not None else []) if release else (),
+                    f"generation {g} superseded" + data.why, seen, data.attempts, release=released,
                     released_bytes=data.released))
     # ... then the files no manifest names: debris, and what earlier runs released.
     for loc in locations:
@@ -171,24 +177,17 @@ def plan(storage: Storage, policy: Retention = Retention(), grace: float = DEFAU
         label = _label(loc)
         seen = tuple(loc.generations)
         referenced = attempts_named(loc.manifest) if loc.manifest else set()
-        released_age = None if loc.released_at is None else max(0.0, now - loc.released_at)
         for attempt, info in sorted(loc.attempts.items()):
             if attempt in referenced or attempt in live.get(label, ()) or attempt in fresh.get(label, ()) \
                     or unknown:
                 continue
-            idle = info.age(now) if released_age is None else min(info.age(now), released_age)
-            if idle < grace:
-                continue  # may belong to a save still in flight, or be a released base's
+            if info.age(now) < grace:
+                continue  # may belong to a save still in flight, or be a released one's
             files, size = _attempt_keys(loc, attempt)
-            why = "released" if released_age is not None and not loc.committed else \
-                "aborted" if info.aborted else "never committed"
+            why = "released" if info.released else "aborted" if info.aborted else "never committed"
             result.deletions.append(Deletion("attempt", label, files, size,
-                                             f"attempt {attempt} {why}, idle {idle:.0f}s",
+                                             f"attempt {attempt} {why}, idle {info.age(now):.0f}s",
                                              seen, (attempt,)))
-        if released_age is not None and released_age >= grace and label not in fresh:  # (a fresh one: rewritten)
-            result.deletions.append(Deletion("mark", label, [names.RELEASED_NAME], 0,
-                                             f"release mark aged {released_age:.0f}s", seen,
-                                             mark_mtime=loc.released_at))
         for key, mtime in loc.temp_files:
             if now - mtime >= grace:
                 result.deletions.append(Deletion("temp", label, [key], 0, "temporary file of an interrupted write",
@@ -240,18 +239,21 @@ def _every_generation(loc: Location) -> list:
     return older + [loc.manifest]
 
 
-def _releases(fresh: dict[str, set[str]], label: str, manifests: list) -> tuple[str, ...]:
-    """The locations whose files ``manifests`` (of location ``label``) read: their own
-    and the ones their references lead to; the attempts they read there are added to
-    ``fresh``."""
+def _releases(fresh: dict[str, set[str]], label: str, manifests: list, where: dict) -> tuple[tuple[str, str], ...]:
+    """The (location, attempt) whose files ``manifests`` (of location ``label``) read,
+    their own and those their references lead to, that the store holds; each is added
+    to ``fresh``."""
     reads: dict[str, set[str]] = {label: set()}
     for m in manifests:
         reads[label] |= attempts_named(m)
-    for where, attempts in references_of(manifests).items():
-        reads.setdefault(where, set()).update(attempts)
-    for where, attempts in reads.items():
-        fresh.setdefault(where, set()).update(attempts)
-    return tuple(sorted(reads))
+    for loc_name, attempts in references_of(manifests).items():
+        reads.setdefault(loc_name, set()).update(attempts)
+    out = []
+    for loc_name, attempts in sorted(reads.items()):
+        fresh.setdefault(loc_name, set()).update(attempts)
+        held = where[loc_name].attempts if loc_name in where else {}
+        out += [(loc_name, a) for a in sorted(attempts) if a in held]
+    return tuple(out)
 
 
 class _Recheck:
@@ -385,9 +387,6 @@ def execute(storage: Storage, gc_plan: GcPlan, on_deleted=None) -> None:
         if check is None:
             check = rechecks[d.location] = _Recheck(storage.child(d.location) if prefix else storage)
         d.skipped = check.why_not(d)
-        if d.skipped is None and d.kind == "mark" and not _unchanged(storage, prefix + names.RELEASED_NAME,
-                                                                      d.mark_mtime):
-            d.skipped = "another gc released files here since the plan"
         if d.skipped is None and d.attempts:
             if live is None:
                 live = _live_now(storage)
@@ -397,10 +396,16 @@ def execute(storage: Storage, gc_plan: GcPlan, on_deleted=None) -> None:
                 d.skipped = "a manifest present cannot be read: it may reference these files"
             elif taken:
                 d.skipped = f"attempt {taken[0]} is referenced by a checkpoint present now"
+            elif d.kind == "attempt":
+                # Written to since the plan (another gc released it: a save may reference it)?
+                now = time.time() + gc_plan.clock_offset
+                young = [a for a in d.attempts if _idle(check.storage, a, now) < gc_plan.grace]
+                if young:
+                    d.skipped = f"attempt {young[0]} was written to since the plan"
         if d.skipped is None:
-            for where in d.release:  # before the manifest goes (a gc killed between: nothing lost)
+            for loc_name, attempt in d.release:  # before the manifest goes (a gc killed between: nothing lost)
                 mark = {"released_at": fmt.utc_now(), "by": d.location, "reason": d.reason}
-                storage.put(("" if where == "." else f"{where}/") + names.RELEASED_NAME,
+                storage.put(("" if loc_name == "." else f"{loc_name}/") + names.released_name(attempt),
                             json.dumps(mark).encode())
             for key in d.keys:
                 storage.delete(prefix + key)
@@ -410,13 +415,10 @@ def execute(storage: Storage, gc_plan: GcPlan, on_deleted=None) -> None:
         gc_plan.aborted_uploads = storage.abort_stale_uploads(gc_plan.stale_upload_age)
 
 
-def _unchanged(storage: Storage, key: str, mtime: float | None) -> bool:
-    """``key`` is still the one last written at ``mtime`` (listings and HEAD may round
-    S3's times differently; a rewrite is a grace younger)."""
-    try:
-        return mtime is not None and abs(storage.stat(key).mtime - mtime) <= 1.0
-    except ObjectNotFoundError:
-        return False
+def _idle(location: Storage, attempt: str, now: float) -> float:
+    """Seconds since ckptstore last wrote a file of ``attempt`` (as the plan counts them)."""
+    newest = max((info.mtime for info in attempt_files(location, attempt)), default=0.0)
+    return max(0.0, now - newest)
 
 
 def collect(storage: Storage, policy: Retention = Retention(), grace: float = DEFAULT_GRACE,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pickle
 import threading
 from concurrent.futures import Future
@@ -160,7 +162,7 @@ def start_save(obj, storage: Storage, *, rt: Runtime, attempt: str, step: int | 
             future._future.set_exception(e)
         else:
             if after_commit is not None:
-                _run_after_commit(after_commit, storage)  # before the future resolves: wait() covers it
+                _run_after_commit(functools.partial(after_commit, manifest), storage)  # before the future resolves
             future._future.set_result(manifest)
 
     rt.committer.submit(finish)
