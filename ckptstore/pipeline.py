@@ -68,7 +68,7 @@ class RankWriter:
     """One rank's data file for one save attempt, fed chunk by chunk."""
 
     def __init__(self, storage: Storage, attempt: str, rank: int, policy: CompressionPolicy,
-                 rt: Runtime | None = None, references: dict | None = None):
+                 rt: Runtime | None = None, references: dict | None = None, stream: int = 0):
         self.storage = storage
         # Incremental saves: {(raw length, xxh3-128): a committed blob of the same store
         # (Blob.step set)}; a chunk whose raw bytes match one is recorded as a reference
@@ -81,7 +81,7 @@ class RankWriter:
         self.rank = rank
         self.policy = policy
         self.rt = rt or runtime()
-        self.file = fmt.data_file_name(attempt, rank, 0)
+        self.file = fmt.data_file_name(attempt, rank, stream)
         self._out: AppendWriter | None = None
         self._open_lock = threading.Lock()
         self._futures: list[Future] = []
@@ -133,6 +133,17 @@ class RankWriter:
         skeleton is pickled off the caller's thread)."""
         self._pending.append((self._skeleton_task, (data,), None))
         self.flush()
+
+    def store_blob(self, raw: memoryview, itemsize: int, hint=None) -> fmt.Blob:
+        """Hash, encode and append one blob now, on the caller's thread: for adapters
+        that lay out their own items (ckptstore.dcp); then :meth:`close`, not ``finish``."""
+        return self._store(raw, itemsize, hint=hint)
+
+    def close(self) -> None:
+        """Make the data file durable (after :meth:`store_blob`; raises its errors)."""
+        wait_futures(self._futures)
+        if self._out is not None:
+            self._out.close()
 
     @property
     def failed(self) -> BaseException | None:

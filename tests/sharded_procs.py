@@ -640,3 +640,58 @@ def load_one_rank_checkpoints(rank, world, events, store_root, dropin_path):
             "warnings": [w.category.__name__ for w in caught],
             "dropin_warnings": [w.category.__name__ for w in caught_dropin],
             "dropin_ok": bool(torch.equal(weights["w"], torch.arange(6.0)))}
+
+
+# --------------------------------------------------------------------- torch.distributed.checkpoint
+
+
+def dcp_save(rank, world, events, url, ref_path, use_async):
+    """Train FSDP2 3 steps and save through ``dcp.save`` (or ``dcp.async_save``) into
+    ckptstore: model, AdamW state, a big sharded tensor and plain values (DCP pickles
+    those). Rank 0 writes the gathered reference."""
+    import torch.distributed.checkpoint as dcp
+
+    import ckptstore.dcp
+
+    mesh, placements = mesh_for((world,))
+    model, opt = build_fsdp(mesh)
+    for step in range(3):
+        x, y = batch(step, rank)
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+    msd, osd = get_state_dict(model, opt)
+    big = distribute_tensor(big_full(), mesh, placements)
+    state = {"model": msd, "optim": osd, "big": big, "extra": {"epoch": 7, "name": "run-7"}}
+    writer = ckptstore.dcp.Writer(url, step=1, compression="none")
+    if use_async:
+        dcp.async_save(state, storage_writer=writer).result()
+    else:
+        dcp.save(state, storage_writer=writer)
+    ref = full_copy({"model": msd, "optim": osd, "big": big})  # (a collective: every rank)
+    if rank == 0:
+        torch.save(ref, ref_path)
+    return {}
+
+
+def dcp_load(rank, world, events, url, mesh_shape):
+    """A fresh FSDP2 model (another seed) on ``mesh_shape`` filled by ``dcp.load`` from
+    ckptstore; what the model and optimizer then hold, gathered; or the load's error."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    import ckptstore.dcp
+
+    mesh, placements = mesh_for(tuple(mesh_shape))
+    model, opt = build_fsdp(mesh, seed=123)
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd, "big": distribute_tensor(torch.zeros(BIG_SHAPE), mesh, placements),
+             "extra": {"epoch": 0, "name": ""}}
+    try:
+        dcp.load(state, storage_reader=ckptstore.dcp.Reader(url, step=1))
+    except (Exception, CheckpointException) as e:  # damage: every rank must say so (a BaseException)
+        return {"error": f"{type(e).__name__}: {e}"}
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    msd2, osd2 = get_state_dict(model, opt)
+    gathered = full_copy({"model": msd2, "optim": osd2, "big": state["big"]})
+    return {"gathered": gathered if rank == 0 else None, "extra": state["extra"]}

@@ -292,17 +292,12 @@ def flatten(obj, on_storage: Callable[[StorageRef], None], pickle_protocol: int 
     global_refs: dict[int, tuple[str, str]] = {}  # placeholder storage cdata -> (skeleton key, location)
     placeholders: dict[int, tuple] = {}  # id(DTensor) -> reduce value (kept alive while pickling)
 
-    def storage_pid(o):
-        if isinstance(o, torch.storage.TypedStorage):
-            return o._untyped_storage, o.dtype, getattr(torch, o._pickle_storage_type()), o._size()
-        return o, torch.uint8, torch.UntypedStorage, o.nbytes()
-
     def persistent_id(o):
         # The pickler asks this of every object (about 19 per tensor): answer the
         # common ones with one set lookup.
         if type(o) in _NEVER_STORAGE or not (isinstance(o, torch.storage.TypedStorage) or torch.is_storage(o)):
             return None
-        storage, dtype, storage_type, numel = storage_pid(o)
+        storage, dtype, storage_type, numel = _storage_pid(o)
         cdata = storage._cdata
         if cdata in global_refs:
             key, location = global_refs[cdata]
@@ -347,23 +342,9 @@ def flatten(obj, on_storage: Callable[[StorageRef], None], pickle_protocol: int 
             raise SerializationError("DTensors can only be saved through Store.save")
         key = _unique(dtensor_paths.get(id(dt), f"dtensor.{len(placeholders)}"), used[GLOBAL])
         on_dtensor(DTensorRef(key, dt))
-        local = dt.to_local()
-        shape = tuple(dt.shape)
-        # A storage that holds no memory stands in for the global tensor's storage; the
-        # rebuild call is the one torch.save itself uses for the dtype.
-        location = torch.serialization.location_tag(local.untyped_storage())
-        stride = _contiguous_stride(shape)
-        if _has_typed_storage(dt.dtype):
-            stand_in = torch.storage.TypedStorage(math.prod(shape), dtype=dt.dtype, device="meta")
-            global_refs[stand_in._untyped_storage._cdata] = (skeleton_key(GLOBAL, key), location)
-            value = (torch._utils._rebuild_tensor_v2,
-                     (stand_in, 0, shape, stride, dt.requires_grad, OrderedDict()))
-        else:
-            stand_in = torch.UntypedStorage(math.prod(shape) * dt.dtype.itemsize, device="meta")
-            global_refs[stand_in._cdata] = (skeleton_key(GLOBAL, key), location)
-            value = (torch._utils._rebuild_tensor_v3,
-                     (stand_in, 0, shape, stride, dt.requires_grad, OrderedDict(), dt.dtype))
-        placeholders[id(dt)] = value
+        location = torch.serialization.location_tag(dt.to_local().untyped_storage())
+        value = placeholders[id(dt)] = _global_stand_in(key, dt.dtype, tuple(dt.shape), location, dt.requires_grad,
+                                                        global_refs)
         return value
 
     # Notes what the default load (weights_only=True) will refuse; warns once, below.
@@ -402,6 +383,57 @@ def flatten(obj, on_storage: Callable[[StorageRef], None], pickle_protocol: int 
     skeleton = buf.getvalue()
     audit.warn(skeleton)  # outside the try: a warning turned error propagates as itself
     return skeleton
+
+
+def _storage_pid(o):
+    """(untyped storage, dtype, storage type, numel) of a storage met while pickling."""
+    if isinstance(o, torch.storage.TypedStorage):
+        return o._untyped_storage, o.dtype, getattr(torch, o._pickle_storage_type()), o._size()
+    return o, torch.uint8, torch.UntypedStorage, o.nbytes()
+
+
+def _global_stand_in(key: str, dtype: torch.dtype, shape: tuple[int, ...], location: str, requires_grad: bool,
+                     global_refs: dict) -> tuple:
+    """The reduce value of global tensor ``key``: a storage that holds no memory stands
+    in for its storage (registered in ``global_refs`` for the persistent id), rebuilt by
+    the call torch.save itself uses for the dtype. The value keeps the stand-in alive."""
+    stride = _contiguous_stride(shape)
+    if _has_typed_storage(dtype):
+        stand_in = torch.storage.TypedStorage(math.prod(shape), dtype=dtype, device="meta")
+        global_refs[stand_in._untyped_storage._cdata] = (skeleton_key(GLOBAL, key), location)
+        return torch._utils._rebuild_tensor_v2, (stand_in, 0, shape, stride, requires_grad, OrderedDict())
+    stand_in = torch.UntypedStorage(math.prod(shape) * dtype.itemsize, device="meta")
+    global_refs[stand_in._cdata] = (skeleton_key(GLOBAL, key), location)
+    return torch._utils._rebuild_tensor_v3, (stand_in, 0, shape, stride, requires_grad, OrderedDict(), dtype)
+
+
+def global_skeleton(entries, pickle_protocol: int = 2) -> bytes:
+    """A skeleton for tensors another writer laid out (``ckptstore.dcp``): the pickled
+    dict {key: the global tensor ``key``}, ``entries`` mapping each key to its (dtype,
+    shape). Loading it without a process group gives every tensor whole."""
+    global_refs: dict = {}
+
+    class _Global:  # one per key: pickled as its reduce value
+        def __init__(self, value):
+            self.value = value
+
+    refs = {key: _Global(_global_stand_in(key, dtype, tuple(shape), "cpu", False, global_refs))
+            for key, (dtype, shape) in entries.items()}
+
+    class _Pickler(pickle.Pickler):
+        def persistent_id(self, o):
+            if not (isinstance(o, torch.storage.TypedStorage) or torch.is_storage(o)):
+                return None
+            storage, _, storage_type, numel = _storage_pid(o)
+            key, location = global_refs[storage._cdata]
+            return ("storage", storage_type, key, location, numel)
+
+        def reducer_override(self, o):
+            return o.value if type(o) is _Global else NotImplemented
+
+    buf = io.BytesIO()
+    _Pickler(buf, protocol=pickle_protocol).dump(refs)
+    return buf.getvalue()
 
 
 def _unique(path: str, used: set[str]) -> str:
@@ -445,5 +477,5 @@ def region_byte_offset(shape, offsets, itemsize: int) -> int:
 
 
 __all__ = ["DTensorRef", "GLOBAL", "LOCAL", "LocalBox", "StorageRef", "UnserializableTensorError", "dtensor_boxes",
-           "flatten", "implied_storage_dtype", "index_pid", "parse_skeleton_key", "plan_chunks", "region_byte_offset",
+           "flatten", "global_skeleton", "implied_storage_dtype", "index_pid", "parse_skeleton_key", "plan_chunks", "region_byte_offset",
            "skeleton_key", "tensor_paths"]
