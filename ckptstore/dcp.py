@@ -29,6 +29,7 @@ import dataclasses
 import io
 import math
 import os
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -58,6 +59,15 @@ from .runtime import runtime
 from .storage import Storage, open_storage
 
 BYTES_METRIC = "dcp.bytes"  # the manifest metric listing the keys that hold pickled objects
+# Items hashed and encoded ahead of the file at most: a save of GPU state holds no more
+# host copies than this at once (DCP's own writer streams too).
+WRITE_AHEAD_BYTES = 256 << 20
+
+# Attempts this process has written: DCP's plan caching (DefaultSavePlanner(
+# enable_plan_caching=True)) hands a rank its earlier plan back, slot and all; writing
+# that attempt again would overwrite a committed checkpoint's files.
+_written_attempts: set[str] = set()
+_written_lock = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -141,6 +151,12 @@ class Writer(StorageWriter):
         slot = plan.storage_data
         if not isinstance(slot, _Slot):
             raise CkptStoreError("ckptstore.dcp.Writer: the plan carries no slot (was prepare_global_plan skipped?)")
+        with _written_lock:
+            if slot.attempt in _written_attempts:
+                raise CkptStoreError("ckptstore.dcp.Writer: this rank's plan names an attempt it already wrote "
+                                     "(DCP's plan caching, enable_plan_caching=True, reuses plans); use a planner "
+                                     "without plan caching")
+            _written_attempts.add(slot.attempt)
         self._slot = slot
         storage = self._storage()
         rt = runtime()
@@ -148,7 +164,17 @@ class Writer(StorageWriter):
         chunks: dict[str, list[fmt.Chunk]] = {}
         shapes: dict[str, tuple[str, tuple[int, ...]]] = {}
         results = []
-        pending = []  # (item, offsets, sizes, future blob): hashed and encoded on the workers
+        pending = []  # (item, offsets, sizes, raw bytes, future blob): hashed and encoded on the workers
+        ahead = done = 0
+
+        def collect(entry) -> int:
+            item, offsets, sizes, nbytes, future = entry
+            blob = future.result()
+            chunks.setdefault(item.index.fqn, []).append(fmt.Chunk(offsets, sizes, blob))
+            results.append(WriteResult(index=item.index, size_in_bytes=blob.length,
+                                       storage_data=StoredItem(blob.file, blob.offset, blob.length, blob.raw_length)))
+            return nbytes
+
         try:
             for item in plan.items:
                 fqn = item.index.fqn
@@ -166,14 +192,15 @@ class Writer(StorageWriter):
                         raise FormatError(f"DCP item {fqn!r}: data of shape {list(t.shape)} for a chunk of {list(sizes)}")
                     raw = _raw(t)
                 shapes[fqn] = (fmt.dtype_name(dtype), shape)
-                pending.append((item, offsets, sizes,
+                pending.append((item, offsets, sizes, len(raw),
                                 rt.workers.submit(writer.store_blob, raw, itemsize, ("dcp", fqn, offsets))))
-            for item, offsets, sizes, future in pending:
-                blob = future.result()
-                chunks.setdefault(item.index.fqn, []).append(fmt.Chunk(offsets, sizes, blob))
-                results.append(WriteResult(index=item.index, size_in_bytes=blob.length,
-                                           storage_data=StoredItem(blob.file, blob.offset, blob.length,
-                                                                   blob.raw_length)))
+                ahead += len(raw)
+                while ahead > WRITE_AHEAD_BYTES and done < len(pending):
+                    ahead -= collect(pending[done])
+                    done += 1
+            while done < len(pending):
+                collect(pending[done])
+                done += 1
             # Every rank but the committer votes; the committer's skeleton, naming every
             # item, waits for finish, where the global metadata is known.
             skeleton = None if slot.rank == 0 else writer.store_blob(memoryview(global_skeleton({})), 1)
@@ -213,7 +240,7 @@ class Writer(StorageWriter):
         own = fmt.Vote(slot.attempt, self.step, slot.world_size, 0, ok=True,
                        state=fmt.RankState(0, skeleton, {}), shards=self._shards)
         commit(storage, own, slot.world_size, self._created_at, {BYTES_METRIC: sorted(pickled)},
-               self.commit_timeout)
+               self.commit_timeout, retire_files=self.step is None)  # (a store's step: gc judges old files)
 
     def storage_meta(self):
         return None
@@ -253,6 +280,7 @@ class Reader(StorageReader):
         return resolve(storage, self._manifest)
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
+        self._manifest = None  # each load reads the newest generation afresh
         _, manifest = self._read()
         pickled = set(manifest.metrics.get(BYTES_METRIC, ())) if isinstance(
             manifest.metrics.get(BYTES_METRIC), list) else set()

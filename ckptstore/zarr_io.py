@@ -13,7 +13,8 @@ the chunk grid splits the first dimension the way ckptstore's own writer does (a
 
 zarr v3's core data types have no bfloat16 or float8. By default they are widened,
 exactly, to a core type every reader knows: bfloat16 to float32, the float8 types to
-float16 (each of their values, NaN aside, is a float16 value). ``extension_types=True``
+float16 (each of their values is a float16 value; a NaN comes back as a NaN, its payload
+bits not kept). ``extension_types=True``
 writes them as tensorstore's extension types of the same names instead (bit for bit,
 smaller; tensorstore and ml_dtypes read them, zarr-python 3.1 cannot open them, nor list
 a group holding one). The attributes record the torch dtype, so ``import`` restores it.
@@ -74,23 +75,35 @@ class Report:
 # ---------------------------------------------------------------------------- export
 def array_name(path: list) -> str:
     """The array's node name: the dotted path, with ``%`` and ``/`` escaped (zarr node
-    names may not hold ``/``) and never empty, ``.``, ``..`` or ``__``-prefixed."""
-    name = ".".join(str(p).replace("%", "%25").replace("/", "%2F") for p in path) or "tensor"
-    if name in (".", "..") or name.startswith("__"):
+    names may not hold ``/``) and never empty, ``.``, ``..``, ``zarr.json`` or
+    ``__``-prefixed. An int dict key reads as its number."""
+    name = ".".join(str(_key_of(p)).replace("%", "%25").replace("/", "%2F") for p in path) or "tensor"
+    if name in (".", "..", "zarr.json") or name.startswith("__"):
         name = "%" + name.encode().hex()
     return name
+
+
+def _key_of(component):
+    """A path component: a str dict key, an int list index, or {"int": n} for an int
+    dict key (optimizer states are keyed so)."""
+    return component["int"] if isinstance(component, dict) else component
 
 
 def _leaves(obj, path: list, out: list, seen: set) -> None:
     if isinstance(obj, torch.Tensor):
         out.append((path, obj))
         return
-    if isinstance(obj, dict):
+    if isinstance(obj, (dict, list, tuple)) and not obj:
+        out.append((path, {} if isinstance(obj, dict) else []))  # an empty container is a value
+    elif isinstance(obj, dict):
         if id(obj) in seen:
             return
         seen.add(id(obj))
         for k, v in obj.items():
-            _leaves(v, path + [k if isinstance(k, str) else repr(k)], out, seen)
+            if isinstance(k, bool) or not isinstance(k, (str, int)):
+                out.append((path + [repr(k)], _Unkeyable(k)))
+                continue
+            _leaves(v, path + [k if isinstance(k, str) else {"int": k}], out, seen)
     elif isinstance(obj, (list, tuple)):
         if id(obj) in seen:
             return
@@ -99,6 +112,13 @@ def _leaves(obj, path: list, out: list, seen: set) -> None:
             _leaves(v, path + [i], out, seen)
     else:
         out.append((path, obj))
+
+
+class _Unkeyable:
+    """A dict entry whose key is neither str nor int: reported as skipped."""
+
+    def __init__(self, key):
+        self.key = key
 
 
 def _numpy(t: torch.Tensor):
@@ -123,14 +143,31 @@ def export_state(state: Any, dest: str, *, chunk_bytes: int = 16 << 20, extensio
     which must not exist (module docstring)."""
     ts = _tensorstore()
     os.makedirs(dest)  # refuses an existing path: an export never merges into another
+    try:
+        return _export(ts, state, dest, chunk_bytes, extension_types, source, on_bytes)
+    except BaseException as e:
+        import shutil
+
+        shutil.rmtree(dest, ignore_errors=True)  # no half export left behind
+        if isinstance(e, ValueError):  # tensorstore's error for anything it refuses
+            raise InteropError(f"{dest}: {e}") from e
+        raise
+
+
+def _export(ts, state, dest: str, chunk_bytes: int, extension_types: bool, source: str, on_bytes) -> Report:
     report = Report()
     leaves: list = []
     _leaves(state, [], leaves, set())
     values = {}
     for path, leaf in leaves:
         where = array_name(path)
+        if where in report.arrays or where in values:
+            raise InteropError(f"{dest}: two state paths map to one name {where!r}")
         if not isinstance(leaf, torch.Tensor):
-            if leaf is None or isinstance(leaf, (bool, int, float, str)) and _json_safe(leaf):
+            if isinstance(leaf, _Unkeyable):
+                report.skipped.append(f"{where}: a dict key of type {type(leaf.key).__name__} (only str and int)")
+            elif leaf is None or leaf == {} or leaf == [] or isinstance(leaf, (bool, int, float, str)) and \
+                    _json_safe(leaf):
                 values[where] = {"path": path, "value": leaf}
             else:
                 report.skipped.append(f"{where}: a {type(leaf).__name__} (only tensors and JSON values cross)")
@@ -138,8 +175,6 @@ def export_state(state: Any, dest: str, *, chunk_bytes: int = 16 << 20, extensio
         if leaf.layout != torch.strided or leaf.is_nested or leaf.dtype not in _ZARR_TYPES or leaf.is_quantized:
             report.skipped.append(f"{where}: a {leaf.dtype} {leaf.layout} tensor has no zarr v3 data type")
             continue
-        if where in report.arrays:
-            raise InteropError(f"{dest}: two state paths map to one array name {where!r}")
         t = leaf.detach().cpu()
         stored = t if extension_types or _ZARR_TYPES[t.dtype] not in _EXTENSION else t.to(_WIDER[t.dtype])
         zarr_type = _ZARR_TYPES[stored.dtype]
@@ -221,9 +256,15 @@ def _mapping(v, src: str) -> dict:
 
 def _path(spec: dict, src: str) -> list:
     path = spec.get("path")
-    if not isinstance(path, list) or not all(isinstance(p, (str, int)) and not isinstance(p, bool) for p in path):
+    if not isinstance(path, list) or not all(_component_ok(p) for p in path):
         raise InteropError(f"{src}: a state path that is not a list of keys and indices: {path!r}")
     return path
+
+
+def _component_ok(p) -> bool:
+    if isinstance(p, dict):
+        return list(p) == ["int"] and type(p["int"]) is int
+    return isinstance(p, (str, int)) and not isinstance(p, bool)
 
 
 def _own_name(name: str, spec: dict, src: str) -> str:
@@ -257,7 +298,8 @@ def _array_nodes(src: str) -> list[str]:
         if "zarr.json" in filenames:
             doc = _read_json(os.path.join(dirpath, "zarr.json"), dirpath)
             if doc.get("node_type") == "array":
-                found.append(os.path.relpath(dirpath, src).replace(os.sep, "/").removeprefix("."))
+                rel = os.path.relpath(dirpath, src).replace(os.sep, "/")
+                found.append("" if rel == "." else rel)
                 dirnames.clear()
     return found
 
@@ -269,10 +311,24 @@ def _torch_dtype(name, where: str) -> torch.dtype:
     return dtype
 
 
+# An array may state any shape in a few bytes of zarr.json, and chunks it lacks read as
+# its fill value: one that states more than this many times the bytes it holds on disk
+# (zstd's own bound on its ratio) is refused before anything is allocated.
+MAX_EXPANSION = 32768
+
+
 def _read_array(ts, where: str, dtype: torch.dtype | None) -> torch.Tensor:
+    if os.path.islink(where) or not os.path.isdir(where):
+        raise InteropError(f"{where}: not a directory of the hierarchy (a symlink is never followed)")
     try:
         array = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": where}, "open": True}).result()
+        stated = math.prod(array.shape) * array.dtype.numpy_dtype.itemsize
+        held = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(where) for f in fs)
+        if stated > MAX_EXPANSION * held + (1 << 20):
+            raise InteropError(f"{where}: states {stated} bytes of data but holds {held} on disk; refused")
         data = array.read().result()
+    except InteropError:
+        raise
     except Exception as e:  # tensorstore raises ValueError for any bad metadata or chunk
         raise InteropError(f"{where}: cannot read the zarr array: {e}") from e
     stored = _TORCH_TYPES.get(str(data.dtype))
@@ -301,13 +357,16 @@ def _nest(items: list, src: str):
         raise InteropError(f"{src}: a value at the root beside others")
     groups: dict = {}
     for path, value in items:
-        groups.setdefault(path[0], []).append((path[1:], value))
+        head = ("int", path[0]["int"]) if isinstance(path[0], dict) else path[0]
+        groups.setdefault(head, []).append((path[1:], value))
     keys = list(groups)
-    if all(isinstance(k, int) for k in keys):
+    if all(type(k) is int for k in keys):
         if sorted(keys) != list(range(len(keys))):
             raise InteropError(f"{src}: list indices {sorted(keys)} are not 0..{len(keys) - 1}")
         return [_nest_one(groups[i], src) for i in range(len(keys))]
-    return {str(k): _nest_one(groups[k], src) for k in keys}
+    if any(type(k) is int for k in keys):
+        raise InteropError(f"{src}: list indices beside dict keys at one level")
+    return {(k[1] if isinstance(k, tuple) else k): _nest_one(groups[k], src) for k in keys}
 
 
 def _nest_one(items: list, src: str):

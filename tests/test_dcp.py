@@ -168,3 +168,20 @@ def test_dcp_on_s3(monkeypatch):
     assert target["step"] == 5 and torch.equal(target["w"], single_state(5)["w"])
     r = cli("verify", url, "--json")
     assert r.exit_code == 0 and json.loads(r.output)["ok"], r.output
+
+
+def test_dcp_plan_caching_is_refused_and_the_committed_checkpoint_stays(tmp_path):
+    from torch.distributed.checkpoint import DefaultSavePlanner
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    path = tmp_path / "ckpt"
+    dcp.save(single_state(1), storage_writer=ckptstore.dcp.Writer(path),
+             planner=DefaultSavePlanner(enable_plan_caching=True))
+    with pytest.raises((ckptstore.CkptStoreError, CheckpointException), match="plan caching"):
+        dcp.save(single_state(1), storage_writer=ckptstore.dcp.Writer(path),
+                 planner=DefaultSavePlanner(enable_plan_caching=True))
+    target = {"w": torch.zeros(256, 64), "b": torch.zeros(64, dtype=torch.bfloat16), "empty": torch.empty(0, 3),
+              "step": 0}
+    dcp.load(target, storage_reader=ckptstore.dcp.Reader(path))
+    assert target["step"] == 1 and torch.equal(target["w"], single_state(1)["w"])
+    assert cli("verify", path).exit_code == 0

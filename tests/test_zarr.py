@@ -152,7 +152,54 @@ def test_bad_input_gets_a_clear_error_and_writes_nothing(checkpoint, tmp_path):
         assert r.exit_code == 1 and error in r.output, (name, spec, r.output)
 
 
+def test_an_optimizer_state_crosses_with_its_int_keys_and_empty_parts(tmp_path):
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters())
+    fresh = {"optimizer": opt.state_dict()}  # "state": {} before the first step
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    stepped = {"optimizer": opt.state_dict(), "odd": {(1, 2): torch.ones(1)}}
+    for i, st in enumerate((fresh, stepped)):
+        r = zarr_io.export_state(st, str(tmp_path / f"e{i}"))
+        back = zarr_io.import_state(str(tmp_path / f"e{i}"))
+        assert_same(st["optimizer"], back["optimizer"])
+    assert list(back["optimizer"]["state"]) == [0, 1] and r.skipped == ["odd.(1, 2): a dict key of type tuple "
+                                                                        "(only str and int)"]
+    restored = torch.optim.AdamW(torch.nn.Linear(4, 3).parameters())
+    restored.load_state_dict(back["optimizer"])
+    assert torch.equal(restored.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+
+
+def test_an_array_that_states_far_more_than_it_holds_is_refused_and_symlinks_are_not_followed(tmp_path):
+    src = tmp_path / "claims.zarr"
+    root = zarr.open_group(str(src), mode="w")
+    root.create_array("huge", shape=(1 << 40,), chunks=(1 << 20,), dtype="float32")  # 4 TiB, no chunk written
+    r = cli("import", src, tmp_path / "c")
+    assert r.exit_code == 1 and "huge: states 4398046511104 bytes" in r.output
+    elsewhere = tmp_path / "elsewhere.zarr"
+    zarr.open_group(str(elsewhere), mode="w").create_array("w", shape=(2,), dtype="float32")
+    export = tmp_path / "exp.zarr"
+    zarr_io.export_state({"w": torch.ones(2)}, str(export))
+    import shutil
+
+    shutil.rmtree(export / "w")
+    os.symlink(elsewhere / "w", export / "w")
+    r = cli("import", export, tmp_path / "c2")
+    assert r.exit_code == 1 and "a symlink is never followed" in r.output
+
+
+def test_a_failed_export_leaves_nothing(tmp_path, monkeypatch):
+    def boom(*a, **k):
+        raise ValueError("disk full")
+
+    monkeypatch.setattr(zarr_io, "_numpy", boom)
+    with pytest.raises(zarr_io.InteropError, match="disk full"):
+        zarr_io.export_state({"w": torch.ones(3)}, str(tmp_path / "x.zarr"))
+    assert not (tmp_path / "x.zarr").exists()
+
+
 def test_names_that_zarr_forbids_are_escaped():
     assert zarr_io.array_name(["a/b", "c%d", 0]) == "a%2Fb.c%25d.0"
     assert zarr_io.array_name([]) == "tensor"
-    assert zarr_io.array_name(["__x"]).startswith("%")
+    assert zarr_io.array_name(["__x"]).startswith("%") and zarr_io.array_name(["zarr.json"]).startswith("%")
+    assert zarr_io.array_name(["state", {"int": 3}, "exp_avg"]) == "state.3.exp_avg"
