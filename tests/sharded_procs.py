@@ -236,9 +236,9 @@ def big_full() -> torch.Tensor:
     return torch.randn(*BIG_SHAPE, generator=torch.Generator().manual_seed(42))
 
 
-def fsdp_save(rank, world, events, root, ref_path):
-    """Train 3 steps on ``world`` ranks and save step 1: model, AdamW state, a big
-    sharded tensor, and rank-local values. Rank 0 writes the gathered reference."""
+def trained_fsdp(rank: int, world: int):
+    """(mesh, model state dict, optimizer state dict, big sharded tensor) after 3 steps
+    of FSDP2 training on ``world`` ranks (the same on every run)."""
     mesh, placements = mesh_for((world,))
     model, opt = build_fsdp(mesh)
     for step in range(3):
@@ -247,7 +247,13 @@ def fsdp_save(rank, world, events, root, ref_path):
         F.mse_loss(model(x), y).backward()
         opt.step()
     msd, osd = get_state_dict(model, opt)
-    big = distribute_tensor(big_full(), mesh, placements)
+    return mesh, msd, osd, distribute_tensor(big_full(), mesh, placements)
+
+
+def fsdp_save(rank, world, events, root, ref_path):
+    """Train 3 steps on ``world`` ranks and save step 1: model, AdamW state, a big
+    sharded tensor, and rank-local values. Rank 0 writes the gathered reference."""
+    _, msd, osd, big = trained_fsdp(rank, world)
     torch.manual_seed(1000 + rank)
     rank_local = {"rank": rank, "rng": torch.get_rng_state(), "loader_pos": 1000 + 17 * rank}
     state = {"model": msd, "optim": osd, "big": big, "meta": rank_local}
@@ -653,15 +659,7 @@ def dcp_save(rank, world, events, url, ref_path, use_async):
 
     import ckptstore.dcp
 
-    mesh, placements = mesh_for((world,))
-    model, opt = build_fsdp(mesh)
-    for step in range(3):
-        x, y = batch(step, rank)
-        opt.zero_grad()
-        F.mse_loss(model(x), y).backward()
-        opt.step()
-    msd, osd = get_state_dict(model, opt)
-    big = distribute_tensor(big_full(), mesh, placements)
+    _, msd, osd, big = trained_fsdp(rank, world)
     state = {"model": msd, "optim": osd, "big": big, "extra": {"epoch": 7, "name": "run-7"}}
     writer = ckptstore.dcp.Writer(url, step=1, compression="none")
     if use_async:
