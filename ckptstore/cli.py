@@ -242,17 +242,16 @@ def verify(url: str, quick: bool, as_json: bool) -> None:
         _fail(str(e), EXIT_PROBLEM)
     if not locations:
         _fail(f"{url}: no committed checkpoint found", EXIT_PROBLEM)
-    total = sum(len(list(loc.manifest.blobs())) for loc in locations if loc.manifest)
+    total = sum(b.length for loc in locations if loc.manifest for _, _, b in loc.manifest.blobs())
     reports = []
     seen: dict = {}  # each stored blob is read once, however many checkpoints reference it
-    show_bar = not as_json and sys.stderr.isatty()
-    with click.progressbar(length=total, label="verifying", file=sys.stderr, hidden=not show_bar) as bar:
+    with _progress(total, "verifying", as_json) as bar:
         for loc in locations:
             if loc.manifest is None:
                 problems = [Problem(loc.storage.describe(), None, None, None, None, loc.manifest_error or "unreadable")]
             else:
-                problems = verify_manifest(loc.storage, loc.manifest, quick, on_blob=lambda: bar.update(1),
-                                           seen=seen)
+                problems = verify_manifest(loc.storage, loc.manifest, quick,
+                                           on_blob=lambda blob: bar.update(blob.length), seen=seen)
             reports.append({"name": loc.name or ".", "url": loc.storage.describe(),
                             "step": loc.step, "ok": not problems,
                             "problems": [_problem_record(p) for p in problems]})
@@ -315,9 +314,7 @@ def gc(url, keep_last, keep_every, keep_within, keep_best, grace, dry_run, as_js
     try:
         p = gc_mod.plan(storage, policy, grace)
         if not dry_run:
-            show_bar = not as_json and sys.stderr.isatty()
-            with click.progressbar(length=len(p.deletions), label="deleting", file=sys.stderr,
-                                   hidden=not show_bar) as bar:
+            with _progress(len(p.deletions), "deleting", as_json) as bar:
                 gc_mod.execute(storage, p, on_deleted=lambda d: bar.update(1))
     except CkptStoreError as e:
         _fail(str(e), EXIT_PROBLEM)
@@ -452,8 +449,8 @@ def _tensors_of(state) -> list:
 
 
 def _progress(total: int, label: str, quiet: bool):
-    """A progress bar over ``total`` bytes with its ETA on a terminal's stderr; hidden
-    when stderr is not a terminal or the output is JSON."""
+    """A progress bar over ``total`` (bytes, or items) with its ETA on a terminal's
+    stderr (click's); hidden when stderr is not a terminal or the output is JSON."""
     return click.progressbar(length=max(total, 1), label=label, file=sys.stderr,
                              hidden=quiet or not sys.stderr.isatty(), show_eta=True, show_percent=True)
 

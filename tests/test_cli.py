@@ -27,6 +27,8 @@ COMMANDS = {
     "gc": ["--keep-last", "--keep-every", "--keep-within", "--keep-best", "--grace", "--dry-run", "--json"],
     "doctor": ["--json"],
     "consolidate": ["--torch", "--rank", "--weights-only"],
+    "export": ["--zarr", "--rank", "--extension-types", "--json"],
+    "import": [],
 }
 
 
@@ -255,3 +257,39 @@ def test_consolidate_never_replaces_an_existing_checkpoint(tmp_path):
     r = cli("consolidate", src, dst)
     assert r.exit_code == 2 and "already exists" in r.stderr, r.output
     assert ckptstore.Store(root).manifest(5) == before and ckptstore.load(dst)["step"] == 5
+
+
+def test_long_commands_show_progress_on_a_terminal_and_stay_quiet_otherwise(tmp_path):
+    """verify, gc and export draw a bar (with its ETA) on a terminal's stderr; piped, or
+    with --json, they print none."""
+    import pty
+
+    path = str(tmp_path / "ckpt")
+    ckptstore.save({"w": torch.randn(512, 1024)}, path).result()
+    runs = {"verify": ["verify", path], "export": ["export", path, str(tmp_path / "out.zarr"), "--zarr"],
+            "gc": ["gc", path]}
+    for name, args in runs.items():
+        if name == "export":
+            pytest.importorskip("tensorstore")
+        main_fd, tty = pty.openpty()
+        try:
+            r = subprocess.run([sys.executable, "-m", "ckptstore.cli", *args], stdout=subprocess.PIPE, stderr=tty,
+                               env=cli_env(), timeout=300)
+            os.close(tty)
+            seen = b""
+            while True:
+                try:
+                    piece = os.read(main_fd, 65536)
+                except OSError:  # the terminal closed: all read
+                    break
+                if not piece:
+                    break
+                seen += piece
+        finally:
+            os.close(main_fd)
+        assert r.returncode == 0, (name, r.stdout, seen)
+        label = {"verify": b"verifying", "export": b"exporting", "gc": b"deleting"}[name]
+        assert label in seen, (name, seen)
+    piped = subprocess.run([sys.executable, "-m", "ckptstore.cli", "verify", path], capture_output=True,
+                           env=cli_env(), timeout=300)
+    assert piped.returncode == 0 and b"verifying" not in piped.stderr

@@ -319,7 +319,7 @@ def check_blobs(storage: Storage, reads: Sequence[BlobRead], pool, scratch=_new_
                 on_blob=None, sizes: dict[str, int | None] | None = None) -> list[CkptStoreError | None]:
     """Like :func:`read_blobs`, but every read's error (or None) instead of raising:
     for verify. A blob its file cannot hold is reported without being read.
-    ``on_blob()`` is called once per blob as it is settled."""
+    ``on_blob(blob)`` is called once per blob as it is settled."""
     if sizes is None:
         sizes = file_sizes(storage, (r.blob.file for r in reads), pool)
     results: list[CkptStoreError | None] = [None] * len(reads)
@@ -331,7 +331,7 @@ def check_blobs(storage: Storage, reads: Sequence[BlobRead], pool, scratch=_new_
             continue
         results[i] = IntegrityError(f"{_where(r.blob, r.what)}: {problem}")
         if on_blob is not None:
-            on_blob()
+            on_blob(r.blob)
     subset = [reads[i] for i in readable]
     groups = plan_reads(storage, subset)
     jobs = [pool.submit(_read_group, storage, subset, g, scratch) for g in groups]
@@ -343,6 +343,6 @@ def check_blobs(storage: Storage, reads: Sequence[BlobRead], pool, scratch=_new_
             for i in group:
                 results[readable[i]] = e
         if on_blob is not None:
-            for _ in group:
-                on_blob()
+            for i in group:
+                on_blob(subset[i].blob)
     return results

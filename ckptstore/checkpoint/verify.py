@@ -60,13 +60,15 @@ def verify_manifest(storage: Storage, manifest: fmt.Manifest, quick: bool = Fals
         problem = extent_problem(blob, sizes)
         if problem is not None:
             problems.append(Problem(where, rank, key, blob.file, blob.offset, problem))
+            if on_blob is not None:
+                on_blob(blob)
             continue
         if not quick:
             ident = _identity(storage, blob)
             if seen is not None and ident in seen:
                 known.append((rank, key, blob, seen[ident]))
                 if on_blob is not None:
-                    on_blob()
+                    on_blob(blob)
                 continue
             reads.append(BlobRead(blob, f"tensor {key!r}" if key else "skeleton"))
             checked.append((rank, key, blob))
