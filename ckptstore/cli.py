@@ -360,7 +360,8 @@ def consolidate(src: str, dst: str, as_torch: bool, rank: int, weights_only: boo
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", api.WorldSizeChangedWarning)
-            obj = api.load(src, map_location="cpu", weights_only=weights_only, rank=rank)
+            obj = _load_with_progress(src, "reading", False, map_location="cpu", weights_only=weights_only,
+                                      rank=rank)
         if as_torch:
             with open(dst, "xb") as f:
                 torch.save(obj, f)
@@ -404,7 +405,8 @@ def export(src: str, dest: str, as_zarr: bool, rank: int, extension_types: bool,
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", api.WorldSizeChangedWarning)
-            state = api.load(src, map_location="cpu", weights_only=weights_only, rank=rank)
+            state = _load_with_progress(src, "reading", as_json, map_location="cpu", weights_only=weights_only,
+                                        rank=rank)
         total = sum(t.numel() * t.element_size() for t in _tensors_of(state))
         with _progress(total, "exporting", as_json) as bar:
             report = zarr_io.export_state(state, dest, extension_types=extension_types, source=src,
@@ -439,6 +441,24 @@ def import_(src: str, dest: str) -> None:
     except CkptStoreError as e:
         _fail(str(e), EXIT_PROBLEM)
     click.echo(f"wrote {dest}: {len(_tensors_of(state))} tensor(s)")
+
+
+def _load_with_progress(src: str, label: str, quiet: bool, **load_args):
+    """``ckptstore.load(src)`` with a bar over the stored bytes it reads."""
+    from . import api
+    from .checkpoint.reader import on_bytes_read
+    from .checkpoint.restore import latest_manifest
+
+    try:
+        total = latest_manifest(open_storage(src)).stored_bytes
+    except (CkptStoreError, ValueError, OSError):  # a single-file container, say: no total to show
+        total = 0
+    with _progress(total, label, quiet or not total) as bar:
+        token = on_bytes_read.set(bar.update)
+        try:
+            return api.load(src, **load_args)
+        finally:
+            on_bytes_read.reset(token)
 
 
 def _tensors_of(state) -> list:

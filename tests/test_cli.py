@@ -260,14 +260,14 @@ def test_consolidate_never_replaces_an_existing_checkpoint(tmp_path):
 
 
 def test_long_commands_show_progress_on_a_terminal_and_stay_quiet_otherwise(tmp_path):
-    """verify, gc and export draw a bar (with its ETA) on a terminal's stderr; piped, or
-    with --json, they print none."""
+    """verify, gc, consolidate and export draw a bar (with its ETA) on a terminal's
+    stderr; piped, or with --json, they print none."""
     import pty
 
     path = str(tmp_path / "ckpt")
     ckptstore.save({"w": torch.randn(512, 1024)}, path).result()
     runs = {"verify": ["verify", path], "export": ["export", path, str(tmp_path / "out.zarr"), "--zarr"],
-            "gc": ["gc", path]}
+            "gc": ["gc", path], "consolidate": ["consolidate", path, str(tmp_path / "whole")]}
     for name, args in runs.items():
         if name == "export":
             pytest.importorskip("tensorstore")
@@ -288,7 +288,7 @@ def test_long_commands_show_progress_on_a_terminal_and_stay_quiet_otherwise(tmp_
         finally:
             os.close(main_fd)
         assert r.returncode == 0, (name, r.stdout, seen)
-        label = {"verify": b"verifying", "export": b"exporting", "gc": b"deleting"}[name]
+        label = {"verify": b"verifying", "export": b"exporting", "gc": b"deleting", "consolidate": b"reading"}[name]
         assert label in seen, (name, seen)
     piped = subprocess.run([sys.executable, "-m", "ckptstore.cli", "verify", path], capture_output=True,
                            env=cli_env(), timeout=300)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from concurrent.futures import wait
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -295,6 +296,11 @@ def _read_group(storage: Storage, reads: Sequence[BlobRead], group: list[int], s
     return failed
 
 
+# A caller's view of a long load (``ckptstore consolidate``'s progress bar): called with
+# the stored bytes of each group of blobs once read and checked, on the caller's thread.
+on_bytes_read: ContextVar[Callable[[int], None] | None] = ContextVar("on_bytes_read", default=None)
+
+
 def read_blobs(storage: Storage, reads: Sequence[BlobRead], pool, extents_checked: bool = False) -> None:
     """Read and check every blob of ``reads`` on ``pool``, neighbours coalesced
     (:func:`plan_reads`); raises the error of the first read, in the caller's order,
@@ -303,12 +309,16 @@ def read_blobs(storage: Storage, reads: Sequence[BlobRead], pool, extents_checke
     or sends a request, after the load has failed."""
     if not extents_checked:
         check_extents(storage, ((r.blob, r.what) for r in reads), pool)
-    jobs = [pool.submit(_read_group, storage, reads, g) for g in plan_reads(storage, reads)]
+    groups = plan_reads(storage, reads)
+    jobs = [pool.submit(_read_group, storage, reads, g) for g in groups]
+    report = on_bytes_read.get()
     try:
-        for j in jobs:
+        for g, j in zip(groups, jobs):
             failed = j.result()
             if failed:
                 raise min(failed, key=lambda f: f[0])[1]
+            if report is not None:
+                report(sum(reads[i].blob.length for i in g))
     finally:
         for j in jobs:
             j.cancel()
