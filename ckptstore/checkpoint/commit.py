@@ -46,6 +46,7 @@ from ..errors import (
     ObjectNotFoundError,
     ObjectTooLargeError,
 )
+from ..runtime import runtime
 from ..storage import Storage
 from . import exiting
 
@@ -152,22 +153,40 @@ def read_capped(storage: Storage, key: str, cap: int, what: str) -> bytes:
         raise FormatError(f"{what} is larger than the cap of {cap} bytes: {e}") from e
 
 
-def read_votes(storage: Storage, attempt: str, entries: list[str] | None = None) -> dict[int, fmt.Vote]:
-    """The votes of ``attempt``; ``entries``: a listing of its directory already made."""
-    votes = {}
+def read_votes(storage: Storage, attempt: str, entries: list[str] | None = None,
+               have=frozenset(), pool=None) -> dict[int, fmt.Vote]:
+    """The votes of ``attempt`` but those of the ranks in ``have`` (read already: a
+    committer polling for the last votes reads each vote once); ``entries``: a listing
+    of its directory already made. With a ``pool`` the votes' bytes are fetched in
+    parallel, as many at once as it has threads (the latency of an object store, not
+    the count of ranks, bounds the wait), and parsed here one by one, in rank order
+    (parsing holds the GIL: threads would only contend for it); the first bad vote in
+    rank order is the error."""
     prefix = names.attempt_dir(attempt)
+    todo = []
     for name in (storage.list(prefix) if entries is None else entries):
         rank = names.parse_vote_leaf(name)
-        if rank is None:
-            continue
-        key = f"{prefix}/{name}"
-        try:
-            v = fmt.Vote.from_bytes(read_capped(storage, key, fmt.max_manifest_bytes(), "vote"))
-        except (FormatError, ObjectNotFoundError) as e:
-            raise FormatError(f"{storage.describe(key)}: unreadable vote: {e}") from e
-        if (v.attempt, v.rank) != (attempt, rank):
-            raise FormatError(f"{storage.describe(key)}: holds the vote of rank {v.rank} for attempt {v.attempt}")
-        votes[v.rank] = v
+        if rank is not None and rank not in have:
+            todo.append((rank, f"{prefix}/{name}"))
+    todo.sort()
+
+    def fetch(key: str) -> bytes:
+        return read_capped(storage, key, fmt.max_manifest_bytes(), "vote")
+
+    fetched = [pool.submit(fetch, key) for _, key in todo] if pool is not None and len(todo) > 1 else None
+    votes = {}
+    try:
+        for i, (rank, key) in enumerate(todo):
+            try:
+                v = fmt.Vote.from_bytes(fetched[i].result() if fetched is not None else fetch(key))
+            except (FormatError, ObjectNotFoundError) as e:
+                raise FormatError(f"{storage.describe(key)}: unreadable vote: {e}") from e
+            if (v.attempt, v.rank) != (attempt, rank):
+                raise FormatError(f"{storage.describe(key)}: holds the vote of rank {v.rank} for attempt {v.attempt}")
+            votes[v.rank] = v
+    finally:
+        for f in fetched or ():
+            f.cancel()
     return votes
 
 
@@ -211,7 +230,7 @@ def commit(storage: Storage, own: fmt.Vote, world_size: int, created_at: str, me
         entries: list[str] = []
         if world_size > 1:
             entries = storage.list(names.attempt_dir(attempt))  # one listing: votes and abort marker
-            votes.update(read_votes(storage, attempt, entries))
+            votes.update(read_votes(storage, attempt, entries, have=votes.keys(), pool=runtime().readers))
         refusals = [v for v in votes.values() if not v.ok]
         if refusals:
             abort(storage, attempt, refusals[0].error)

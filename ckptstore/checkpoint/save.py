@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-
 import pickle
 import threading
 from concurrent.futures import Future

@@ -1,0 +1,74 @@
+"""The committer's gathering of votes: each vote is read once, however many times the
+committer polls for the last ones, and a bad vote is reported in rank order (issue 18:
+a commit whose cost does not grow with the polls times the ranks)."""
+
+from __future__ import annotations
+
+import pickle
+import threading
+
+import torch
+
+from ckptstore import format as fmt
+from ckptstore import names
+from ckptstore.checkpoint.commit import read_votes
+from ckptstore.checkpoint.save import SaveOptions, start_save
+from ckptstore.hashing import digest
+from ckptstore.runtime import runtime
+from ckptstore.storage import LocalStorage
+
+HANG_GUARD_S = 120
+
+
+def test_a_committer_waiting_for_the_last_vote_reads_every_vote_once(tmp_path):
+    reads: dict[str, int] = {}
+    lists = threading.Semaphore(0)
+
+    class Counting(LocalStorage):
+        def read(self, key, *args, **kwargs):
+            if names.parse_vote_leaf(key.rsplit("/", 1)[-1]) is not None:
+                reads[key] = reads.get(key, 0) + 1
+            return super().read(key, *args, **kwargs)
+
+        def list(self, prefix=""):
+            if prefix.startswith(names.ATTEMPTS_DIR):
+                lists.release()  # one poll of the attempt directory
+            return super().list(prefix)
+
+    where = Counting(str(tmp_path / "ckpt"))
+    attempt = names.new_attempt_id()
+    other_rank(where, attempt, 1, 3)
+    committer = start_save({"w": torch.zeros(4)}, where, rt=runtime(), attempt=attempt, step=None, rank=0,
+                           world_size=3, metrics=None, options=SaveOptions(commit_timeout=HANG_GUARD_S))
+    for _ in range(3):  # the committer has polled three times: rank 1's vote is there, rank 2's is not
+        assert lists.acquire(timeout=HANG_GUARD_S)
+    other_rank(where, attempt, 2, 3)
+    manifest = committer.result(timeout=HANG_GUARD_S)
+    assert manifest.world_size == 3
+    assert sorted(reads.values()) == [1, 1], reads  # ranks 1 and 2: once each
+
+
+def other_rank(where, attempt: str, rank: int, world: int) -> None:
+    """What another rank's process leaves: its data file (a skeleton) and its vote."""
+    data = pickle.dumps({"rank": rank})
+    file = names.data_file_name(attempt, rank, 0)
+    where.put(file, data)
+    skeleton = fmt.Blob(file, 0, len(data), len(data), (), digest(data))
+    where.put(names.vote_name(attempt, rank),
+              fmt.Vote(attempt, None, world, rank, ok=True, state=fmt.RankState(rank, skeleton, {})).to_bytes())
+
+
+def test_votes_read_in_parallel_report_the_first_bad_one_in_rank_order(tmp_path):
+    where = LocalStorage(str(tmp_path / "ckpt"))
+    attempt = names.new_attempt_id()
+    for rank in range(1, 9):
+        vote = fmt.Vote(attempt, None, 9, rank, ok=False, error="no")
+        where.put(names.vote_name(attempt, rank), b"not json" if rank in (3, 6) else vote.to_bytes())
+    try:
+        read_votes(where, attempt, pool=runtime().readers)
+    except fmt.FormatError as e:
+        assert "vote-r00003" in str(e)
+    else:
+        raise AssertionError("a bad vote was not reported")
+    votes = read_votes(where, attempt, have={3, 6}, pool=runtime().readers)
+    assert sorted(votes) == [1, 2, 4, 5, 7, 8] and not any(v.ok for v in votes.values())
