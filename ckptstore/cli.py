@@ -349,8 +349,6 @@ def gc(url, keep_last, keep_every, keep_within, keep_best, grace, dry_run, as_js
 def consolidate(src: str, dst: str, as_torch: bool, rank: int, weights_only: bool) -> None:
     """Write a single-process checkpoint (or with --torch a torch.save file) holding the
     full tensors of the sharded checkpoint SRC."""
-    import warnings
-
     import torch
 
     from . import api
@@ -358,10 +356,7 @@ def consolidate(src: str, dst: str, as_torch: bool, rank: int, weights_only: boo
     if (not is_url(dst) and os.path.exists(dst)) or (is_url(dst) and open_storage(dst).list("")):
         _fail(f"{dst}: already exists; consolidate never replaces a checkpoint", EXIT_USAGE)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", api.WorldSizeChangedWarning)
-            obj = _load_with_progress(src, "reading", False, map_location="cpu", weights_only=weights_only,
-                                      rank=rank)
+        obj = _load_with_progress(src, "reading", False, map_location="cpu", weights_only=weights_only, rank=rank)
         if as_torch:
             with open(dst, "xb") as f:
                 torch.save(obj, f)
@@ -396,17 +391,13 @@ def export(src: str, dest: str, as_zarr: bool, rank: int, extension_types: bool,
            as_json: bool) -> None:
     """Write every tensor of checkpoint SRC as a zarr v3 array below the new local
     directory DEST, with dtype and shape kept (docs/interop.md)."""
-    import warnings
-
-    from . import api, zarr_io
+    from . import zarr_io
 
     if os.path.lexists(dest):
         _fail(f"{dest}: already exists; export never writes into an existing path", EXIT_USAGE)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", api.WorldSizeChangedWarning)
-            state = _load_with_progress(src, "reading", as_json, map_location="cpu", weights_only=weights_only,
-                                        rank=rank)
+        state = _load_with_progress(src, "reading", as_json, map_location="cpu", weights_only=weights_only,
+                                    rank=rank)
         total = sum(t.numel() * t.element_size() for t in _tensors_of(state))
         with _progress(total, "exporting", as_json) as bar:
             report = zarr_io.export_state(state, dest, extension_types=extension_types, source=src,
@@ -444,7 +435,10 @@ def import_(src: str, dest: str) -> None:
 
 
 def _load_with_progress(src: str, label: str, quiet: bool, **load_args):
-    """``ckptstore.load(src)`` with a bar over the stored bytes it reads."""
+    """``ckptstore.load(src)`` in one process (a sharded checkpoint whole: no warning for
+    that), with a bar over the stored bytes it reads."""
+    import warnings
+
     from . import api
     from .checkpoint.reader import on_bytes_read
     from .checkpoint.restore import latest_manifest
@@ -456,7 +450,9 @@ def _load_with_progress(src: str, label: str, quiet: bool, **load_args):
     with _progress(total, label, quiet or not total) as bar:
         token = on_bytes_read.set(bar.update)
         try:
-            return api.load(src, **load_args)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", api.WorldSizeChangedWarning)
+                return api.load(src, **load_args)
         finally:
             on_bytes_read.reset(token)
 
