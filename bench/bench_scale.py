@@ -8,7 +8,8 @@ its vote, naming ``--chunks`` tiny tensors of 64 bytes each (the case that stres
 metadata: many chunks, few bytes). The votes are written as real ranks write them;
 then rank 0's real ``commit`` runs (timed from the last vote: list, read and validate
 the votes, check every file, write the manifest), and the other figures are taken on
-the committed store. Where one manifest would not fit this machine (``--max-records``),
+the committed store (``ls``, gc's plan, and what ``ckptstore status`` reads of the
+store: its newest checkpoint). Where one manifest would not fit this machine (``--max-records``),
 the figures are extrapolated linearly from the largest measured N and marked so.
 
 Usage::
@@ -46,6 +47,7 @@ def simulate(storage, ranks: int, chunks: int) -> dict:
     from ckptstore.checkpoint.retention import Retention
     from ckptstore.checkpoint.verify import verify_manifest
     from ckptstore.hashing import digest
+    from ckptstore.supervisor.status import newest_checkpoint
 
     location = storage.child(names.step_dir_name(1))
     attempt = names.new_attempt_id()
@@ -86,11 +88,15 @@ def simulate(storage, ranks: int, chunks: int) -> dict:
     t0 = time.perf_counter()
     plan(storage, Retention(last=1))
     gc_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    newest_checkpoint(storage)  # what ckptstore status reads of the store (its journal aside)
+    status_s = time.perf_counter() - t0
     return {"ranks": ranks, "chunks_per_rank": chunks, "records": ranks * (chunks + 1), "measured": True,
             "simulate_ranks_s": round(ranks_s, 3), "commit_after_last_vote_s": round(commit_s, 3),
             "manifest_bytes": manifest_bytes, "vote_bytes": vote_bytes,
             "one_rank_load_metadata_bytes": manifest_bytes, "one_rank_load_metadata_s": round(load_meta_s, 3),
-            "verify_s": round(verify_s, 3), "ls_s": round(ls_s, 3), "gc_plan_s": round(gc_s, 3)}
+            "verify_s": round(verify_s, 3), "ls_s": round(ls_s, 3), "gc_plan_s": round(gc_s, 3),
+            "status_s": round(status_s, 3)}
 
 
 def extrapolate(row: dict, ranks: int) -> dict:
@@ -99,7 +105,7 @@ def extrapolate(row: dict, ranks: int) -> dict:
     out = {"ranks": ranks, "chunks_per_rank": row["chunks_per_rank"], "records": ranks * (row["chunks_per_rank"] + 1),
            "measured": False, "vote_bytes": row["vote_bytes"]}
     for key in ("simulate_ranks_s", "commit_after_last_vote_s", "manifest_bytes", "one_rank_load_metadata_bytes",
-                "one_rank_load_metadata_s", "verify_s", "ls_s", "gc_plan_s"):
+                "one_rank_load_metadata_s", "verify_s", "ls_s", "gc_plan_s", "status_s"):
         out[key] = round(row[key] * k, 3) if isinstance(row[key], float) else int(row[key] * k)
     return out
 
@@ -125,7 +131,8 @@ def run(backend: str, ranks_list: list[int], chunks: int, max_records: int, work
         rows.append(row)
         print(f"{backend:>5} N={ranks:>6}: commit {row['commit_after_last_vote_s']:.2f} s, manifest "
               f"{row['manifest_bytes'] / 1e6:.1f} MB, load metadata {row['one_rank_load_metadata_s']:.2f} s, "
-              f"verify {row['verify_s']:.2f} s, ls {row['ls_s']:.2f} s, gc plan {row['gc_plan_s']:.2f} s", flush=True)
+              f"verify {row['verify_s']:.2f} s, ls {row['ls_s']:.2f} s, gc plan {row['gc_plan_s']:.2f} s, "
+              f"status {row['status_s']:.2f} s", flush=True)
         if backend == "local":
             shutil.rmtree(work / f"local-{ranks}", ignore_errors=True)
     return rows
@@ -153,12 +160,12 @@ def main() -> int:
         shutil.rmtree(work, ignore_errors=True)
     print()
     print(f"{'backend':>7} {'N':>6} {'records':>10} {'manifest MB':>11} {'commit s':>9} {'load meta s':>11} "
-          f"{'verify s':>9} {'ls s':>7} {'gc s':>7}")
+          f"{'verify s':>9} {'ls s':>7} {'gc s':>7} {'status s':>8}")
     for r in rows:
         mark = "" if r["measured"] else "  (extrapolated)"
         print(f"{r['backend']:>7} {r['ranks']:>6} {r['records']:>10} {r['manifest_bytes'] / 1e6:>11.1f} "
               f"{r['commit_after_last_vote_s']:>9.2f} {r['one_rank_load_metadata_s']:>11.2f} {r['verify_s']:>9.2f} "
-              f"{r['ls_s']:>7.2f} {r['gc_plan_s']:>7.2f}{mark}")
+              f"{r['ls_s']:>7.2f} {r['gc_plan_s']:>7.2f} {r['status_s']:>8.2f}{mark}")
     write_json(args.out, {"machine": machine, "format": "single manifest (format version 3)",
                           "chunk_bytes": CHUNK, "rows": rows})
     return 0
