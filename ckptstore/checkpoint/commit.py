@@ -221,6 +221,8 @@ def commit(storage: Storage, own: fmt.Vote, world_size: int, created_at: str, me
     manifest references, deletes their files. ``base``: (step, generation) of the
     manifest the votes' references came from (incremental saves): it must still be
     there just before the manifest is written (check_base)."""
+    from .references import has_references
+
     attempt = own.attempt
     where = storage.describe()
     votes = {0: own}
@@ -298,7 +300,7 @@ def commit(storage: Storage, own: fmt.Vote, world_size: int, created_at: str, me
     except FormatError as e:
         abort(storage, attempt, str(e))
         raise CommitError(f"{where}: refusing to commit: {e}") from e
-    if base is not None and any(b.step is not None for _, _, b in manifest.blobs()):
+    if base is not None and has_references(manifest):
         try:
             check_base(storage, base)
         except CommitError as e:
