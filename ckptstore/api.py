@@ -33,6 +33,7 @@ from .checkpoint.container import MAGIC, read_container, read_container_file, re
 from .checkpoint.group import agree_on_attempt, gather, rank_and_world
 from .checkpoint.references import index as index_references
 from .checkpoint.references import resolve as resolve_references
+from .checkpoint.indexes import expand, for_load
 from .checkpoint.reshard import fill_template
 from .checkpoint.restore import latest_manifest, restore
 from .checkpoint.save import SaveFuture, SaveOptions, start_save
@@ -279,6 +280,9 @@ def _load_storage(storage: Storage, map_location, weights_only: bool, rank: int 
                               f"step {step}")
         info = _load_info(storage, manifest, rank, group)
         try:
+            # a version 4 root: the loading rank's index, and the others' that its global tensors need
+            manifest = for_load(storage, manifest, info.rank_state_of, template is None, runtime().readers)
+            info = dataclasses.replace(info, manifest=manifest)
             source, readable = resolve_references(storage, manifest)  # (as they are, without references)
             obj = restore(source, readable, info.rank_state_of, map_location, weights_only,
                           pickle_load_args=pickle_load_args, globals_as_meta=template is not None, **custom)
@@ -592,10 +596,15 @@ class Store:
         steps = self.steps()
         return steps[-1] if steps else None
 
-    def manifest(self, step: int | None = None) -> fmt.Manifest:
+    def manifest(self, step: int | None = None, *, records: bool = True) -> fmt.Manifest:
+        """The committed manifest of ``step`` (default: the latest). A version 4
+        checkpoint's records lie in its ranks' indexes: all are read into it unless
+        ``records=False`` (then only the root: step, metrics, totals, global shapes)."""
         step = self._resolve(step)
         holders = self._copies(step)
-        return latest_manifest((holders[0][1] if holders else self).location(step))
+        location = (holders[0][1] if holders else self).location(step)
+        root = latest_manifest(location)
+        return expand(location, root) if records else root
 
     def _resolve(self, step: int | None) -> int:
         if step is None:

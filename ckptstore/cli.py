@@ -105,7 +105,7 @@ def _ls_record(loc: Location, now: float) -> dict:
         "bytes": m.stored_bytes if m else 0,
         "raw_bytes": m.raw_bytes if m else 0,
         # incremental saves: what this checkpoint wrote, and what it reads from other steps
-        "referenced_bytes": sum(b.length for _, _, b in m.blobs() if b.step is not None) if m else 0,
+        "referenced_bytes": m.referenced_bytes if m else 0,
         "metrics": dict(m.metrics) if m else {},
         "pinned": loc.pinned,
     }
@@ -242,7 +242,7 @@ def verify(url: str, quick: bool, as_json: bool) -> None:
         _fail(str(e), EXIT_PROBLEM)
     if not locations:
         _fail(f"{url}: no committed checkpoint found", EXIT_PROBLEM)
-    total = sum(b.length for loc in locations if loc.manifest for _, _, b in loc.manifest.blobs())
+    total = sum(loc.manifest.stored_bytes for loc in locations if loc.manifest)
     reports = []
     seen: dict = {}  # each stored blob is read once, however many checkpoints reference it
     with _progress(total, "verifying", as_json) as bar:

@@ -51,6 +51,7 @@ from .checkpoint.commit import commit, write_vote
 from .checkpoint.flatten import global_skeleton
 from .checkpoint.references import resolve
 from .checkpoint.reshard import READ_BATCH_BYTES
+from .checkpoint.indexes import expand
 from .checkpoint.restore import latest_manifest, read_regions
 from .codecs import CompressionPolicy
 from .errors import CkptStoreError, FormatError
@@ -275,8 +276,8 @@ class Reader(StorageReader):
 
     def _read(self) -> tuple[Storage, fmt.Manifest]:
         storage = _location(self.url, self.step, self.storage_options)
-        if self._manifest is None:
-            self._manifest = latest_manifest(storage)
+        if self._manifest is None:  # (a version 4 root with every index read: DCP's metadata holds every chunk)
+            self._manifest = expand(storage, latest_manifest(storage))
         return resolve(storage, self._manifest)
 
     def read_metadata(self, *args, **kwargs) -> Metadata:

@@ -39,6 +39,8 @@ class Written:
     replicas: tuple  # ReplicaHash of replicated chunks other ranks write
 
 
+# Indexes and tables are JSON, which zstd shrinks 5-10x: compressed whatever the save's policy.
+METADATA_COMPRESSION = CompressionPolicy(mode="zstd", level=3)
 BATCH_BYTES = 1 << 20  # small chunks go to the workers in batches of about this much
 BATCH_ITEMS = 256
 
@@ -271,9 +273,25 @@ class RankWriter:
                     self._error = err
 
     # -- finishing (commit thread)
-    def finish(self) -> "Written":
-        """Wait for every chunk, make the data file durable; raise the first error."""
+    def finish(self, seal: Callable[["Written"], object] | None = None):
+        """Wait for every chunk, make the data file durable; raise the first error.
+        Returns what was written, or with ``seal`` what ``seal(written)`` returns: it
+        runs before the file is made durable, so the blobs it stores (a version 4
+        index: :meth:`store_metadata`) are made durable with it."""
         wait_futures(self._futures)
+        out: object = None
+        if self._error is None:
+            assert self._skeleton is not None
+            for chunks in self._chunks.values():
+                chunks.sort(key=lambda c: c.offsets)
+            local = {k: v for (scope, k), v in self._chunks.items() if scope == Scope.LOCAL}
+            shards = {k: v for (scope, k), v in self._chunks.items() if scope == Scope.GLOBAL}
+            out = Written(self._skeleton, local, shards, tuple(sorted(self._replicas, key=lambda r: (r.key, r.offsets))))
+            if seal is not None:
+                try:
+                    out = seal(out)
+                except BaseException as e:
+                    self._fail(e, "index")
         if self._error is None and self._out is not None:
             try:
                 self._out.close()
@@ -282,12 +300,14 @@ class RankWriter:
         if self._error is not None:
             self.abort()
             raise self._error
-        assert self._skeleton is not None
-        for chunks in self._chunks.values():
-            chunks.sort(key=lambda c: c.offsets)
-        local = {k: v for (scope, k), v in self._chunks.items() if scope == Scope.LOCAL}
-        shards = {k: v for (scope, k), v in self._chunks.items() if scope == Scope.GLOBAL}
-        return Written(self._skeleton, local, shards, tuple(sorted(self._replicas, key=lambda r: (r.key, r.offsets))))
+        return out
+
+    def store_metadata(self, raw: bytes) -> fmt.Blob:
+        """Append a metadata document (a version 4 index or table) now, hashed and
+        compressed like a blob, on the caller's thread; never a reference."""
+        chain, stored = encode(memoryview(raw), 1, METADATA_COMPRESSION, None, None)
+        offset = self._writer().append(stored)
+        return fmt.Blob(self.file, offset, len(stored), len(raw), tuple(chain), digest(memoryview(raw)))
 
     def abort(self) -> None:
         for _fn, _args, buf in self._pending:  # held back, never started: return the buffers

@@ -305,6 +305,9 @@ def fsdp_load(rank, world, events, root, mesh_shape):
         "big_needed": overlapping_stored_bytes(entry, region["offsets"], region["sizes"]),
         "big_stored": sum(c.blob.length for c in entry.chunks),
         "big_region": (region["offsets"], region["sizes"]),
+        # format version 4: the other ranks' indexes a load may read to find big's chunks
+        "other_indexes": sum(b.length for r, b in enumerate(store.manifest(records=False).indexes or ())
+                             if r != info.rank_state_of),
     }
 
 

@@ -39,7 +39,7 @@ def test_a_committer_waiting_for_the_last_vote_reads_every_vote_once(tmp_path):
     attempt = names.new_attempt_id()
     other_rank(where, attempt, 1, 3)
     committer = start_save({"w": torch.zeros(4)}, where, rt=runtime(), attempt=attempt, step=None, rank=0,
-                           world_size=3, metrics=None, options=SaveOptions(commit_timeout=HANG_GUARD_S))
+                           world_size=3, metrics=None, options=SaveOptions(commit_timeout=HANG_GUARD_S, indexed=False))  # (other_rank: version 3 votes)
     for _ in range(3):  # the committer has polled three times: rank 1's vote is there, rank 2's is not
         assert lists.acquire(timeout=HANG_GUARD_S)
     other_rank(where, attempt, 2, 3)

@@ -186,7 +186,7 @@ def test_I4_manifest_from_json_rejects_missing_fields(where):
     assert victim in str(ei.value)
 
 
-@pytest.mark.parametrize("version", [0, 4, 99, "1", "2", None, True])
+@pytest.mark.parametrize("version", [0, 5, 99, "1", "2", None, True])
 def test_I4_manifest_from_json_rejects_unknown_version(version):
     d = sample_manifest().to_json()
     d["format_version"] = version
@@ -247,7 +247,7 @@ def test_I4_vote_from_json_rejects_unknown_field_and_version():
     with pytest.raises(FormatError):
         fmt.Vote.from_json(d)
     d = vote.to_json()
-    d["format_version"] = fmt.FORMAT_VERSION + 1
+    d["format_version"] = max(fmt.READ_VERSIONS) + 1
     with pytest.raises(UnsupportedVersionError):
         fmt.Vote.from_json(d)
     d = vote.to_json()

@@ -503,7 +503,7 @@ def test_I4_I7_gc_never_deletes_the_data_of_a_manifest_it_cannot_read(tmp_path):
     loc = os.path.join(root, fmt.step_dir_name(10))
     path = os.path.join(loc, fmt.manifest_name(1))
     doc = json.loads(open(path, "rb").read())
-    doc["format_version"] = fmt.FORMAT_VERSION + 1
+    doc["format_version"] = max(fmt.READ_VERSIONS) + 1
     with open(path, "w") as f:
         json.dump(doc, f)
     age_files(root, 30 * 86400)

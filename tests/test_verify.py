@@ -254,7 +254,7 @@ def test_I4_verify_reports_an_unreadable_manifest(tmp_path, change):
     if change == "unknown_field":
         doc["surprise"] = 1
     elif change == "unknown_version":
-        doc["format_version"] = fmt.FORMAT_VERSION + 1
+        doc["format_version"] = max(fmt.READ_VERSIONS) + 1
     data = b"{not json" if change == "not_json" else json.dumps(doc).encode()
     with open(mpath, "wb") as f:
         f.write(data)

@@ -48,7 +48,9 @@ from ..errors import (
 )
 from ..runtime import runtime
 from ..storage import Storage
+from ..format_index import INDEX_VERSION
 from . import exiting
+from .indexes import build_root, check_index_files
 
 
 # Every rank of a multi-rank save beats its heartbeat this often from its start to its
@@ -265,15 +267,26 @@ def commit(storage: Storage, own: fmt.Vote, world_size: int, created_at: str, me
                 f"{where}: rank {v.rank} voted for attempt {v.attempt} step {v.step} world size "
                 f"{v.world_size}, rank 0 for attempt {attempt} step {own.step} world size {world_size}"
             )
-    ranks = tuple(votes[r].state for r in sorted(votes))
+    indexed = own.index is not None  # format version 4: the votes name indexes (indexes.py)
+    root: dict = {}
+    ranks, tensors = (), {}
     try:
-        fmt.validate_ranks(ranks, world_size)
-        tensors = merge_shards([votes[r] for r in sorted(votes)])
+        if indexed:
+            root = build_root(storage, votes, world_size, runtime().readers)
+        else:
+            ranks = tuple(votes[r].state for r in sorted(votes))
+            fmt.validate_ranks(ranks, world_size)
+            tensors = merge_shards([votes[r] for r in sorted(votes)])
     except FormatError as e:
         abort(storage, attempt, str(e))
         raise CommitError(f"{where}: refusing to commit: {e}") from e
     try:
-        check_files(storage, ranks, tensors)
+        if indexed:
+            problem = check_index_files(storage, root, runtime().readers)
+            if problem is not None:
+                raise CommitError(f"{problem}; nothing was committed")
+        else:
+            check_files(storage, ranks, tensors)
     except CommitError as e:
         abort(storage, attempt, str(e))
         raise
@@ -293,10 +306,14 @@ def commit(storage: Storage, own: fmt.Vote, world_size: int, created_at: str, me
         generation=generation, attempt=attempt, step=own.step, world_size=world_size,
         created_at=created_at, committed_at=fmt.utc_now(), ranks=ranks, tensors=tensors, metrics=metrics,
         library=f"ckptstore {__version__}", epoch=epoch,
+        **({"format_version": INDEX_VERSION, **root} if indexed else {}),
     )
     try:  # what a reader will check of the whole: no manifest goes out that it would refuse
-        fmt.validate_references(manifest)
-        fmt.validate_extents(manifest.blobs())
+        if indexed:  # (each rank checked its own records before it voted: indexes.seal)
+            fmt.Manifest.from_bytes(manifest.to_bytes())
+        else:
+            fmt.validate_references(manifest)
+            fmt.validate_extents(manifest.blobs())
     except FormatError as e:
         abort(storage, attempt, str(e))
         raise CommitError(f"{where}: refusing to commit: {e}") from e

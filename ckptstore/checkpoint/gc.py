@@ -309,15 +309,15 @@ def references_of(manifests) -> dict[str, set[str]]:
     locations (incremental saves: Blob.step)."""
     live: dict[str, set[str]] = {}
     for m in manifests:
-        for _, _, b in m.blobs():
-            if b.step is not None:
-                live.setdefault(names.step_dir_name(b.step), set()).add(names.parse_data_file(b.file)[0])
+        for step, attempts in m.referenced().items():  # (a version 4 root declares them: no index is read)
+            live.setdefault(names.step_dir_name(step), set()).update(attempts)
     return live
 
 
 def _references_of_unreadable(storage: Storage, generation: int) -> dict[str, set[str]] | None:
     """What a manifest that does not pass validation may reference, read leniently:
-    every record with a ``step`` and a data ``file``; None when that cannot be told
+    every record with a ``step`` and a data ``file`` (or, in a version 4 root, a
+    ``step`` and an ``attempt``); None when that cannot be told
     (not JSON, or a reference that names no valid step or data file)."""
     from .commit import read_capped
 
@@ -330,6 +330,11 @@ def _references_of_unreadable(storage: Storage, generation: int) -> dict[str, se
                 if type(step) is not int or not 0 <= step <= names.MAX_STEP or parsed is None:
                     raise ValueError("a reference that cannot be followed")
                 refs.setdefault(names.step_dir_name(step), set()).add(parsed[0])
+            elif o.keys() == {"step", "attempt"}:  # a version 4 root's declaration of one
+                step, attempt = o["step"], o["attempt"]
+                if type(step) is not int or not 0 <= step <= names.MAX_STEP or not names.is_attempt_id(attempt):
+                    raise ValueError("a reference that cannot be followed")
+                refs.setdefault(names.step_dir_name(step), set()).add(attempt)
             for v in o.values():
                 visit(v)
         elif isinstance(o, list):

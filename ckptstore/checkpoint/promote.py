@@ -22,6 +22,7 @@ from .. import names
 from ..errors import ObjectNotFoundError
 from ..storage import Storage
 from .commit import await_outcome, commit, generations, read_manifest, write_vote
+from .indexes import read_indexes, vote_of_index
 from .reader import verified
 from .save import _refuse
 
@@ -125,12 +126,19 @@ def promote(src: Storage, dst: Storage, manifest: fmt.Manifest, rank: int, *, ti
     throttle = throttle or Throttle(None)
     try:
         mine: dict[str, list[fmt.Blob]] = {}
-        for _, _, blob in manifest.blobs():
+        if manifest.indexed:  # version 4: this rank's index says what its files hold
+            index = read_indexes(src, manifest, [rank], None)[rank]
+            blobs = [b for _, b in index.blobs()] + [manifest.indexes[rank]]
+            blobs += [index.summary.table] if index.summary.table is not None else []
+            vote = vote_of_index(index, manifest.indexes[rank], manifest.step, world)
+        else:
+            blobs = [b for _, _, b in manifest.blobs()]
+            vote = rank_vote(manifest, rank)
+        for blob in blobs:
             if rank_of_file(blob.file) == rank:
                 mine.setdefault(blob.file, []).append(blob)
         for name in sorted(mine):
             copy_file(src, dst, name, mine[name], throttle)
-        vote = rank_vote(manifest, rank)
         if world > 1:
             write_vote(dst, vote)
         if rank == 0:

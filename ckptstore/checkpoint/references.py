@@ -45,7 +45,7 @@ def index(manifest: fmt.Manifest, rank: int) -> dict[tuple[int, str], fmt.Blob]:
     drop_in = manifest.step is None
     if drop_in and manifest.world_size != 1:
         return out
-    for _, key, b in manifest.blobs():
+    for key, b in _records(manifest):
         if key is None or b.raw_length < MIN_REFERENCE_BYTES:  # (key None: a skeleton)
             continue
         if names.parse_data_file(b.file)[1] != rank:
@@ -58,8 +58,22 @@ def index(manifest: fmt.Manifest, rank: int) -> dict[tuple[int, str], fmt.Blob]:
     return out
 
 
+def _records(manifest: fmt.Manifest):
+    """(key, blob) of the records at hand: all of them, or of a version 4 root those
+    read into it (a rank's own: indexes.with_own)."""
+    if manifest.complete:
+        for _, key, b in manifest.blobs():
+            yield key, b
+        return
+    for r in manifest.ranks:
+        yield from r.blobs()
+    for key, entry in manifest.tensors.items():
+        for c in entry.chunks:
+            yield key, c.blob
+
+
 def has_references(manifest: fmt.Manifest) -> bool:
-    return any(b.step is not None for _, _, b in manifest.blobs())
+    return bool(manifest.referenced())
 
 
 def resolve(storage: Storage, manifest: fmt.Manifest) -> tuple[Storage, fmt.Manifest]:
@@ -88,7 +102,9 @@ def readable(manifest: fmt.Manifest) -> fmt.Manifest:
                 for k, e in tensors.items()}
 
     ranks = tuple(fmt.RankState(r.rank, blob(r.skeleton), entries(r.tensors)) for r in manifest.ranks)
-    return dataclasses.replace(manifest, ranks=ranks, tensors=entries(manifest.tensors))
+    mapped = getattr(manifest.tensors, "mapped", None)  # a version 4 root's, read on demand (indexes.LazyGlobals)
+    return dataclasses.replace(manifest, ranks=ranks,
+                               tensors=mapped(blob) if mapped is not None else entries(manifest.tensors))
 
 
 class ReferencingStorage(Storage):

@@ -30,20 +30,24 @@ def fill_template(template, loaded, manifest: fmt.Manifest, storage: Storage, po
     non-tensor values replaced by the loaded ones. ``loaded`` is the rank's object as
     restored with its global tensors as meta placeholders."""
     where = storage.describe()
-    batch: list[tuple] = []  # (entry, what, offsets, sizes, destination view)
+    batch: list[tuple] = []  # (entry, what, offsets, sizes, destination view, key)
     batch_bytes = 0
+    ensure = getattr(manifest.tensors, "ensure", None)  # a version 4 root's: reads the indexes holding them
 
     def read_batch() -> None:
         nonlocal batch, batch_bytes
         pending, batch, batch_bytes = batch, [], 0
+        if ensure is not None:
+            ensure([(key, offsets, sizes) for _, _, offsets, sizes, _, key in pending])
+            pending = [(manifest.tensors[key], *rest) for _, *rest, key in pending]
         regions = read_regions(storage, [r[:4] for r in pending], pool)
         with torch.no_grad():
-            for (*_, dst), region in zip(pending, regions):
+            for (_, _, _, _, dst, *_), region in zip(pending, regions):
                 dst.copy_(region.reshape(dst.shape).to(dst.dtype))
 
-    def fill(dst: torch.Tensor, entry: fmt.TensorEntry, what: str, offsets, sizes) -> None:
+    def fill(dst: torch.Tensor, entry: fmt.TensorEntry, what: str, offsets, sizes, key: str) -> None:
         nonlocal batch_bytes
-        batch.append((entry, what, tuple(offsets), tuple(sizes), dst))
+        batch.append((entry, what, tuple(offsets), tuple(sizes), dst, key))
         batch_bytes += dst.numel() * dst.element_size()
         if batch_bytes >= READ_BATCH_BYTES:
             read_batch()
@@ -67,9 +71,9 @@ def fill_template(template, loaded, manifest: fmt.Manifest, storage: Storage, po
             local = t.to_local()
             boxes = dtensor_boxes(t, f"{where}: cannot load into DTensor {path!r} of the template")
             for box in boxes:  # several for a _StridedShard layout scattered over the tensor
-                fill(local[box.index], entry, what, box.offsets, box.sizes)
+                fill(local[box.index], entry, what, box.offsets, box.sizes, path)
         else:
-            fill(t, entry, what, (0,) * len(entry.shape), tuple(entry.shape))
+            fill(t, entry, what, (0,) * len(entry.shape), tuple(entry.shape), path)
         return t
 
     def visit(t, old, path: str):

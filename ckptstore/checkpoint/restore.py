@@ -7,8 +7,10 @@ unpickler unless the caller opts out, so a load runs no code from the checkpoint
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import io
+import math
 import pickle
 
 import torch
@@ -121,11 +123,15 @@ def _read_regions(storage: Storage, requests, pool) -> list[torch.Tensor]:
         outs.append(out)
         if out.numel() == 0:
             continue
+        parts, total = [], 0
         for c in entry.chunks:
             lo = [max(a, b) for a, b in zip(offsets, c.offsets)]
             hi = [min(a + n, b + m) for a, n, b, m in zip(offsets, sizes, c.offsets, c.sizes)]
             if any(h <= low for low, h in zip(lo, hi)):
                 continue
+            part = _Region(tuple(a - o for a, o in zip(lo, offsets)), tuple(h - a for a, h in zip(lo, hi)))
+            parts.append(part)
+            total += math.prod(part.sizes)
             src = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, c.offsets))
             dst = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offsets))
             if id(c) not in pending:
@@ -134,8 +140,20 @@ def _read_regions(storage: Storage, requests, pool) -> list[torch.Tensor]:
                 pending[id(c)] = (r, targets)
                 reads.append(r)
             pending[id(c)][1].append((out, dst, src))
+        # Nothing of the region may stay unwritten (a version 4 reader gathers chunks
+        # from several indexes): the chunks that overlap it cover it exactly once.
+        if total != out.numel():
+            raise FormatError(f"{where}: the checkpoint's chunks cover {total} of the {out.numel()} elements "
+                              f"at {list(offsets)} size {list(sizes)}")
+        fmt.check_exact_cover(tuple(sizes), parts, f"{where}: region at {list(offsets)}")
     read_blobs(storage, reads, pool)
     return outs
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Region:
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
 
 
 def _into_regions(c: fmt.Chunk, dtype: torch.dtype, targets: list, raw: torch.Tensor) -> None:

@@ -17,6 +17,7 @@ from ..runtime import Runtime
 from ..storage import Storage
 from . import exiting
 from .commit import SAVE_BEAT_EVERY, abort, await_outcome, commit, write_failure_vote, write_vote
+from .indexes import rank_records, seal, with_own
 from .snapshot import DEFAULT_CHUNK_BYTES, snapshot
 
 
@@ -32,6 +33,10 @@ class SaveOptions:
     fence: Any = None  # called by the committer just before the manifest: raises FencedError
     references: Any = None  # incremental: {(raw length, xxh3): committed Blob with step} (references.index)
     reference_base: tuple[int, int] | None = None  # (step, generation) of the manifest ``references`` came from
+    # Format version 4 (indexes.py): each rank's records in an index of its own, the
+    # manifest a root naming them. None: for a save of more than one rank (one rank's
+    # records in one document are one read where a root and an index would be two).
+    indexed: bool | None = None
 
 
 class SaveFuture:
@@ -137,16 +142,19 @@ def start_save(obj, storage: Storage, *, rt: Runtime, attempt: str, step: int | 
         raise
     future._staged.set()
 
+    indexed = world_size > 1 if options.indexed is None else options.indexed
+
     def finish() -> None:
         try:
-            written = writer.finish()
-            tensors = {key: fmt.TensorEntry(dtype, shape, tuple(written.local.get(key, ())))
-                       for key, (dtype, shape) in staged.local.items()}
-            shards = {key: fmt.TensorEntry(dtype, shape, tuple(written.shards.get(key, ())))
-                      for key, (dtype, shape) in staged.shards.items()}
-            vote = fmt.Vote(attempt, step, world_size, rank, ok=True,
-                            state=fmt.RankState(rank, written.skeleton, tensors),
-                            shards=shards, replicas=written.replicas)
+            own = None
+            if indexed:
+                vote, own = writer.finish(functools.partial(seal, writer, staged=staged, step=step,
+                                                            world_size=world_size))
+            else:
+                written = writer.finish()
+                state, shards = rank_records(rank, written, staged)
+                vote = fmt.Vote(attempt, step, world_size, rank, ok=True, state=state, shards=shards,
+                                replicas=written.replicas)
             if world_size > 1:  # a one-rank save's committer is its only voter: no file to write and fsync
                 write_vote(storage, vote)
             if rank == 0:
@@ -156,6 +164,8 @@ def start_save(obj, storage: Storage, *, rt: Runtime, attempt: str, step: int | 
                                   retire_files=options.references is None or step is None)
             else:
                 manifest = await_outcome(storage, attempt, options.commit_timeout, rank)
+            if own is not None:  # a root: with this rank's own records, which it has at hand
+                manifest = with_own(storage, manifest, own, rt.readers)
         except BaseException as e:
             _refuse(storage, attempt, step, world_size, rank, e)
             future._future.set_exception(e)

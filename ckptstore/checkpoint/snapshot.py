@@ -45,6 +45,7 @@ class Snapshot:
 
     local: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
     shards: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
+    holders: dict[str, int] = field(default_factory=dict)  # global key -> ranks holding each of its chunks
 
 
 def snapshot(obj, writer: RankWriter, pool: StagingPool, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
@@ -79,6 +80,7 @@ def snapshot(obj, writer: RankWriter, pool: StagingPool, chunk_bytes: int = DEFA
             stage(ref.key, ref.storage, 0, ref.shape, zero, ref.dtype.itemsize, LOCAL, _writes_all)
         else:
             out.shards[ref.key] = entry
+            out.holders[ref.key] = world_size
 
             def writes(offsets, nbytes, key=ref.key):
                 owner = assignment.get((key, offsets))
@@ -97,7 +99,7 @@ def snapshot(obj, writer: RankWriter, pool: StagingPool, chunk_bytes: int = DEFA
         if not boxes:
             return
         local = dt.to_local()
-        mine = _writes_dtensor_replica(dt)
+        mine, out.holders[ref.key] = _writes_dtensor_replica(dt)
         itemsize = dt.dtype.itemsize
         for box in boxes:
             part = local[box.index]
@@ -182,7 +184,8 @@ def _stable_hash(key: str, offsets) -> int:
 
 
 def _writes_dtensor_replica(dt):
-    """A predicate (key, chunk offsets) -> does this rank write that chunk.
+    """A predicate (key, chunk offsets) -> does this rank write that chunk, and the
+    number of ranks holding each chunk (the replicas).
 
     The replicas of a shard are the ranks that differ only along the mesh dimensions
     the DTensor is replicated over: its Replicate placements and, for a DTensor on a
@@ -192,7 +195,7 @@ def _writes_dtensor_replica(dt):
     mesh = dt.device_mesh
     coord = mesh.get_coordinate()
     if coord is None:
-        return lambda key, offsets: False
+        return (lambda key, offsets: False), 1
     replicated = [(mesh.size(i), coord[i]) for i, p in enumerate(dt.placements) if p.is_replicate()]
     root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
     if root is not mesh and root.mesh_dim_names and mesh.mesh_dim_names:
@@ -201,12 +204,12 @@ def _writes_dtensor_replica(dt):
             if name not in mesh.mesh_dim_names:
                 replicated.append((root.size(j), root_coord[j]))
     if not replicated:
-        return lambda key, offsets: True
+        return (lambda key, offsets: True), 1
     index = 0
     for n, c in replicated:
         index = index * n + c
     replicas = math.prod(n for n, _ in replicated)
-    return lambda key, offsets: _stable_hash(key, offsets) % replicas == index
+    return (lambda key, offsets: _stable_hash(key, offsets) % replicas == index), replicas
 
 
 def _assign_replicated(obj, is_replicated, limit: int, world_size: int) -> dict:

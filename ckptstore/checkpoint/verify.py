@@ -43,15 +43,20 @@ def verify_manifest(storage: Storage, manifest: fmt.Manifest, quick: bool = Fals
     store, makes each stored blob read once however many checkpoints reference it:
     a later one gets the first one's verdict."""
     from ..runtime import runtime
+    from .indexes import expand
     from .references import resolve
 
     where = storage.describe()
+    pool = pool or runtime().readers
+    try:  # a version 4 root: every index, each checked against its hash and the root
+        manifest = expand(storage, manifest, pool)
+    except CkptStoreError as e:
+        return [Problem(where, None, None, None, None, str(e))]
     storage, manifest = resolve(storage, manifest)
     problems: list[Problem] = []
     if manifest.byteorder != "little":  # load refuses it: so must verify
         problems.append(Problem(where, None, None, None, None, f"byteorder {manifest.byteorder!r}: "
                                 "this reader loads little-endian checkpoints only"))
-    pool = pool or runtime().readers
     sizes = file_sizes(storage, manifest.files(), pool)
     reads: list[BlobRead] = []
     checked: list[tuple[int | None, str | None, fmt.Blob]] = []

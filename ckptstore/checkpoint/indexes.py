@@ -1,0 +1,322 @@
+"""Format version 4 at work: a rank seals its index into its data file, the committer
+builds the root from the votes alone, and readers read only the indexes they need.
+
+- **Writing** (:func:`seal`, on the rank's commit thread, before its data file is made
+  durable): the table of global tensors the rank holds and its index are appended as
+  two more blobs; the vote names the index and sums it up (format_index.Summary).
+- **Committing** (:func:`build_root`): the committer reads each distinct table once
+  and checks I5 by fingerprints (fingerprint.py), so its work grows with the ranks,
+  not with their chunks. A fingerprint that does not add up sends it to the exact
+  check over every index, which names the chunk at fault.
+- **Reading**: :func:`read_indexes` fetches indexes in parallel, each checked against
+  the root's hash (I3) and against the root's claims before it is used;
+  :func:`expand` reads all of them (verify, promotion, a consolidating load);
+  :func:`for_load` reads one rank's, and :class:`LazyGlobals` the others' only when the
+  chunks a template needs are not in it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+from .. import format as fmt
+from ..errors import FormatError
+from ..format_index import (
+    GlobalEntry,
+    Index,
+    Reads,
+    Summary,
+    in_ranges,
+    parse_table,
+    rank_ranges,
+    ranges_ranks,
+    table_bytes,
+)
+from ..storage import Storage
+from . import fingerprint
+from .reader import file_sizes, verified
+
+
+# ---------------------------------------------------------------------------- a rank
+def rank_records(rank: int, written, staged) -> tuple[fmt.RankState, dict[str, fmt.TensorEntry]]:
+    """A rank's own object and the chunks of global tensors it wrote (an entry for every
+    global tensor it holds, without chunks where another rank writes them)."""
+    tensors = {key: fmt.TensorEntry(dtype, shape, tuple(written.local.get(key, ())))
+               for key, (dtype, shape) in staged.local.items()}
+    shards = {key: fmt.TensorEntry(dtype, shape, tuple(written.shards.get(key, ())))
+              for key, (dtype, shape) in staged.shards.items()}
+    return fmt.RankState(rank, written.skeleton, tensors), shards
+
+
+def seal(writer, written, staged, *, step: int | None, world_size: int) -> tuple[fmt.Vote, Index]:
+    """Append this rank's table and index to its data file (before it is made durable)
+    and return its version 4 vote and the index. Checks first what the committer no longer reads:
+    its own tensors' coverage, its blobs' extents and references (I4, I5)."""
+    rank, attempt = writer.rank, writer.attempt
+    state, shards = rank_records(rank, written, staged)
+    for key, entry in state.tensors.items():
+        fmt.validate_coverage(entry, f"rank {rank} tensor {key!r}")
+    blobs = [b for _, b in state.blobs()] + [c.blob for e in shards.values() for c in e.chunks]
+    fmt.validate_extents((rank, None, b) for b in blobs)
+    table = writer.store_metadata(table_bytes(staged.shards)) if staged.shards else None
+    reads = Reads.of_blobs(blobs + ([table] if table is not None else []))
+    if reads.references and step is None:
+        raise FormatError("a checkpoint that is not a step of a store cannot refer to other steps")
+    summary = Summary(
+        table,
+        fingerprint.coverage({k: [(c.offsets, c.sizes) for c in e.chunks] for k, e in shards.items()}),
+        fingerprint.replicas([(k, c.offsets, c.sizes, c.blob.xxh3_128) for k, e in shards.items() for c in e.chunks],
+                             [(r.key, r.offsets, r.sizes, r.xxh3_128) for r in written.replicas],
+                             lambda key: staged.holders.get(key, 1)),
+        reads,
+    )
+    index = Index(attempt, rank, state, shards, tuple(written.replicas), summary)
+    vote = fmt.Vote(attempt, step, world_size, rank, ok=True, index=writer.store_metadata(index.to_bytes()),
+                    summary=summary)
+    return vote, index
+
+
+def with_own(storage: Storage, root: fmt.Manifest, own: Index, pool) -> fmt.Manifest:
+    """The committed ``root`` as the rank that wrote ``own`` knows it: its own records
+    read in (what its next incremental save may reference), the others' on demand."""
+    return dataclasses.replace(root, ranks=(own.state,), tensors=LazyGlobals(storage, root, pool, {own.rank: own}),
+                               tables=_tables([own]))
+
+
+def _tables(indexes) -> tuple[fmt.Blob, ...]:
+    return tuple(i.summary.table for i in indexes if i.summary.table is not None)
+
+
+def vote_of_index(index: Index, blob: fmt.Blob, step: int | None, world_size: int) -> fmt.Vote:
+    """The vote a rank cast for the index it stored at ``blob`` (a promotion replays it)."""
+    return fmt.Vote(index.attempt, step, world_size, index.rank, ok=True, index=blob, summary=index.summary)
+
+
+# ---------------------------------------------------------------------------- the committer
+def build_root(storage: Storage, votes: dict[int, fmt.Vote], world_size: int, pool) -> dict:
+    """The root's own fields (``indexes``, ``globals``, ``reads``) from every rank's
+    version 4 vote; raises FormatError, naming what is wrong, for a checkpoint the
+    committer must refuse."""
+    ranks = sorted(votes)
+    old = [r for r in ranks if votes[r].index is None]
+    if old:
+        raise FormatError(f"ranks {old[:8]} voted in format version 3, others in version 4 (mixed library versions?)")
+    tables: dict[str, list[int]] = {}
+    for r in ranks:
+        t = votes[r].summary.table
+        if t is not None:
+            tables.setdefault(t.xxh3_128, []).append(r)
+    fetched = _parallel(pool, [(lambda b=votes[rs[0]].summary.table, r=rs[0]: parse_table(
+        _metadata(storage, b, f"{storage.describe(b.file)}: rank {r}'s table of global tensors"),
+        f"rank {r}'s table")) for rs in tables.values()])
+    meta: dict[str, tuple[str, tuple[int, ...], int]] = {}
+    holders: dict[str, list[int]] = {}
+    for rs, table in zip(tables.values(), fetched):
+        for key, (dtype, shape) in table.items():
+            seen = meta.setdefault(key, (dtype, shape, rs[0]))
+            if seen[:2] != (dtype, shape):
+                raise FormatError(f"global tensor {key!r}: rank {seen[2]} saved {seen[0]}{list(seen[1])}, "
+                                  f"rank {rs[0]} saved {dtype}{list(shape)}")
+            holders.setdefault(key, []).extend(rs)
+    globals_ = {k: GlobalEntry(d, s, rank_ranges(holders[k])) for k, (d, s, _) in sorted(meta.items())}
+    covered = sum(votes[r].summary.coverage for r in ranks) % fingerprint.P
+    balance = sum(votes[r].summary.replicas for r in ranks) % fingerprint.P
+    if covered != fingerprint.whole({k: g.shape for k, g in globals_.items()}) or balance:
+        exact_check(storage, votes, pool)  # raises, naming the chunk; passes only if the fingerprints were wrong
+    reads = Reads(sum(votes[r].index.length for r in ranks), sum(votes[r].index.raw_length for r in ranks))
+    for r in ranks:
+        reads = reads + votes[r].summary.reads
+    return {"indexes": tuple(votes[r].index for r in ranks), "globals": globals_, "reads": reads}
+
+
+def exact_check(storage: Storage, votes: dict[int, fmt.Vote], pool) -> None:
+    """The version 3 check of I5 over every rank's index (the fingerprints' fallback)."""
+    from .commit import merge_shards
+
+    blobs = {r: v.index for r, v in votes.items()}
+    indexes = _read(storage, blobs, {r: v.attempt for r, v in votes.items()}, pool)
+    merge_shards([indexes[r] for r in sorted(indexes)])
+
+
+def check_index_files(storage: Storage, root_fields: dict, pool) -> str | None:
+    """Why the data files the indexes lie in cannot be published (one is gone or
+    shorter than its index's end: each index is its file's last blob), or None."""
+    need = {b.file: b.offset + b.length for b in root_fields["indexes"]}
+    if not getattr(storage, "sees_all_data", True):  # a multi-node local tier: this node's files only
+        need = {n: s for n, s in need.items() if fmt.parse_data_file(n)[1] == 0}
+    sizes = file_sizes(storage, need, pool)
+    for name, size in sorted(need.items()):
+        have = sizes.get(name)
+        if have is None:
+            return f"{storage.describe(name)}: data file vanished before the commit"
+        if have < size:
+            return f"{storage.describe(name)}: data file holds {have} bytes, the votes name {size}"
+    return None
+
+
+# ---------------------------------------------------------------------------- readers
+def _metadata(storage: Storage, blob: fmt.Blob, what: str) -> memoryview:
+    """A table's or index's raw bytes, read and checked against its hash (I3)."""
+    if blob.raw_length > fmt.max_manifest_bytes() or blob.length > fmt.max_manifest_bytes():
+        raise FormatError(f"{what}: {blob.raw_length} bytes claimed, more than the cap of "
+                          f"{fmt.max_manifest_bytes()} (CKPTSTORE_MAX_MANIFEST_BYTES)")
+    return verified(storage, blob, what, lambda n=blob.raw_length: memoryview(bytearray(n)))
+
+
+def _parallel(pool, jobs):
+    if pool is None or len(jobs) < 2:
+        return [j() for j in jobs]
+    futures = [pool.submit(j) for j in jobs]
+    try:
+        return [f.result() for f in futures]
+    finally:
+        for f in futures:
+            f.cancel()
+
+
+def _read(storage: Storage, blobs: dict[int, fmt.Blob], attempts: dict[int, str], pool) -> dict[int, Index]:
+    def one(rank: int) -> Index:
+        what = f"{storage.describe(blobs[rank].file)}: index of rank {rank}"
+        index = Index.from_bytes(_metadata(storage, blobs[rank], what), what)
+        if (index.attempt, index.rank, index.state.rank) != (attempts[rank], rank, rank):
+            raise FormatError(f"{what}: holds the index of rank {index.rank} (state of rank {index.state.rank}) "
+                              f"for attempt {index.attempt}")
+        return index
+
+    ranks = sorted(blobs)
+    return dict(zip(ranks, _parallel(pool, [lambda r=r: one(r) for r in ranks])))
+
+
+def read_indexes(storage: Storage, root: fmt.Manifest, ranks, pool) -> dict[int, Index]:
+    """The indexes of ``ranks``, each checked against what the root claims of it: its
+    references are among the root's, its global tensors are the root's with the same
+    dtype and shape, and the root names it a holder of each."""
+    ranks = sorted(set(ranks))
+    out = _read(storage, {r: root.indexes[r] for r in ranks}, dict.fromkeys(ranks, root.attempt), pool)
+    for rank, index in out.items():
+        what = f"{storage.describe(root.indexes[rank].file)}: index of rank {rank}"
+        if not root.reads.covers(index.summary.reads):
+            raise FormatError(f"{what}: refers to files the manifest does not declare")
+        for key, entry in index.shards.items():
+            g = root.globals.get(key)
+            if g is None or (g.dtype, g.shape) != (entry.dtype, entry.shape) or not in_ranges(rank, g.ranks):
+                raise FormatError(f"{what}: global tensor {key!r} ({entry.dtype}{list(entry.shape)}) is not "
+                                  "the manifest's, or the manifest does not name this rank a holder")
+        for r in index.replicas:
+            if r.key not in root.globals:
+                raise FormatError(f"{what}: a replica of {r.key!r}, which the manifest does not hold")
+    return out
+
+
+def expand(storage: Storage, root: fmt.Manifest, pool=None) -> fmt.Manifest:
+    """``root`` with every rank's index read into it: a complete manifest, validated
+    as a version 3 one is (coverage of every tensor, replicas, extents, references)."""
+    if not root.indexed or root.complete:
+        return root
+    from ..runtime import runtime
+    from .commit import merge_shards
+
+    pool = pool or runtime().readers
+    indexes = read_indexes(storage, root, range(root.world_size), pool)
+    ordered = [indexes[r] for r in range(root.world_size)]
+    states = tuple(i.state for i in ordered)
+    fmt.validate_ranks(states, root.world_size)
+    merged = merge_shards(ordered)
+    tensors = {k: merged.get(k, fmt.TensorEntry(g.dtype, g.shape, ())) for k, g in root.globals.items()}
+    for key, entry in tensors.items():
+        if key not in merged:
+            fmt.validate_coverage(entry, f"global tensor {key!r}")
+    m = dataclasses.replace(root, ranks=states, tensors=tensors, tables=_tables(ordered))
+    fmt.validate_references(m)
+    fmt.validate_extents(m.blobs())
+    return m
+
+
+def for_load(storage: Storage, root: fmt.Manifest, rank: int, whole_globals: bool, pool) -> fmt.Manifest:
+    """What a load of saved rank ``rank`` needs of ``root``: that rank's index, and the
+    global tensors' chunks, all of them (``whole_globals``: a load without a template
+    consolidates them) or as a template asks for them (:class:`LazyGlobals`)."""
+    if not root.indexed or root.complete:
+        return root
+    if whole_globals and root.globals:
+        return expand(storage, root, pool)
+    indexes = read_indexes(storage, root, [rank], pool)
+    state = indexes[rank].state
+    for key, entry in state.tensors.items():
+        fmt.validate_coverage(entry, f"rank {rank} tensor {key!r}")
+    fmt.validate_extents((rank, key, b) for key, b in indexes[rank].blobs())
+    return dataclasses.replace(root, ranks=(state,), tensors=LazyGlobals(storage, root, pool, indexes))
+
+
+class LazyGlobals(Mapping):
+    """A version 4 root's global tensors, whose chunks come from the indexes read so far.
+
+    Keys, dtypes and shapes are the root's. :meth:`ensure` reads, in one parallel
+    batch, the unread indexes of the holders of every tensor whose chunks read so far do
+    not cover a region a load needs (a rank loading what it saved finds them in its
+    own index and reads no other). ``transform`` maps each chunk's blob (references:
+    how a reader addresses another step's file)."""
+
+    def __init__(self, storage: Storage, root: fmt.Manifest, pool, indexes: dict[int, Index], transform=None):
+        self._storage, self._root, self._pool = storage, root, pool
+        self._indexes = indexes
+        self._transform = transform
+        self._chunks: dict[str, list[fmt.Chunk]] = {}
+        for index in indexes.values():
+            self._add(index)
+
+    def _add(self, index: Index) -> None:
+        for key, entry in index.shards.items():
+            chunks = entry.chunks if self._transform is None else [
+                fmt.Chunk(c.offsets, c.sizes, self._transform(c.blob)) for c in entry.chunks]
+            self._chunks.setdefault(key, []).extend(chunks)
+
+    def mapped(self, transform) -> "LazyGlobals":
+        return LazyGlobals(self._storage, self._root, self._pool, self._indexes, transform)
+
+    def __getitem__(self, key: str) -> fmt.TensorEntry:
+        g = self._root.globals[key]
+        return fmt.TensorEntry(g.dtype, g.shape, tuple(self._chunks.get(key, ())))
+
+    def __iter__(self):
+        return iter(self._root.globals)
+
+    def __len__(self) -> int:
+        return len(self._root.globals)
+
+    def __contains__(self, key) -> bool:
+        return key in self._root.globals
+
+    def ensure(self, regions) -> None:
+        """Read what covers ``regions``, (key, offsets, sizes) each."""
+        short = {key for key, offsets, sizes in regions if covered(self[key].chunks, offsets, sizes) < _volume(sizes)}
+        todo = sorted({r for key in short for r in ranges_ranks(self._root.globals[key].ranks)} - self._indexes.keys())
+        if not todo:
+            return
+        fresh = read_indexes(self._storage, self._root, todo, self._pool)
+        for rank in todo:
+            self._indexes[rank] = fresh[rank]
+            self._add(fresh[rank])
+
+
+def _volume(sizes) -> int:
+    n = 1
+    for s in sizes:
+        n *= s
+    return n
+
+
+def covered(chunks, offsets, sizes) -> int:
+    """How many elements of the region the chunks cover (counting overlaps twice)."""
+    total = 0
+    for c in chunks:
+        n = 1
+        for o, s, co, cs in zip(offsets, sizes, c.offsets, c.sizes):
+            n *= max(0, min(o + s, co + cs) - max(o, co))
+            if not n:
+                break
+        total += n
+    return total
+
+
