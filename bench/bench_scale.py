@@ -53,10 +53,10 @@ def simulate(storage, ranks: int, chunks: int, version: int, verify: bool) -> di
     from ckptstore.checkpoint.indexes import read_indexes
     from ckptstore.checkpoint.retention import Retention
     from ckptstore.checkpoint.verify import verify_manifest
-    from ckptstore.codecs import encode
     from ckptstore.format_index import Index, Reads, Summary
     from ckptstore.hashing import digest
-    from ckptstore.pipeline import METADATA_COMPRESSION
+    from ckptstore.codecs import zstd_frame
+    from ckptstore.pipeline import METADATA_ZSTD_LEVEL
     from ckptstore.supervisor.status import newest_checkpoint
 
     location = storage.child(names.step_dir_name(1))
@@ -84,7 +84,7 @@ def simulate(storage, ranks: int, chunks: int, version: int, verify: bool) -> di
             return fmt.Vote(attempt, 1, ranks, rank, ok=True, state=state)
         summary = Summary(None, 0, 0, Reads.of_blobs(blobs))  # (no global tensors: fingerprints 0)
         raw = Index(attempt, rank, state, {}, (), summary).to_bytes()
-        chain, stored = encode(memoryview(raw), 1, METADATA_COMPRESSION)
+        chain, stored = zstd_frame(raw, METADATA_ZSTD_LEVEL)
         writer.append(stored)
         writer.close()
         index = fmt.Blob(file, len(data), len(stored), len(raw), tuple(chain), digest(raw))

@@ -104,6 +104,12 @@ def _apply(chain: list[dict], data: memoryview, level: int) -> memoryview | byte
     return _compressor(level).compress(data)
 
 
+def zstd_frame(data, level: int) -> tuple[list[dict], bytes]:
+    """``data`` as one zstd frame whatever its size (a version 4 index or table: every
+    one of a checkpoint has the same codec chain, so a root need not state it per rank)."""
+    return [{"id": "zstd", "level": level}], _compressor(level).compress(data)
+
+
 class CodecMemo:
     """What ``encode`` decided for a chunk in earlier saves, so that "auto" need not
     trial-compress the same chunk every time: the same tensor of the next checkpoint

@@ -908,6 +908,19 @@ def validate_coverage(entry: TensorEntry, what: str) -> None:
         if chunks[0].blob.raw_length != math.prod(shape) * size:
             raise FormatError(f"{what}: chunk 0 raw_length {chunks[0].blob.raw_length} != {math.prod(shape) * size}")
         return
+    total, boxes = validate_chunks(entry, what)
+    if total != entry.numel:
+        raise FormatError(f"{what}: chunks cover {total} of {entry.numel} elements")
+    check_exact_cover(shape, boxes, what)
+
+
+def validate_chunks(entry: TensorEntry, what: str) -> tuple[int, list]:
+    """Each chunk lies inside the tensor, with the tensor's number of dimensions, and
+    its raw_length is its region's bytes (a part of a tensor, as a version 4 index holds
+    of a global one, can be checked no further). Returns (elements, non-empty chunks)."""
+    shape = entry.shape
+    nd = len(shape)
+    size = itemsize(entry.dtype)
     total = 0
     boxes = []
     for i, c in enumerate(entry.chunks):
@@ -922,9 +935,7 @@ def validate_coverage(entry: TensorEntry, what: str) -> None:
         total += vol
         if vol:
             boxes.append(c)
-    if total != entry.numel:
-        raise FormatError(f"{what}: chunks cover {total} of {entry.numel} elements")
-    check_exact_cover(shape, boxes, what)
+    return total, boxes
 
 
 def check_exact_cover(shape: tuple[int, ...], boxes: list, what: str) -> None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from . import format as fmt
-from .codecs import CompressionPolicy, encode
+from .codecs import CompressionPolicy, encode, zstd_frame
 from .errors import CkptStoreError, StorageError
 from .hashing import digest
 from .runtime import Runtime, configure, runtime  # runtime, configure: re-exported
@@ -39,8 +39,9 @@ class Written:
     replicas: tuple  # ReplicaHash of replicated chunks other ranks write
 
 
-# Indexes and tables are JSON, which zstd shrinks 5-10x: compressed whatever the save's policy.
-METADATA_COMPRESSION = CompressionPolicy(mode="zstd", level=3)
+# Indexes and tables are JSON, which zstd shrinks 5-10x: compressed whatever the save's
+# policy, always as one frame of this level (format_index.INDEX_CODEC).
+METADATA_ZSTD_LEVEL = 3
 BATCH_BYTES = 1 << 20  # small chunks go to the workers in batches of about this much
 BATCH_ITEMS = 256
 
@@ -305,7 +306,7 @@ class RankWriter:
     def store_metadata(self, raw: bytes) -> fmt.Blob:
         """Append a metadata document (a version 4 index or table) now, hashed and
         compressed like a blob, on the caller's thread; never a reference."""
-        chain, stored = encode(memoryview(raw), 1, METADATA_COMPRESSION, None, None)
+        chain, stored = zstd_frame(raw, METADATA_ZSTD_LEVEL)
         offset = self._writer().append(stored)
         return fmt.Blob(self.file, offset, len(stored), len(raw), tuple(chain), digest(memoryview(raw)))
 

@@ -83,7 +83,13 @@ def rewrite_root(root, edit) -> None:
 
 
 def data_file(root, doc: dict, rank: int):
-    return root / names.step_dir_name(STEP) / doc["indexes"][rank]["file"]
+    return root / names.step_dir_name(STEP) / names.data_file_name(doc["attempt"], rank, 0)
+
+
+def set_index(doc: dict, rank: int, **fields) -> None:
+    """Change rank ``rank``'s index record in a root's columns."""
+    for name, value in fields.items():
+        doc["indexes"][name][rank] = value
 
 
 # ---------------------------------------------------------------------------- the root
@@ -91,7 +97,8 @@ def test_a_multi_rank_save_commits_a_root_naming_one_index_per_rank(tmp_path):
     m = save_world(tmp_path, 4)
     doc = stored_root(tmp_path)
     assert doc["format_version"] == 4 and "ranks" not in doc and "tensors" not in doc
-    assert [names.parse_data_file(b["file"])[1] for b in doc["indexes"]] == [0, 1, 2, 3]
+    assert sorted(doc["indexes"]) == ["length", "offset", "raw_length", "xxh3_128"]
+    assert all(len(column) == 4 for column in doc["indexes"].values())
     assert doc["globals"] == {} and doc["metrics"] == {"loss": 1.5}
     # the totals a tool reads without any index: every blob of every rank, indexes included
     full = expand(location(tmp_path), read_manifest(location(tmp_path), 1))
@@ -239,20 +246,26 @@ def load_error(root, rank=1):
     return str(ei.value)
 
 
-def test_a_root_whose_index_lies_in_another_ranks_file_is_refused(saved):
-    rewrite_root(saved, lambda d: d["indexes"][1].update(file=d["indexes"][2]["file"]))
-    assert "rank 1's index lies in" in load_error(saved)
+def test_a_vote_whose_index_lies_in_another_ranks_file_is_refused(saved):
+    where = location(saved)
+    attempt = stored_root(saved)["attempt"]
+    vote = json.loads(where.read(names.vote_name(attempt, 1)))
+    vote["index"]["file"] = names.data_file_name(attempt, 2, 0)
+    with pytest.raises(FormatError, match="rank 1's index lies in .*data-r00002"):
+        fmt.Vote.from_json(vote)
 
 
 def test_a_root_claiming_more_indexes_than_ranks_is_refused_before_parsing_them(saved):
-    rewrite_root(saved, lambda d: d["indexes"].append(d["indexes"][0]))
-    assert "holds 4 indexes, world_size is 3" in load_error(saved)
+    rewrite_root(saved, lambda d: d["indexes"]["offset"].append(0))
+    assert "indexes.offset holds 4 entries, world_size is 3" in load_error(saved)
+    rewrite_root(saved, lambda d: (d["indexes"]["offset"].pop(), d["indexes"]["xxh3_128"].__setitem__(1, "x")))
+    assert "not a 32-digit hex digest" in load_error(saved)
 
 
 def test_an_index_claiming_more_than_the_manifest_cap_is_refused_before_it_is_read(saved):
     import ckptstore
 
-    rewrite_root(saved, lambda d: d["indexes"][1].update(raw_length=1 << 20))
+    rewrite_root(saved, lambda d: set_index(d, 1, raw_length=1 << 20))
     ckptstore.configure(max_manifest_bytes=64 << 10)
     try:
         assert "more than the cap" in load_error(saved)
@@ -264,7 +277,7 @@ def test_an_index_whose_bytes_changed_is_an_integrity_error_naming_it(saved):
     doc = stored_root(saved)
     path = data_file(saved, doc, 1)
     data = bytearray(path.read_bytes())
-    data[doc["indexes"][1]["offset"] + 3] ^= 0xFF
+    data[doc["indexes"]["offset"][1] + 3] ^= 0xFF
     path.write_bytes(bytes(data))
     assert "index of rank 1" in load_error(saved)
     assert Store(str(saved)).load(STEP, rank=2)["pos"] == 102
@@ -280,7 +293,8 @@ def test_an_index_holding_a_global_tensor_the_root_does_not_name_is_refused(tmp_
 def test_an_index_referring_to_files_the_root_does_not_declare_is_refused(saved):
     """gc trusts a root's declared references; an index that reads more is refused."""
     index_doc, put = _rewrite_index(saved, 1)
-    index_doc["summary"]["references"] = [{"step": 3, "attempt": names.new_attempt_id()}]
+    chunk = index_doc["state"]["tensors"]["model.w"]["chunks"][0]
+    chunk.update(step=3, file=names.data_file_name(names.new_attempt_id(), 1, 0))  # its summary left as it was
     put(index_doc)
     assert "does not declare" in load_error(saved)
 
@@ -311,17 +325,18 @@ def _rewrite_index(root, rank: int):
     from ckptstore.hashing import digest
 
     doc = stored_root(root)
-    b = doc["indexes"][rank]
+    offset, length = doc["indexes"]["offset"][rank], doc["indexes"]["length"][rank]
     path = data_file(root, doc, rank)
-    raw = zstandard.ZstdDecompressor().decompress(path.read_bytes()[b["offset"]:b["offset"] + b["length"]])
+    raw = zstandard.ZstdDecompressor().decompress(path.read_bytes()[offset:offset + length])
 
     def put(index_doc) -> None:
         data = json.dumps(index_doc).encode()
+        stored = zstandard.ZstdCompressor(level=3, write_content_size=True).compress(data)
         with open(path, "ab") as f:
-            offset = f.tell()
-            f.write(data)
-        rewrite_root(root, lambda d: d["indexes"][rank].update(
-            offset=offset, length=len(data), raw_length=len(data), codec=[], xxh3_128=digest(data)))
+            at = f.tell()
+            f.write(stored)
+        rewrite_root(root, lambda d: set_index(d, rank, offset=at, length=len(stored), raw_length=len(data),
+                                               xxh3_128=digest(data)))
 
     return json.loads(raw), put
 
@@ -356,3 +371,54 @@ def test_a_one_rank_save_may_ask_for_version_4(tmp_path):
     assert m.format_version == 4 and m.complete
     assert store.load(1)["n"] == 4 and not verify(str(tmp_path / names.step_dir_name(1)))
     assert latest_manifest(store.location(1)).indexed
+
+
+def test_gc_reads_an_unreadable_roots_references_leniently(tmp_path):
+    """A root that does not validate may still reference other steps' files: gc reads
+    its declared references leniently and keeps those attempts (I7)."""
+    from ckptstore.checkpoint.gc import _references_of_unreadable
+
+    save_world(tmp_path, 2)
+    other = names.new_attempt_id()
+    rewrite_root(tmp_path, lambda d: d.update(references=[{"step": 3, "attempt": other}], surprise=True))
+    with pytest.raises(FormatError):
+        read_manifest(location(tmp_path), 1)
+    assert _references_of_unreadable(location(tmp_path), 1) == {names.step_dir_name(3): {other}}
+    rewrite_root(tmp_path, lambda d: d.update(references=[{"step": 3, "attempt": "../x"}]))
+    assert _references_of_unreadable(location(tmp_path), 1) is None  # cannot be told: gc deletes no data
+    rewrite_root(tmp_path, lambda d: d.pop("references"))
+    assert _references_of_unreadable(location(tmp_path), 1) is None  # a root without its declaration
+
+
+def test_a_global_chunk_outside_its_tensor_is_refused_before_it_is_read(tmp_path):
+    states = [rank_state(r) for r in range(3)]
+    for s in states:
+        s["model"]["big"] = torch.arange(4096.0).reshape(64, 64)
+    save_world(tmp_path, 3, states, replicated=["model.big"], chunk_bytes=2048)
+    assert stored_root(tmp_path)["globals"]["model.big"]["ranks"] == [[0, 2]]
+    index_doc, put = _rewrite_index(tmp_path, 1)
+    chunk = index_doc["shards"]["model.big"]["chunks"][0]
+    chunk["offsets"][0] = 63  # 4 rows from row 63: past the tensor's end
+    put(index_doc)
+    assert "lies outside the tensor" in load_error(tmp_path, rank=0)
+
+
+def test_mixed_format_votes_are_refused_naming_the_ranks(tmp_path):
+    where = location(tmp_path)
+    attempt = names.new_attempt_id()
+    other_rank(where, attempt, 1, 2, rank_state(1))  # a version 4 vote
+    future = start_save(rank_state(0), where, rt=runtime(), attempt=attempt, step=STEP, rank=0, world_size=2,
+                        metrics=None, options=SaveOptions(commit_timeout=TIMEOUT, indexed=False))
+    with pytest.raises(CommitError, match=r"ranks \[1\] voted in format version 4, rank 0 in 3"):
+        future.result(timeout=TIMEOUT)
+
+
+def test_a_referenced_file_gone_fails_the_vote_of_the_rank_that_refers_to_it(tmp_path):
+    """What the version 3 committer checked of every reference, each rank checks of its
+    own before it votes."""
+    from ckptstore.checkpoint.indexes import check_referenced_files
+
+    where = LocalStorage(str(tmp_path / names.step_dir_name(2)))
+    gone = fmt.Blob(names.data_file_name(names.new_attempt_id(), 0, 0), 0, 8, 8, (), "0" * 32, step=1)
+    with pytest.raises(CommitError, match="refers to vanished"):
+        check_referenced_files(where, [gone])

@@ -43,6 +43,7 @@ from ..errors import (
     CommitError,
     CommitTimeoutError,
     FormatError,
+    IntegrityError,
     ObjectNotFoundError,
     ObjectTooLargeError,
 )
@@ -271,13 +272,17 @@ def commit(storage: Storage, own: fmt.Vote, world_size: int, created_at: str, me
     root: dict = {}
     ranks, tensors = (), {}
     try:
+        mixed = sorted(r for r, v in votes.items() if (v.index is not None) != indexed)
+        if mixed:
+            raise FormatError(f"ranks {mixed[:8]} voted in format version {4 if not indexed else 3}, rank 0 in "
+                              f"{4 if indexed else 3} (mixed library versions or options?)")
         if indexed:
             root = build_root(storage, votes, world_size, runtime().readers)
         else:
             ranks = tuple(votes[r].state for r in sorted(votes))
             fmt.validate_ranks(ranks, world_size)
             tensors = merge_shards([votes[r] for r in sorted(votes)])
-    except FormatError as e:
+    except (FormatError, IntegrityError) as e:  # (a table or index that cannot be read: refuse, do not hang)
         abort(storage, attempt, str(e))
         raise CommitError(f"{where}: refusing to commit: {e}") from e
     try:

@@ -342,9 +342,13 @@ def _references_of_unreadable(storage: Storage, generation: int) -> dict[str, se
                 visit(v)
 
     try:
-        visit(json.loads(read_capped(storage, names.manifest_name(generation), fmt.max_manifest_bytes(), "manifest")))
+        doc = json.loads(read_capped(storage, names.manifest_name(generation), fmt.max_manifest_bytes(), "manifest"))
+        visit(doc)
     except (ValueError, RecursionError, CkptStoreError):
         return None
+    if isinstance(doc, dict) and ("indexes" in doc or doc.get("format_version") == 4) \
+            and not isinstance(doc.get("references"), list):
+        return None  # a version 4 root's references are its declaration alone: without it, cannot be told
     return refs
 
 

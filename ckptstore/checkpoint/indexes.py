@@ -28,6 +28,7 @@ from ..format_index import (
     Reads,
     Summary,
     in_ranges,
+    index_blob,
     parse_table,
     rank_ranges,
     ranges_ranks,
@@ -57,8 +58,11 @@ def seal(writer, written, staged, *, step: int | None, world_size: int) -> tuple
     state, shards = rank_records(rank, written, staged)
     for key, entry in state.tensors.items():
         fmt.validate_coverage(entry, f"rank {rank} tensor {key!r}")
+    for key, entry in shards.items():
+        fmt.validate_chunks(entry, f"rank {rank} global tensor {key!r}")
     blobs = [b for _, b in state.blobs()] + [c.blob for e in shards.values() for c in e.chunks]
     fmt.validate_extents((rank, None, b) for b in blobs)
+    check_referenced_files(writer.storage, blobs)
     table = writer.store_metadata(table_bytes(staged.shards)) if staged.shards else None
     reads = Reads.of_blobs(blobs + ([table] if table is not None else []))
     if reads.references and step is None:
@@ -88,6 +92,32 @@ def _tables(indexes) -> tuple[fmt.Blob, ...]:
     return tuple(i.summary.table for i in indexes if i.summary.table is not None)
 
 
+def check_referenced_files(storage: Storage, blobs) -> None:
+    """The files this rank's references read (incremental saves) are there and long
+    enough: what the committer checked of every vote's references in version 3, each
+    rank checks of its own before it votes (commit.check_base then keeps them)."""
+    from ..errors import CommitError, ObjectNotFoundError
+    from .references import ReferencingStorage, read_key
+
+    need: dict[str, int] = {}
+    for b in blobs:
+        if b.step is not None or b.earlier:
+            key = read_key(b)
+            need[key] = max(need.get(key, 0), b.offset + b.length)
+    if not need:
+        return
+    where = ReferencingStorage(storage)
+    for name, size in sorted(need.items()):
+        try:
+            have = where.stat(name).size
+        except ObjectNotFoundError:
+            raise CommitError(f"{where.describe(name)}: a file this save refers to vanished before the commit; "
+                              "nothing was committed") from None
+        if have < size:
+            raise CommitError(f"{where.describe(name)}: a file this save refers to holds {have} bytes, the "
+                              f"references name {size}; nothing was committed")
+
+
 def vote_of_index(index: Index, blob: fmt.Blob, step: int | None, world_size: int) -> fmt.Vote:
     """The vote a rank cast for the index it stored at ``blob`` (a promotion replays it)."""
     return fmt.Vote(index.attempt, step, world_size, index.rank, ok=True, index=blob, summary=index.summary)
@@ -102,6 +132,8 @@ def build_root(storage: Storage, votes: dict[int, fmt.Vote], world_size: int, po
     old = [r for r in ranks if votes[r].index is None]
     if old:
         raise FormatError(f"ranks {old[:8]} voted in format version 3, others in version 4 (mixed library versions?)")
+    for r in ranks:  # what a root can name by position (the votes read were checked when parsed; this one too)
+        index_blob(votes[r].index.to_json(), f"rank {r}'s vote", votes[r].attempt, r)
     tables: dict[str, list[int]] = {}
     for r in ranks:
         t = votes[r].summary.table
@@ -176,16 +208,20 @@ def _parallel(pool, jobs):
 
 
 def _read(storage: Storage, blobs: dict[int, fmt.Blob], attempts: dict[int, str], pool) -> dict[int, Index]:
-    def one(rank: int) -> Index:
-        what = f"{storage.describe(blobs[rank].file)}: index of rank {rank}"
-        index = Index.from_bytes(_metadata(storage, blobs[rank], what), what)
-        if (index.attempt, index.rank, index.state.rank) != (attempts[rank], rank, rank):
-            raise FormatError(f"{what}: holds the index of rank {index.rank} (state of rank {index.state.rank}) "
-                              f"for attempt {index.attempt}")
-        return index
-
+    """Indexes fetched, hash-checked and decoded in parallel (I/O, xxhash and zstd
+    release the GIL), then parsed one by one in rank order: parsing holds the GIL, and
+    threads contending for it were slower than one (docs/performance.md)."""
     ranks = sorted(blobs)
-    return dict(zip(ranks, _parallel(pool, [lambda r=r: one(r) for r in ranks])))
+    what = {r: f"{storage.describe(blobs[r].file)}: index of rank {r}" for r in ranks}
+    raw = _parallel(pool, [lambda r=r: _metadata(storage, blobs[r], what[r]) for r in ranks])
+    out = {}
+    for rank, data in zip(ranks, raw):
+        index = Index.from_bytes(data, what[rank])
+        if (index.attempt, index.rank, index.state.rank) != (attempts[rank], rank, rank):
+            raise FormatError(f"{what[rank]}: holds the index of rank {index.rank} (state of rank "
+                              f"{index.state.rank}) for attempt {index.attempt}")
+        out[rank] = index
+    return out
 
 
 def read_indexes(storage: Storage, root: fmt.Manifest, ranks, pool) -> dict[int, Index]:
@@ -196,13 +232,16 @@ def read_indexes(storage: Storage, root: fmt.Manifest, ranks, pool) -> dict[int,
     out = _read(storage, {r: root.indexes[r] for r in ranks}, dict.fromkeys(ranks, root.attempt), pool)
     for rank, index in out.items():
         what = f"{storage.describe(root.indexes[rank].file)}: index of rank {rank}"
-        if not root.reads.covers(index.summary.reads):
+        # gc knows a checkpoint's references from its root only: an index that reads
+        # more than the root declares is refused, whatever its own summary says
+        if not root.reads.covers(Reads.of_blobs([b for _, b in index.blobs()])):
             raise FormatError(f"{what}: refers to files the manifest does not declare")
         for key, entry in index.shards.items():
             g = root.globals.get(key)
             if g is None or (g.dtype, g.shape) != (entry.dtype, entry.shape) or not in_ranges(rank, g.ranks):
                 raise FormatError(f"{what}: global tensor {key!r} ({entry.dtype}{list(entry.shape)}) is not "
                                   "the manifest's, or the manifest does not name this rank a holder")
+            fmt.validate_chunks(entry, f"{what}: global tensor {key!r}")
         for r in index.replicas:
             if r.key not in root.globals:
                 raise FormatError(f"{what}: a replica of {r.key!r}, which the manifest does not hold")
@@ -246,7 +285,8 @@ def for_load(storage: Storage, root: fmt.Manifest, rank: int, whole_globals: boo
     for key, entry in state.tensors.items():
         fmt.validate_coverage(entry, f"rank {rank} tensor {key!r}")
     fmt.validate_extents((rank, key, b) for key, b in indexes[rank].blobs())
-    return dataclasses.replace(root, ranks=(state,), tensors=LazyGlobals(storage, root, pool, indexes))
+    return dataclasses.replace(root, ranks=(state,), tensors=LazyGlobals(storage, root, pool, indexes),
+                               tables=_tables(indexes.values()))
 
 
 class LazyGlobals(Mapping):
@@ -273,7 +313,7 @@ class LazyGlobals(Mapping):
             self._chunks.setdefault(key, []).extend(chunks)
 
     def mapped(self, transform) -> "LazyGlobals":
-        return LazyGlobals(self._storage, self._root, self._pool, self._indexes, transform)
+        return LazyGlobals(self._storage, self._root, self._pool, dict(self._indexes), transform)
 
     def __getitem__(self, key: str) -> fmt.TensorEntry:
         g = self._root.globals[key]
@@ -295,6 +335,8 @@ class LazyGlobals(Mapping):
         if not todo:
             return
         fresh = read_indexes(self._storage, self._root, todo, self._pool)
+        # no two records of what was read share stored bytes: each allocates at most what its file holds
+        fmt.validate_extents((r, key, b) for r, i in {**self._indexes, **fresh}.items() for key, b in i.blobs())
         for rank in todo:
             self._indexes[rank] = fresh[rank]
             self._add(fresh[rank])
