@@ -42,25 +42,31 @@ def rank_state(rank: int) -> dict:
             "rng": torch.randn(5, generator=g), "pos": 100 + rank, f"only{rank}": torch.full((3,), float(rank))}
 
 
-def other_rank(where, attempt: str, rank: int, world: int, obj, replicated=(), chunk_bytes=1 << 20) -> Index:
+def other_rank(where, attempt: str, rank: int, world: int, obj, replicated=(), chunk_bytes=1 << 20,
+               step=STEP, references=None) -> Index:
     """What rank ``rank``'s process leaves: its data file with its table and index, and
     its version 4 vote."""
     rt = runtime()
-    writer = RankWriter(where, attempt, rank, CompressionPolicy("none"), rt)
+    writer = RankWriter(where, attempt, rank, CompressionPolicy("none"), rt, references=references)
     staged = snapshot(obj, writer, rt.pool, chunk_bytes, rank=rank, world_size=world, replicated=replicated)
-    vote, index = writer.finish(functools.partial(seal, writer, staged=staged, step=STEP, world_size=world))
+    vote, index = writer.finish(functools.partial(seal, writer, staged=staged, step=step, world_size=world))
     write_vote(where, vote)
     return index
 
 
-def save_world(root, world: int, states=None, replicated=(), chunk_bytes=1 << 20, **options) -> fmt.Manifest:
-    """A checkpoint of ``world`` simulated ranks at ``root``/step-7; returns rank 0's manifest."""
-    where = LocalStorage(str(root / names.step_dir_name(STEP)))
+def save_world(root, world: int, states=None, replicated=(), chunk_bytes=1 << 20, step=STEP, references=None,
+               **options) -> fmt.Manifest:
+    """A checkpoint of ``world`` simulated ranks at ``root``/step-7; returns rank 0's
+    manifest. ``references``: {rank: what it may reference} (incremental saves)."""
+    where = LocalStorage(str(root / names.step_dir_name(step)))
     attempt = names.new_attempt_id()
     states = states or [rank_state(r) for r in range(world)]
+    references = references or {}
     for r in range(1, world):
-        other_rank(where, attempt, r, world, states[r], replicated, chunk_bytes)
-    future = start_save(states[0], where, rt=runtime(), attempt=attempt, step=STEP, rank=0, world_size=world,
+        other_rank(where, attempt, r, world, states[r], replicated, chunk_bytes, step, references.get(r))
+    if 0 in references:
+        options["references"] = references[0]
+    future = start_save(states[0], where, rt=runtime(), attempt=attempt, step=step, rank=0, world_size=world,
                         metrics={"loss": 1.5}, options=SaveOptions(commit_timeout=TIMEOUT, replicated=tuple(replicated),
                                                                    compression=CompressionPolicy("none"), chunk_bytes=chunk_bytes,
                                                                    **options))
@@ -422,3 +428,30 @@ def test_a_referenced_file_gone_fails_the_vote_of_the_rank_that_refers_to_it(tmp
     gone = fmt.Blob(names.data_file_name(names.new_attempt_id(), 0, 0), 0, 8, 8, (), "0" * 32, step=1)
     with pytest.raises(CommitError, match="refers to vanished"):
         check_referenced_files(where, [gone])
+
+
+def test_an_incremental_multi_rank_save_declares_its_references_in_the_root(tmp_path):
+    """Each rank references its own unchanged chunks of the step before; the root
+    declares the (step, attempt) they read, which gc keeps while the new step lives."""
+    from ckptstore.checkpoint.gc import execute, plan
+    from ckptstore.checkpoint.references import index as references_of_rank
+    from ckptstore.checkpoint.retention import Retention
+
+    states = [rank_state(r) for r in range(2)]
+    for r, s in enumerate(states):
+        s["big"] = torch.arange(65536.0) + r  # 256 KiB: referenced when unchanged
+    save_world(tmp_path, 2, states)
+    base = Store(str(tmp_path)).manifest(STEP)
+    states[1]["pos"] = 1000
+    save_world(tmp_path, 2, states, step=STEP + 1, references={r: references_of_rank(base, r) for r in range(2)},
+               reference_base=(STEP, 1))
+    doc = json.loads((tmp_path / names.step_dir_name(STEP + 1) / names.manifest_name(1)).read_bytes())
+    assert doc["references"] == [{"step": STEP, "attempt": base.attempt}]
+    assert doc["referenced_bytes"] == 2 * 65536 * 4
+    store = Store(str(tmp_path))
+    out = store.load(STEP + 1, rank=1)
+    assert out["pos"] == 1000 and torch.equal(out["big"], states[1]["big"])
+    execute(LocalStorage(str(tmp_path)), plan(LocalStorage(str(tmp_path)), Retention(last=1), grace=0))
+    assert store.steps() == [STEP + 1]
+    assert torch.equal(store.load(STEP + 1, rank=0)["big"], states[0]["big"])  # step 7's files stayed
+    assert not verify(str(tmp_path / names.step_dir_name(STEP + 1)))

@@ -366,14 +366,20 @@ def check_files(storage: Storage, ranks, tensors) -> None:
         need = {name: size for name, size in need.items() if names.parse_data_file(name)[1] == 0}
     if any(b.step is not None for b in blobs):
         storage = ReferencingStorage(storage)
+    check_sizes(storage, need, "data file", "the votes")
+
+
+def check_sizes(storage: Storage, need: dict[str, int], what: str, claimed_by: str) -> None:
+    """Each file of ``need`` is there and holds at least its number of bytes, else a
+    CommitError naming it (``what`` it is, ``claimed_by`` whom)."""
     for name, size in sorted(need.items()):
         try:
             have = storage.stat(name).size
         except ObjectNotFoundError:
-            raise CommitError(f"{storage.describe(name)}: data file vanished before the commit; "
+            raise CommitError(f"{storage.describe(name)}: {what} vanished before the commit; "
                               "nothing was committed") from None
         if have < size:
-            raise CommitError(f"{storage.describe(name)}: data file holds {have} bytes, the votes "
+            raise CommitError(f"{storage.describe(name)}: {what} holds {have} bytes, {claimed_by} "
                               f"name {size}; nothing was committed")
 
 

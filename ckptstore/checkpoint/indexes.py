@@ -96,7 +96,7 @@ def check_referenced_files(storage: Storage, blobs) -> None:
     """The files this rank's references read (incremental saves) are there and long
     enough: what the committer checked of every vote's references in version 3, each
     rank checks of its own before it votes (commit.check_base then keeps them)."""
-    from ..errors import CommitError, ObjectNotFoundError
+    from .commit import check_sizes
     from .references import ReferencingStorage, read_key
 
     need: dict[str, int] = {}
@@ -104,18 +104,8 @@ def check_referenced_files(storage: Storage, blobs) -> None:
         if b.step is not None or b.earlier:
             key = read_key(b)
             need[key] = max(need.get(key, 0), b.offset + b.length)
-    if not need:
-        return
-    where = ReferencingStorage(storage)
-    for name, size in sorted(need.items()):
-        try:
-            have = where.stat(name).size
-        except ObjectNotFoundError:
-            raise CommitError(f"{where.describe(name)}: a file this save refers to vanished before the commit; "
-                              "nothing was committed") from None
-        if have < size:
-            raise CommitError(f"{where.describe(name)}: a file this save refers to holds {have} bytes, the "
-                              f"references name {size}; nothing was committed")
+    if need:
+        check_sizes(ReferencingStorage(storage), need, "a file this save refers to", "its references")
 
 
 def vote_of_index(index: Index, blob: fmt.Blob, step: int | None, world_size: int) -> fmt.Vote:
