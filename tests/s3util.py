@@ -138,14 +138,17 @@ def s3_storage(bucket: str, prefix: str = "store", endpoint: str | None = None, 
 
     By default it gets a client with explicit test credentials, so it does not depend on
     the process environment; ``use_env=True`` builds it from boto3's standard
-    configuration instead (the caller has set :func:`aws_env`)."""
+    configuration instead (the caller has set :func:`aws_env`). Its create-only puts
+    trust the server's If-None-Match (``conditional_writes="trust"``: moto honours it),
+    so tests that count requests see no probe; tests/test_s3_conditional.py covers the
+    probe."""
     import boto3
     from botocore.config import Config
 
     from ckptstore.storage.s3 import S3Storage
 
     opts = {"part_size": 5 * MiB, "read_part_size": 5 * MiB, "max_concurrency": 4, "max_attempts": 3,
-            "connect_timeout": 5.0, "read_timeout": 30.0, **options}
+            "connect_timeout": 5.0, "read_timeout": 30.0, "conditional_writes": "trust", **options}
     endpoint = endpoint or moto_endpoint()
     if use_env:
         return S3Storage(bucket, prefix, endpoint_url=endpoint, **opts)
@@ -277,6 +280,7 @@ class FaultProxy:
         self._gate.set()
         self.held = 0
         self.deny_code = ("AccessDenied", "Access Denied")
+        self.strip_headers: set[str] = set()  # dropped before forwarding (lower case): a store that ignores them
         self.log: list[Request] = []
         self._closing = threading.Event()
         proxy = self
@@ -462,7 +466,8 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(status, reason, headers, data)
 
     def _forward(self, body: bytes):
-        headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP}
+        headers = {k: v for k, v in self.headers.items()
+                   if k.lower() not in _HOP and k.lower() not in self.proxy.strip_headers}
         if body or self.command in ("PUT", "POST"):
             headers["Content-Length"] = str(len(body))
         for tries in range(3):  # moto closes connections after a response: fresh ones

@@ -11,8 +11,9 @@ setting; keyword arguments override it. How the pieces work (see docs/s3.md):
   credentials) are not retried and surface at once, naming the ``s3://`` URL. The only
   loop of our own re-requests the rest of a ranged GET whose body broke mid-stream,
   which botocore cannot retry because it has already returned the response.
-* **put** is one PutObject; ``if_absent=True`` adds ``If-None-Match: *`` (412 or 409 ->
-  :class:`AlreadyExistsError`), which makes manifests and votes create-only (I1).
+* **put** is one PutObject; ``if_absent=True`` adds ``If-None-Match: *`` (412 ->
+  :class:`AlreadyExistsError`; 409 is retried), which makes manifests and votes
+  create-only (I1), once a probe showed the store honours it (``conditional_writes``).
 * **open_append** streams the object up while it is written: appends land, in arrival
   order, in a bounded buffer that a blocking file-like reader hands to boto3's transfer
   layer (``s3transfer.TransferManager.upload``), which sends it as a single PutObject

@@ -4,6 +4,9 @@ docs/s3.md."""
 
 from __future__ import annotations
 
+import os
+import secrets
+import threading
 import time
 from concurrent.futures import CancelledError
 from contextlib import contextmanager
@@ -36,10 +39,15 @@ from .client import (
     _Shared,
     new_client,
 )
-from .errors import _NOT_FOUND, _STREAM_ERRORS, _backoff, _client_error, _scrub_exception, translate
+from .errors import CONFLICT, _NOT_FOUND, _STREAM_ERRORS, _backoff, _client_error, _scrub_exception, translate
 from .writer import _byte_view, _S3AppendWriter
 
 _DELETE_BATCH = 1000  # DeleteObjects limit
+CONDITIONAL_WRITES = ("probe", "trust", "single-writer")
+CONFLICT_RETRIES = 5  # 409 ConditionalRequestConflict: retries of a create-only put before the read-back
+# The conditional-write probe's verdict, per (endpoint, bucket), for the process.
+_PROBED: dict[tuple, str] = {}
+_PROBE_LOCK = threading.Lock()
 _READ_BLOCK = 4 * MiB  # bytes read off a response body at a time (and handed to on_piece)
 
 
@@ -71,6 +79,15 @@ class S3Storage(Storage):
     ``read_coalesce_gap`` (64 KiB): the most unneeded bytes fetched between two of them;
     ``read_coalesce_limit`` (default ``read_part_size``): the largest merged GET, 0 to
     turn coalescing off.
+
+    ``conditional_writes``: how create-only puts (votes, manifests: I1) are made safe.
+    ``"probe"`` (default): before the first one, put a probe key twice with
+    ``If-None-Match: *`` and require the store to refuse the second (once per process,
+    endpoint and bucket); a store that ignores the header or answers 501 is refused with
+    an error naming this option. ``"trust"``: no probe (AWS S3 and stores known to
+    honour it). ``"single-writer"``: a store without conditional writes, used by one
+    writer per checkpoint location at a time: a create-only put checks that the key is
+    absent, then puts (two committers of one location could then both win).
     """
 
     def __init__(self, bucket: str, prefix: str = "", *, client=None, endpoint_url: str | None = None,
@@ -80,6 +97,7 @@ class S3Storage(Storage):
                  connect_timeout: float = DEFAULT_CONNECT_TIMEOUT, read_timeout: float = DEFAULT_READ_TIMEOUT,
                  read_part_size: int | None = None, read_coalesce_blob: int = DEFAULT_COALESCE_BLOB,
                  read_coalesce_gap: int = DEFAULT_COALESCE_GAP, read_coalesce_limit: int | None = None,
+                 conditional_writes: str = "probe",
                  _parts_per_tier: int = MAX_PARTS // 10, _shared: _Shared | None = None):
         if bucket and "@" in bucket:  # s3://user:password@bucket: never echoed back
             raise ValueError(f"invalid S3 bucket name {'***@' + bucket.rpartition('@')[2]!r}: credentials do "
@@ -105,6 +123,9 @@ class S3Storage(Storage):
         if min(coalesce) < 0:
             raise ValueError(f"read_coalesce_blob, _gap and _limit must be >= 0, got {coalesce}")
         hints = ReadHints(*coalesce)
+        if conditional_writes not in CONDITIONAL_WRITES:
+            raise ValueError(f"conditional_writes must be one of {', '.join(CONDITIONAL_WRITES)}, "
+                             f"got {conditional_writes!r}")
         if retry_mode is not None and retry_mode not in ("standard", "adaptive", "legacy"):
             raise ValueError(f"retry_mode must be 'standard' or 'adaptive', got {retry_mode!r}")
         if client is None:
@@ -116,6 +137,7 @@ class S3Storage(Storage):
             max_attempts = client.meta.config.retries.get("total_max_attempts") or DEFAULT_MAX_ATTEMPTS
         self._shared = _Shared(bucket, client, part_size, int(max_concurrency), int(max_attempts),
                                read_part_size, max(1, int(_parts_per_tier)), hints)
+        self._shared.conditional_writes = conditional_writes
 
     # -- helpers
     @property
@@ -204,12 +226,30 @@ class S3Storage(Storage):
     def put(self, key: str, data, *, if_absent: bool = False) -> None:
         full = self._k(key)
         body = _as_bytes(data)
+        if if_absent and self._conditional_mode() == "single-writer":
+            if self.exists(key):
+                raise AlreadyExistsError(f"{self.describe(key)}: already exists (conditional_writes='single-writer')")
+            if_absent = False
         extra = {"IfNoneMatch": "*"} if if_absent else {}
-        try:
-            self.client.put_object(Bucket=self.bucket, Key=full, Body=body, **extra)
-            return
-        except Exception as e:
-            cause, err = e, self._translate(e, key)
+        conflicts = 0
+        while True:
+            try:
+                self.client.put_object(Bucket=self.bucket, Key=full, Body=body, **extra)
+                return
+            except Exception as e:
+                cause, err = e, self._translate(e, key)
+            # 409 ConditionalRequestConflict: another conditional write of the key was in
+            # flight (perhaps our own earlier attempt); AWS says to retry. Then a 412 may be
+            # our own write: resolved by the read-back below.
+            if not (isinstance(cause, bexc.ClientError) and _client_error(cause)[0] in CONFLICT
+                    and conflicts < CONFLICT_RETRIES):
+                break
+            conflicts += 1
+            _backoff(conflicts)
+        if isinstance(cause, bexc.ClientError) and _client_error(cause)[0] in CONFLICT:
+            err = TransientStorageError(f"{self.describe(key)}: create-only write met a concurrent write of the "
+                                        f"key {conflicts + 1} times (409 ConditionalRequestConflict)")
+        conflicts_seen = conflicts > 0
         # A create-only PUT whose response was lost (reset, stall past the read timeout, a
         # 5xx after the write) may have been stored: botocore's retry then meets its own
         # first attempt (412), or every retry fails too. Either way, read the key back:
@@ -217,7 +257,7 @@ class S3Storage(Storage):
         # and commit time, so no other writer produces the same bytes).
         if if_absent and (isinstance(err, TransientStorageError) or (
                 isinstance(err, AlreadyExistsError) and isinstance(cause, bexc.ClientError)
-                and _client_error(cause)[3] > 1)):
+                and (_client_error(cause)[3] > 1 or conflicts_seen))):
             held = self._holds(key, body)
             if held:
                 return
@@ -226,6 +266,50 @@ class S3Storage(Storage):
                     f"{self.describe(key)}: create-only write failed ({err}) and reading the key back "
                     "failed too: whether this write landed is unknown") from cause
         raise err from cause
+
+    def _conditional_mode(self) -> str:
+        """"header" (the store honours If-None-Match: *) or "single-writer", per the
+        ``conditional_writes`` setting; a probe's verdict is kept per process, endpoint
+        and bucket. Raises StorageError for a store that ignores the header."""
+        setting = getattr(self._shared, "conditional_writes", "probe")
+        if setting != "probe":
+            return "header" if setting == "trust" else setting
+        ident = (self._shared.endpoint, self.bucket)
+        with _PROBE_LOCK:
+            verdict = _PROBED.get(ident)
+            if verdict is None:
+                verdict = _PROBED[ident] = self._probe()
+        if verdict != "ok":
+            raise StorageError(f"{self.describe()}: this store {verdict}, so two committers of one checkpoint could "
+                               "both win (invariants I1, I6). Use a store that honours it, or pass "
+                               "storage_options={'conditional_writes': 'single-writer'} if only one job writes "
+                               "each checkpoint location (docs/s3.md, 'Conditional writes')")
+        return "header"
+
+    def _probe(self) -> str:
+        """Put a fresh probe key twice, create-only; "ok" when the second is refused,
+        else what the store did. The probe key is deleted again."""
+        full = self._join(f".ckptstore-probe-{os.getpid()}-{secrets.token_hex(6)}")
+        try:
+            for n in (1, 2):
+                try:
+                    self.client.put_object(Bucket=self.bucket, Key=full, Body=b"ckptstore conditional-write probe",
+                                           IfNoneMatch="*")
+                except bexc.ClientError as e:
+                    code, _, status, _ = _client_error(e)
+                    if code in ("NotImplemented", "501") or status == 501:
+                        return "answers 501 NotImplemented to a create-only put (If-None-Match: *)"
+                    if n == 2 and (code in ("PreconditionFailed", "412", *CONFLICT) or status in (409, 412)):
+                        return "ok"
+                    raise self._translate(e, full) from e
+                except Exception as e:
+                    raise self._translate(e, full) from e
+            return "accepted a second create-only put of one key: it ignores If-None-Match: *"
+        finally:
+            try:
+                self.client.delete_object(Bucket=self.bucket, Key=full)
+            except Exception:  # a leftover probe object is harmless (gc reports it as foreign)
+                pass
 
     def _holds(self, key: str, body: bytes) -> bool | None:
         """Whether ``key`` holds exactly ``body`` (None: could not read it to tell)."""
