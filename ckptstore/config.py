@@ -160,6 +160,10 @@ class Config:
     #: S3 attempts per request; None: the AWS profile's ``max_attempts``, else 10.
     s3_max_attempts: int | None = field(default=None, metadata=_knob(
         "AWS_MAX_ATTEMPTS", _parse_int, _optional_positive_int, "ckptstore.storage.s3"))
+    #: How S3 create-only puts are made safe: "probe", "trust" or "single-writer" (docs/s3.md).
+    s3_conditional_writes: str = field(default="probe", metadata=_knob(
+        "CKPTSTORE_S3_CONDITIONAL_WRITES", _parse_str, _one_of("probe", "trust", "single-writer"),
+        "ckptstore.storage.s3"))
     #: S3 retry mode; None: the AWS profile's ``retry_mode``, else "standard".
     s3_retry_mode: str | None = field(default=None, metadata=_knob(
         "AWS_RETRY_MODE", _parse_str, _one_of(None, "standard", "adaptive", "legacy"), "ckptstore.storage.s3"))

@@ -132,3 +132,39 @@ def test_a_save_and_load_through_the_probing_default(bucket, endpoint, monkeypat
     f = ckptstore.save({"w": torch.arange(4.0)}, f"s3://{bucket}/ckpt")
     f.result(timeout=60)
     assert torch.equal(ckptstore.load(f"s3://{bucket}/ckpt")["w"], torch.arange(4.0))
+
+
+def test_single_writer_mode_reads_back_a_write_whose_answers_were_lost(bucket, proxy):
+    st = probing(bucket, proxy, conditional_writes="single-writer", max_attempts=2)
+    proxy.script(("PutObject", "error500-after"), ("PutObject", "error500-after"))  # stored, answered 500, twice
+    st.put("manifest-0000000001.json", b"ours", if_absent=True)
+    assert [r.status for r in proxy.requests("PutObject")] == [500, 500]
+    assert st.read("manifest-0000000001.json") == b"ours"
+    st.put("manifest-0000000001.json", b"ours", if_absent=True)  # a caller's retry of a landed write: done
+
+
+def test_a_probe_whose_first_put_is_refused_is_inconclusive_not_a_lost_race(bucket, proxy):
+    proxy.script(("PutObject", "canned:412:PreconditionFailed"))
+    st = probing(bucket, proxy)
+    with pytest.raises(TransientStorageError, match="probe was inconclusive"):
+        st.put("vote-r00000.json", b"v", if_absent=True)
+    st.put("vote-r00000.json", b"v", if_absent=True)  # nothing was kept: the next put probes again, and passes
+    assert st.read("vote-r00000.json") == b"v"
+
+
+def test_the_default_mode_comes_from_the_environment(bucket, proxy):
+    from ckptstore.config import Config, ConfigError
+
+    assert Config.from_env({}).s3_conditional_writes == "probe"
+    assert Config.from_env({"CKPTSTORE_S3_CONDITIONAL_WRITES": "single-writer"}).s3_conditional_writes == "single-writer"
+    with pytest.raises(ConfigError, match="CKPTSTORE_S3_CONDITIONAL_WRITES"):
+        Config.from_env({"CKPTSTORE_S3_CONDITIONAL_WRITES": "maybe"})
+    ckptstore.configure(s3_conditional_writes="single-writer")
+    try:
+        proxy.strip_headers = {"if-none-match"}
+        st = s3util.s3_storage(bucket, "loc", proxy.url, conditional_writes=None)  # the process default
+        st.put("vote-r00000.json", b"v", if_absent=True)
+        with pytest.raises(AlreadyExistsError):
+            st.put("vote-r00000.json", b"w", if_absent=True)
+    finally:
+        ckptstore.configure()

@@ -336,7 +336,7 @@ def commit(storage: Storage, own: fmt.Vote, world_size: int, created_at: str, me
         ) from e
     try:
         # Retire only once a reader's own listing shows the new generation as the visible one.
-        if generations(storage)[-1:] != [generation]:
+        if not _listed_as_newest(storage, generation):
             raise CommitError(f"generation {generation} is not the visible one after its commit")
         retire_generations(storage, below=generation, live_attempt=attempt, files=retire_files,
                            keep=manifest.earlier_attempts())
@@ -344,6 +344,24 @@ def commit(storage: Storage, own: fmt.Vote, world_size: int, created_at: str, me
         warnings.warn(f"{where}: committed generation {generation}, but retiring older ones failed: {e}",
                       RuntimeWarning, stacklevel=2)
     return manifest
+
+
+LISTING_LAG_TRIES = 4  # listings (0.05, 0.1, 0.2 s apart) before a just-written manifest counts as not listed
+
+
+def _listed_as_newest(storage: Storage, generation: int) -> bool:
+    """Whether a listing shows ``generation`` as the newest: a store whose listings may
+    lag a write for a moment (some S3-compatible ones) gets a short, bounded back-off
+    before retiring is skipped (gc retires later)."""
+    for attempt in range(LISTING_LAG_TRIES):
+        gens = generations(storage)
+        if gens[-1:] == [generation]:
+            return True
+        if gens and gens[-1] > generation:  # a newer one: no wait changes that
+            return False
+        if attempt + 1 < LISTING_LAG_TRIES:
+            time.sleep(0.05 * 2 ** attempt)
+    return False
 
 
 def check_files(storage: Storage, ranks, tensors) -> None:

@@ -8,6 +8,8 @@ import os
 import secrets
 import threading
 import time
+
+from ...config import config as process_config
 from concurrent.futures import CancelledError
 from contextlib import contextmanager
 from typing import Iterator
@@ -47,7 +49,17 @@ CONDITIONAL_WRITES = ("probe", "trust", "single-writer")
 CONFLICT_RETRIES = 5  # 409 ConditionalRequestConflict: retries of a create-only put before the read-back
 # The conditional-write probe's verdict, per (endpoint, bucket), for the process.
 _PROBED: dict[tuple, str] = {}
+_PROBE_LOCKS: dict[tuple, threading.Lock] = {}
 _PROBE_LOCK = threading.Lock()
+
+
+def _fresh_probe_locks() -> None:  # a forked child must not inherit a lock a parent's thread held
+    global _PROBE_LOCK
+    _PROBE_LOCK = threading.Lock()
+    _PROBE_LOCKS.clear()
+
+
+os.register_at_fork(after_in_child=_fresh_probe_locks)
 _READ_BLOCK = 4 * MiB  # bytes read off a response body at a time (and handed to on_piece)
 
 
@@ -80,8 +92,8 @@ class S3Storage(Storage):
     ``read_coalesce_limit`` (default ``read_part_size``): the largest merged GET, 0 to
     turn coalescing off.
 
-    ``conditional_writes``: how create-only puts (votes, manifests: I1) are made safe.
-    ``"probe"`` (default): before the first one, put a probe key twice with
+    ``conditional_writes``: how create-only puts (votes, manifests: I1) are made safe
+    (default: ``CKPTSTORE_S3_CONDITIONAL_WRITES``, else ``"probe"``). ``"probe"``: before the first one, put a probe key twice with
     ``If-None-Match: *`` and require the store to refuse the second (once per process,
     endpoint and bucket); a store that ignores the header or answers 501 is refused with
     an error naming this option. ``"trust"``: no probe (AWS S3 and stores known to
@@ -97,7 +109,7 @@ class S3Storage(Storage):
                  connect_timeout: float = DEFAULT_CONNECT_TIMEOUT, read_timeout: float = DEFAULT_READ_TIMEOUT,
                  read_part_size: int | None = None, read_coalesce_blob: int = DEFAULT_COALESCE_BLOB,
                  read_coalesce_gap: int = DEFAULT_COALESCE_GAP, read_coalesce_limit: int | None = None,
-                 conditional_writes: str = "probe",
+                 conditional_writes: str | None = None,
                  _parts_per_tier: int = MAX_PARTS // 10, _shared: _Shared | None = None):
         if bucket and "@" in bucket:  # s3://user:password@bucket: never echoed back
             raise ValueError(f"invalid S3 bucket name {'***@' + bucket.rpartition('@')[2]!r}: credentials do "
@@ -123,6 +135,8 @@ class S3Storage(Storage):
         if min(coalesce) < 0:
             raise ValueError(f"read_coalesce_blob, _gap and _limit must be >= 0, got {coalesce}")
         hints = ReadHints(*coalesce)
+        if conditional_writes is None:
+            conditional_writes = process_config().s3_conditional_writes
         if conditional_writes not in CONDITIONAL_WRITES:
             raise ValueError(f"conditional_writes must be one of {', '.join(CONDITIONAL_WRITES)}, "
                              f"got {conditional_writes!r}")
@@ -226,10 +240,13 @@ class S3Storage(Storage):
     def put(self, key: str, data, *, if_absent: bool = False) -> None:
         full = self._k(key)
         body = _as_bytes(data)
+        create_only = if_absent
         if if_absent and self._conditional_mode() == "single-writer":
             if self.exists(key):
+                if self._holds(key, body) == "ours":  # our own earlier try landed
+                    return
                 raise AlreadyExistsError(f"{self.describe(key)}: already exists (conditional_writes='single-writer')")
-            if_absent = False
+            if_absent = False  # (a plain put; the read-back below still tells a landed write)
         extra = {"IfNoneMatch": "*"} if if_absent else {}
         conflicts = 0
         while True:
@@ -255,16 +272,19 @@ class S3Storage(Storage):
         # first attempt (412), or every retry fails too. Either way, read the key back:
         # holding exactly our bytes means the write landed (a manifest names its attempt
         # and commit time, so no other writer produces the same bytes).
-        if if_absent and (isinstance(err, TransientStorageError) or (
+        if create_only and (isinstance(err, TransientStorageError) or (
                 isinstance(err, AlreadyExistsError) and isinstance(cause, bexc.ClientError)
                 and (_client_error(cause)[3] > 1 or conflicts_seen))):
             held = self._holds(key, body)
-            if held:
+            if held == "ours":
                 return
             if held is None:
                 raise TransientStorageError(
                     f"{self.describe(key)}: create-only write failed ({err}) and reading the key back "
                     "failed too: whether this write landed is unknown") from cause
+            if held == "other":  # another writer's bytes: a lost race, whatever the last answer was
+                raise AlreadyExistsError(f"{self.describe(key)}: already exists, written by another writer "
+                                         f"(after: {err})") from cause
         raise err from cause
 
     def _conditional_mode(self) -> str:
@@ -275,7 +295,9 @@ class S3Storage(Storage):
         if setting != "probe":
             return "header" if setting == "trust" else setting
         ident = (self._shared.endpoint, self.bucket)
-        with _PROBE_LOCK:
+        with _PROBE_LOCK:  # (held only to find this store's own lock)
+            lock = _PROBE_LOCKS.setdefault(ident, threading.Lock())
+        with lock:  # one probe per store at a time; other stores do not wait on it
             verdict = _PROBED.get(ident)
             if verdict is None:
                 verdict = _PROBED[ident] = self._probe()
@@ -288,8 +310,11 @@ class S3Storage(Storage):
 
     def _probe(self) -> str:
         """Put a fresh probe key twice, create-only; "ok" when the second is refused,
-        else what the store did. The probe key is deleted again."""
-        full = self._join(f".ckptstore-probe-{os.getpid()}-{secrets.token_hex(6)}")
+        else what the store did. The probe key is deleted again. A first put refused
+        (a retry that met its own lost first attempt) tells nothing: TransientStorageError,
+        never AlreadyExistsError (the caller's own put was not tried), and nothing is kept."""
+        name = f".ckptstore-probe-{os.getpid()}-{secrets.token_hex(6)}"
+        full = self._join(name)
         try:
             for n in (1, 2):
                 try:
@@ -299,25 +324,31 @@ class S3Storage(Storage):
                     code, _, status, _ = _client_error(e)
                     if code in ("NotImplemented", "501") or status == 501:
                         return "answers 501 NotImplemented to a create-only put (If-None-Match: *)"
-                    if n == 2 and (code in ("PreconditionFailed", "412", *CONFLICT) or status in (409, 412)):
+                    refused = code in ("PreconditionFailed", "412", *CONFLICT) or status in (409, 412)
+                    if n == 2 and refused:
                         return "ok"
-                    raise self._translate(e, full) from e
+                    err = self._translate(e, name)
+                    if refused:  # a fresh key refused: our own retry met its lost first try; tells nothing
+                        err = TransientStorageError(f"{self.describe(name)}: the conditional-write probe was "
+                                                    f"inconclusive ({err}); retry")
+                    raise err from e
                 except Exception as e:
-                    raise self._translate(e, full) from e
+                    raise self._translate(e, name) from e
             return "accepted a second create-only put of one key: it ignores If-None-Match: *"
         finally:
             try:
                 self.client.delete_object(Bucket=self.bucket, Key=full)
-            except Exception:  # a leftover probe object is harmless (gc reports it as foreign)
+            except Exception:  # a leftover probe object is harmless: tools skip names they do not know
                 pass
 
-    def _holds(self, key: str, body: bytes) -> bool | None:
-        """Whether ``key`` holds exactly ``body`` (None: could not read it to tell)."""
+    def _holds(self, key: str, body: bytes) -> str | None:
+        """What ``key`` holds: "ours" (exactly ``body``), "other", "absent", or None
+        when it could not be read to tell."""
         for _ in range(3):  # each read has botocore's retries already; this is for the verdict
             try:
-                return self.read(key) == body
+                return "ours" if self.read(key) == body else "other"
             except ObjectNotFoundError:
-                return False
+                return "absent"
             except CkptStoreError:
                 continue
         return None
