@@ -35,6 +35,8 @@ import uuid
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import pytest
+
 MiB = 1 << 20
 
 # ---------------------------------------------------------------------------- moto server
@@ -580,3 +582,23 @@ if __name__ == "__main__":
     if len(sys.argv) >= 2 and sys.argv[1] == "race":
         sys.exit(_race_main(sys.argv[2:]))
     sys.exit(f"usage: {sys.argv[0]} race BUCKET PREFIX NAME")
+
+
+# ---------------------------------------------------------------------------- fixtures
+# A test module uses them by importing them: ``from s3util import bucket, endpoint, proxy``.
+@pytest.fixture(scope="session")
+def endpoint():
+    return moto_endpoint()
+
+
+@pytest.fixture
+def bucket(endpoint):
+    name = new_bucket(endpoint)
+    yield name
+    empty_bucket(name, endpoint)
+
+
+@pytest.fixture
+def proxy(endpoint):
+    with FaultProxy(endpoint) as p:
+        yield p

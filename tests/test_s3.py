@@ -58,9 +58,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 # ---------------------------------------------------------------------------- fixtures
-@pytest.fixture(scope="session")
-def endpoint():
-    return s3util.moto_endpoint()
+from s3util import bucket, endpoint, proxy  # noqa: E402, F401 (fixtures)
 
 
 @pytest.fixture
@@ -71,21 +69,8 @@ def s3env(endpoint, monkeypatch):
 
 
 @pytest.fixture
-def bucket(endpoint):
-    name = s3util.new_bucket(endpoint)
-    yield name
-    s3util.empty_bucket(name, endpoint)
-
-
-@pytest.fixture
 def admin(endpoint):
     return s3util.admin_client(endpoint)
-
-
-@pytest.fixture
-def proxy(endpoint):
-    with s3util.FaultProxy(endpoint) as p:
-        yield p
 
 
 # ---------------------------------------------------------------------------- helpers

@@ -15,24 +15,7 @@ from botocore import exceptions as bexc
 
 from ckptstore.errors import AlreadyExistsError, StorageError, TransientStorageError
 from ckptstore.storage.s3.errors import translate
-
-
-@pytest.fixture(scope="module")
-def endpoint():
-    return s3util.moto_endpoint()
-
-
-@pytest.fixture
-def bucket(endpoint):
-    name = s3util.new_bucket(endpoint)
-    yield name
-    s3util.empty_bucket(name, endpoint)
-
-
-@pytest.fixture
-def proxy(endpoint):
-    with s3util.FaultProxy(endpoint) as p:
-        yield p
+from s3util import bucket, endpoint, proxy  # noqa: F401 (fixtures)
 
 
 def probing(bucket, proxy, **options):
