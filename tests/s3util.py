@@ -32,7 +32,7 @@ import sys
 import threading
 import urllib.parse
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -196,6 +196,7 @@ class Request:
     status: int | None  # what the client got; None: reset or stalled
     fault: str | None  # "slowdown", "reset-after", ...
     received: int = 0  # response body bytes delivered
+    headers: dict = field(default_factory=dict)  # the request's headers, names in lower case
 
     @property
     def part_number(self) -> int | None:
@@ -431,7 +432,8 @@ class _Handler(BaseHTTPRequestHandler):
             attempt = int(attempt_hdr.split(";")[0].split("=")[1])
         except (IndexError, ValueError):
             attempt = 0
-        req = Request(op, self.command, path, query, attempt, self.headers.get("Range"), len(body), None, None)
+        req = Request(op, self.command, path, query, attempt, self.headers.get("Range"), len(body), None, None,
+                      headers={k.lower(): v for k, v in self.headers.items()})
         fault = proxy._decide(op)
         req.fault = fault
         if fault == "deny":

@@ -151,3 +151,31 @@ def test_the_default_mode_comes_from_the_environment(bucket, proxy):
             st.put("vote-r00000.json", b"w", if_absent=True)
     finally:
         ckptstore.configure()
+
+
+def test_bucket_owner_requester_pays_and_kms_go_with_every_request(bucket, proxy):
+    """Through the store's own calls and boto3's transfer layer alike (a multipart data
+    file): each request that takes them (issue 19, item 6)."""
+    st = s3util.s3_storage(bucket, "loc", proxy.url, expected_bucket_owner="123456789012", request_payer=True,
+                           sse_kms_key_id="alias/ckpt")
+    from ckptstore import names
+    from ckptstore.checkpoint.restore import latest_manifest, restore
+    from ckptstore.checkpoint.save import SaveOptions, start_save
+    from ckptstore.runtime import runtime
+
+    state = {"w": torch.randn(3 << 20)}  # 12 MiB: a multipart upload
+    start_save(state, st, rt=runtime(), attempt=names.new_attempt_id(), step=None, rank=0, world_size=1,
+               metrics=None, options=SaveOptions(commit_timeout=60)).result(timeout=60)
+    assert torch.equal(restore(st, latest_manifest(st), 0)["w"], state["w"])
+    requests = proxy.requests()
+    ops = {r.op for r in requests}
+    assert {"PutObject", "CreateMultipartUpload", "UploadPart", "CompleteMultipartUpload", "GetObject",
+            "ListObjectsV2"} <= ops, ops
+    for r in requests:
+        assert r.headers.get("x-amz-expected-bucket-owner") == "123456789012", (r.op, r.headers)
+        assert r.headers.get("x-amz-request-payer") == "requester", r.op
+        creates = r.op in ("PutObject", "CreateMultipartUpload")
+        assert (r.headers.get("x-amz-server-side-encryption") == "aws:kms") == creates, r.op
+        assert (r.headers.get("x-amz-server-side-encryption-aws-kms-key-id") == "alias/ckpt") == creates, r.op
+    with pytest.raises(ValueError, match="12-digit"):
+        s3util.s3_storage(bucket, "loc", proxy.url, expected_bucket_owner="me")

@@ -38,6 +38,7 @@ Modules:
 | ``client.py`` | S3 limits and defaults, the process-wide boto3 sessions (:func:`boto3_session`), client construction from the store's settings, ``_Shared`` (client, settings, read pool: what a store shares with its children) |
 | ``errors.py`` | error translation (botocore -> the package's storage errors, by retry class), redaction of endpoint secrets, the backoff of the one retry loop of our own |
 | ``store.py`` | :class:`S3Storage` |
+| ``request_args.py`` | parameters every request carries: ``ExpectedBucketOwner``, ``RequestPayer``, SSE-KMS |
 | ``writer.py`` | the streaming multipart append writer (``open_append``) |
 """
 

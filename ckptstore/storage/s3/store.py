@@ -42,6 +42,7 @@ from .client import (
     new_client,
 )
 from .errors import CONFLICT, _NOT_FOUND, _STREAM_ERRORS, _backoff, _client_error, _scrub_exception, translate
+from .request_args import RequestArgs
 from .writer import _byte_view, _S3AppendWriter
 
 _DELETE_BATCH = 1000  # DeleteObjects limit
@@ -100,6 +101,9 @@ class S3Storage(Storage):
     honour it). ``"single-writer"``: a store without conditional writes, used by one
     writer per checkpoint location at a time: a create-only put checks that the key is
     absent, then puts (two committers of one location could then both win).
+
+    ``expected_bucket_owner`` (a 12-digit account id), ``request_payer`` and
+    ``sse_kms_key_id``: added to every request that takes them (request_args.py).
     """
 
     def __init__(self, bucket: str, prefix: str = "", *, client=None, endpoint_url: str | None = None,
@@ -109,7 +113,8 @@ class S3Storage(Storage):
                  connect_timeout: float = DEFAULT_CONNECT_TIMEOUT, read_timeout: float = DEFAULT_READ_TIMEOUT,
                  read_part_size: int | None = None, read_coalesce_blob: int = DEFAULT_COALESCE_BLOB,
                  read_coalesce_gap: int = DEFAULT_COALESCE_GAP, read_coalesce_limit: int | None = None,
-                 conditional_writes: str | None = None,
+                 conditional_writes: str | None = None, expected_bucket_owner: str | None = None,
+                 request_payer: bool = False, sse_kms_key_id: str | None = None,
                  _parts_per_tier: int = MAX_PARTS // 10, _shared: _Shared | None = None):
         if bucket and "@" in bucket:  # s3://user:password@bucket: never echoed back
             raise ValueError(f"invalid S3 bucket name {'***@' + bucket.rpartition('@')[2]!r}: credentials do "
@@ -152,6 +157,10 @@ class S3Storage(Storage):
         self._shared = _Shared(bucket, client, part_size, int(max_concurrency), int(max_attempts),
                                read_part_size, max(1, int(_parts_per_tier)), hints)
         self._shared.conditional_writes = conditional_writes
+        args = RequestArgs(bucket, expected_bucket_owner=expected_bucket_owner, request_payer=request_payer,
+                           sse_kms_key_id=sse_kms_key_id)
+        if args:
+            args.register(client)
 
     # -- helpers
     @property
