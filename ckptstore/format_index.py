@@ -56,11 +56,11 @@ def _ranges(v: Any, what: str, world_size: int) -> tuple[tuple[int, int], ...]:
         raise FormatError(f"{what} holds {len(v)} rank ranges, more than the {world_size} ranks")
     out, last = [], -2
     for i, pair in enumerate(v):
-        a, b = _int_list(pair, what, f"[{i}]", max_len=2) if isinstance(pair, list) else (None, None)
-        if a is None or len(pair) != 2 or not last + 1 < a <= b < world_size:
+        bounds = _int_list(pair, what, f"[{i}]", max_len=2) if isinstance(pair, list) else ()
+        if len(bounds) != 2 or not last + 1 < bounds[0] <= bounds[1] < world_size:
             raise FormatError(f"{what}[{i}] is not an ascending, disjoint rank range inside 0 .. {world_size - 1}")
-        out.append((a, b))
-        last = b
+        out.append(bounds)
+        last = bounds[1]
     return tuple(out)
 
 

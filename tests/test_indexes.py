@@ -321,6 +321,9 @@ def test_a_root_with_unknown_fields_or_a_bad_rank_range_is_refused(tmp_path):
     assert "rank range" in load_error(tmp_path)
     rewrite_root(tmp_path, lambda d: d["globals"]["model.w"].update(ranks=[[0, 1], [1, 2]]))
     assert "rank range" in load_error(tmp_path)
+    for bad in ([[1]], [[]], [0], [[0, "2"]]):  # a pair of the wrong length or type: a FormatError, not a crash
+        rewrite_root(tmp_path, lambda d: d["globals"]["model.w"].update(ranks=bad))
+        assert "rank range" in load_error(tmp_path) or "model.w" in load_error(tmp_path)
 
 
 def _rewrite_index(root, rank: int):
