@@ -320,6 +320,8 @@ class Blob:
         if codec and raw_length > length * ZSTD_MAX_RATIO:
             raise FormatError(f"{what}: {length} zstd bytes cannot decode to raw_length {raw_length}")
         file = d["file"]
+        if type(file) is not str:  # (before the memoised name check, which could not even hash a list)
+            raise FormatError(f"{what}.file must be a string, got {type(file).__name__}")
         if step is not None or earlier:
             if _data_file_attempt(file) is None:
                 check_data_file(file, "", f"{what}.file")  # raises, naming what is wrong

@@ -112,7 +112,8 @@ def test_I4_manifest_naming_another_attempts_file_is_refused(tmp_path):
     assert cli("verify", str(tmp_path / "s")).exit_code == 1
 
 
-@pytest.mark.parametrize("bad", ["/etc/passwd", "attempts/../../x", "data.bin", "attempts/x/data-r00000-s00.bin"])
+@pytest.mark.parametrize("bad", ["/etc/passwd", "attempts/../../x", "data.bin", "attempts/x/data-r00000-s00.bin",
+                                 [], {}, None, 7])
 def test_I4_blob_file_outside_the_grammar_is_refused(tmp_path, bad):
     store = _store(str(tmp_path / "s"), steps=(1,))
     _edit(str(tmp_path / "s" / names.step_dir_name(1)), lambda d: d["ranks"][0]["skeleton"].update(file=bad))
