@@ -6,7 +6,7 @@ import collections
 import threading
 from concurrent.futures import Future
 
-__all__ = ["DaemonThreadPool", "in_background_thread"]
+__all__ = ["DaemonThreadPool", "in_background_thread", "run_all"]
 
 _local = threading.local()
 
@@ -92,3 +92,17 @@ class DaemonThreadPool:
     @property
     def max_workers(self) -> int:
         return self._max
+
+
+def run_all(pool, jobs: list) -> list:
+    """The results of ``jobs`` (functions of no argument), in order: on ``pool`` when
+    there is one and more than one job, else one after the other. The first failure
+    is raised, and the jobs not started yet are cancelled."""
+    if pool is None or len(jobs) < 2:
+        return [job() for job in jobs]
+    futures = [pool.submit(job) for job in jobs]
+    try:
+        return [f.result() for f in futures]
+    finally:
+        for f in futures:
+            f.cancel()

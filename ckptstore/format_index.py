@@ -180,7 +180,7 @@ class Summary:
         _fields(d, {"table", "coverage", "replicas"} | Reads.FIELDS, set(), what)
         table = None if d["table"] is None else fmt.Blob.from_json(d["table"], f"{what}.table", attempt)
         if table is not None:
-            _cap(table, f"{what}.table")
+            check_cap(table, f"{what}.table")
         return cls(table, _int(d["coverage"], f"{what}.coverage", 0, FINGERPRINT_MODULUS - 1),
                    _int(d["replicas"], f"{what}.replicas", 0, FINGERPRINT_MODULUS - 1), Reads.from_json(d, what))
 
@@ -270,11 +270,12 @@ def index_blob(d: Any, what: str, attempt: str, rank: int) -> fmt.Blob:
                           f"{fmt.data_file_name(attempt, rank, INDEX_STREAM)}")
     if b.codec != INDEX_CODEC:
         raise FormatError(f"{what}: an index is one zstd frame of level {INDEX_CODEC[0]['level']}, not {list(b.codec)}")
-    _cap(b, what)
+    check_cap(b, what)
     return b
 
 
-def _cap(b: fmt.Blob, what) -> None:
+def check_cap(b: fmt.Blob, what) -> None:
+    """An index or table: its stored and decoded lengths within the manifest cap."""
     if max(b.raw_length, b.length) > fmt.max_manifest_bytes():
         raise FormatError(f"{what} claims {b.raw_length} bytes, more than the cap of {fmt.max_manifest_bytes()} "
                           "(CKPTSTORE_MAX_MANIFEST_BYTES)")
@@ -296,7 +297,7 @@ def parse_root(d: dict, attempt: str, world_size: int):
         b = fmt.Blob.from_json({"file": fmt.data_file_name(attempt, rank, INDEX_STREAM), "offset": offset,
                                 "length": length, "raw_length": raw_length, "codec": list(INDEX_CODEC),
                                 "xxh3_128": digest}, fmt._Name("manifest.indexes[rank {}]", rank), attempt)
-        _cap(b, fmt._Name("manifest.indexes[rank {}]", rank))
+        check_cap(b, fmt._Name("manifest.indexes[rank {}]", rank))
         parsed.append(b)
     globals_ = {k: GlobalEntry.from_json(v, fmt._Name("manifest.globals[{!r}]", k), world_size)
                 for k, v in _expect(d["globals"], dict, "manifest.globals").items()}

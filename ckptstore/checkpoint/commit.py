@@ -44,14 +44,16 @@ from ..errors import (
     CommitTimeoutError,
     FormatError,
     IntegrityError,
+    NotRegularObjectError,
     ObjectNotFoundError,
     ObjectTooLargeError,
 )
+from .._threads import run_all
 from ..runtime import runtime
 from ..storage import Storage
 from ..format_index import INDEX_VERSION
 from . import exiting
-from .indexes import build_root, check_index_files
+from .indexes import build_root
 
 
 # Every rank of a multi-rank save beats its heartbeat this often from its start to its
@@ -286,10 +288,9 @@ def commit(storage: Storage, own: fmt.Vote, world_size: int, created_at: str, me
         abort(storage, attempt, str(e))
         raise CommitError(f"{where}: refusing to commit: {e}") from e
     try:
-        if indexed:
-            problem = check_index_files(storage, root, runtime().readers)
-            if problem is not None:
-                raise CommitError(f"{problem}; nothing was committed")
+        if indexed:  # each index is its data file's last blob: a file that holds it holds the rank's blobs
+            check_sizes(storage, here({b.file: b.offset + b.length for b in root["indexes"]}, storage),
+                        "data file", "the votes", runtime().readers)
         else:
             check_files(storage, ranks, tensors)
     except CommitError as e:
@@ -313,9 +314,10 @@ def commit(storage: Storage, own: fmt.Vote, world_size: int, created_at: str, me
         library=f"ckptstore {__version__}", epoch=epoch,
         **({"format_version": INDEX_VERSION, **root} if indexed else {}),
     )
+    data = manifest.to_bytes()
     try:  # what a reader will check of the whole: no manifest goes out that it would refuse
         if indexed:  # (each rank checked its own records before it voted: indexes.seal)
-            fmt.Manifest.from_bytes(manifest.to_bytes())
+            fmt.Manifest.from_bytes(data)
         else:
             fmt.validate_references(manifest)
             fmt.validate_extents(manifest.blobs())
@@ -329,7 +331,7 @@ def commit(storage: Storage, own: fmt.Vote, world_size: int, created_at: str, me
             abort(storage, attempt, str(e))
             raise
     try:
-        storage.put(names.manifest_name(generation), manifest.to_bytes(), if_absent=True)
+        storage.put(names.manifest_name(generation), data, if_absent=True)
     except AlreadyExistsError as e:
         raise CommitConflictError(
             f"{where}: another writer committed generation {generation} first; this save was not committed"
@@ -378,27 +380,39 @@ def check_files(storage: Storage, ranks, tensors) -> None:
     for b in blobs:
         key = read_key(b)
         need[key] = max(need.get(key, 0), b.offset + b.length)
-    if not getattr(storage, "sees_all_data", True):
-        # A multi-node local tier (storage/split.py): only this node's files are here;
-        # every other rank wrote and fsynced its own before it voted.
-        need = {name: size for name, size in need.items() if names.parse_data_file(name)[1] == 0}
+    need = here(need, storage)
     if any(b.step is not None for b in blobs):
         storage = ReferencingStorage(storage)
     check_sizes(storage, need, "data file", "the votes")
 
 
-def check_sizes(storage: Storage, need: dict[str, int], what: str, claimed_by: str) -> None:
+def here(need: dict[str, int], storage: Storage) -> dict[str, int]:
+    """The data files of ``need`` the committer can see: all, except on a multi-node
+    local tier (storage/split.py), where only this node's are here; every other rank
+    wrote and fsynced its own before it voted."""
+    if getattr(storage, "sees_all_data", True):
+        return need
+    return {name: size for name, size in need.items() if names.parse_data_file(name)[1] == 0}
+
+
+def check_sizes(storage: Storage, need: dict[str, int], what: str, claimed_by: str, pool=None) -> None:
     """Each file of ``need`` is there and holds at least its number of bytes, else a
-    CommitError naming it (``what`` it is, ``claimed_by`` whom)."""
-    for name, size in sorted(need.items()):
+    CommitError naming it (``what`` it is, ``claimed_by`` whom); stat'ed in parallel on
+    ``pool`` when given (one HEAD per file on S3)."""
+    def size(name: str) -> int | None:
         try:
-            have = storage.stat(name).size
-        except ObjectNotFoundError:
+            return storage.stat(name).size
+        except (ObjectNotFoundError, NotRegularObjectError):  # (a FIFO in its place is no data file either)
+            return None
+
+    ordered = sorted(need)
+    for name, have in zip(ordered, run_all(pool, [lambda n=n: size(n) for n in ordered])):
+        if have is None:
             raise CommitError(f"{storage.describe(name)}: {what} vanished before the commit; "
-                              "nothing was committed") from None
-        if have < size:
+                              "nothing was committed")
+        if have < need[name]:
             raise CommitError(f"{storage.describe(name)}: {what} holds {have} bytes, {claimed_by} "
-                              f"name {size}; nothing was committed")
+                              f"name {need[name]}; nothing was committed")
 
 
 def check_base(storage: Storage, base: tuple[int, int]) -> None:

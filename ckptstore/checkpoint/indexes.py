@@ -18,15 +18,18 @@ builds the root from the votes alone, and readers read only the indexes they nee
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 
 from .. import format as fmt
+from .._threads import run_all
 from ..errors import FormatError
 from ..format_index import (
     GlobalEntry,
     Index,
     Reads,
     Summary,
+    check_cap,
     in_ranges,
     index_blob,
     parse_table,
@@ -36,7 +39,7 @@ from ..format_index import (
 )
 from ..storage import Storage
 from . import fingerprint
-from .reader import file_sizes, verified
+from .reader import verified
 
 
 # ---------------------------------------------------------------------------- a rank
@@ -81,11 +84,12 @@ def seal(writer, written, staged, *, step: int | None, world_size: int) -> tuple
     return vote, index
 
 
-def with_own(storage: Storage, root: fmt.Manifest, own: Index, pool) -> fmt.Manifest:
-    """The committed ``root`` as the rank that wrote ``own`` knows it: its own records
-    read in (what its next incremental save may reference), the others' on demand."""
-    return dataclasses.replace(root, ranks=(own.state,), tensors=LazyGlobals(storage, root, pool, {own.rank: own}),
-                               tables=_tables([own]))
+def with_index(storage: Storage, root: fmt.Manifest, index: Index, pool) -> fmt.Manifest:
+    """``root`` with one rank's ``index`` read into it (the rank that wrote it, after its
+    commit: what its next incremental save may reference; a load of that rank), the
+    other indexes read on demand (:class:`LazyGlobals`)."""
+    return dataclasses.replace(root, ranks=(index.state,), tensors=LazyGlobals(storage, root, pool, {index.rank: index}),
+                               tables=_tables([index]))
 
 
 def _tables(indexes) -> tuple[fmt.Blob, ...]:
@@ -122,14 +126,15 @@ def build_root(storage: Storage, votes: dict[int, fmt.Vote], world_size: int, po
     old = [r for r in ranks if votes[r].index is None]
     if old:
         raise FormatError(f"ranks {old[:8]} voted in format version 3, others in version 4 (mixed library versions?)")
-    for r in ranks:  # what a root can name by position (the votes read were checked when parsed; this one too)
-        index_blob(votes[r].index.to_json(), f"rank {r}'s vote", votes[r].attempt, r)
+    # What a root can name by position: the votes read from storage were checked when
+    # parsed (format.Vote); the committer's own, rank 0's, is checked here.
+    index_blob(votes[0].index.to_json(), "rank 0's vote", votes[0].attempt, 0)
     tables: dict[str, list[int]] = {}
     for r in ranks:
         t = votes[r].summary.table
         if t is not None:
             tables.setdefault(t.xxh3_128, []).append(r)
-    fetched = _parallel(pool, [(lambda b=votes[rs[0]].summary.table, r=rs[0]: parse_table(
+    fetched = run_all(pool, [(lambda b=votes[rs[0]].summary.table, r=rs[0]: parse_table(
         _metadata(storage, b, f"{storage.describe(b.file)}: rank {r}'s table of global tensors"),
         f"rank {r}'s table")) for rs in tables.values()])
     meta: dict[str, tuple[str, tuple[int, ...], int]] = {}
@@ -161,40 +166,11 @@ def exact_check(storage: Storage, votes: dict[int, fmt.Vote], pool) -> None:
     merge_shards([indexes[r] for r in sorted(indexes)])
 
 
-def check_index_files(storage: Storage, root_fields: dict, pool) -> str | None:
-    """Why the data files the indexes lie in cannot be published (one is gone or
-    shorter than its index's end: each index is its file's last blob), or None."""
-    need = {b.file: b.offset + b.length for b in root_fields["indexes"]}
-    if not getattr(storage, "sees_all_data", True):  # a multi-node local tier: this node's files only
-        need = {n: s for n, s in need.items() if fmt.parse_data_file(n)[1] == 0}
-    sizes = file_sizes(storage, need, pool)
-    for name, size in sorted(need.items()):
-        have = sizes.get(name)
-        if have is None:
-            return f"{storage.describe(name)}: data file vanished before the commit"
-        if have < size:
-            return f"{storage.describe(name)}: data file holds {have} bytes, the votes name {size}"
-    return None
-
-
 # ---------------------------------------------------------------------------- readers
 def _metadata(storage: Storage, blob: fmt.Blob, what: str) -> memoryview:
     """A table's or index's raw bytes, read and checked against its hash (I3)."""
-    if blob.raw_length > fmt.max_manifest_bytes() or blob.length > fmt.max_manifest_bytes():
-        raise FormatError(f"{what}: {blob.raw_length} bytes claimed, more than the cap of "
-                          f"{fmt.max_manifest_bytes()} (CKPTSTORE_MAX_MANIFEST_BYTES)")
+    check_cap(blob, what)
     return verified(storage, blob, what, lambda n=blob.raw_length: memoryview(bytearray(n)))
-
-
-def _parallel(pool, jobs):
-    if pool is None or len(jobs) < 2:
-        return [j() for j in jobs]
-    futures = [pool.submit(j) for j in jobs]
-    try:
-        return [f.result() for f in futures]
-    finally:
-        for f in futures:
-            f.cancel()
 
 
 def _read(storage: Storage, blobs: dict[int, fmt.Blob], attempts: dict[int, str], pool) -> dict[int, Index]:
@@ -203,7 +179,7 @@ def _read(storage: Storage, blobs: dict[int, fmt.Blob], attempts: dict[int, str]
     threads contending for it were slower than one (docs/performance.md)."""
     ranks = sorted(blobs)
     what = {r: f"{storage.describe(blobs[r].file)}: index of rank {r}" for r in ranks}
-    raw = _parallel(pool, [lambda r=r: _metadata(storage, blobs[r], what[r]) for r in ranks])
+    raw = run_all(pool, [lambda r=r: _metadata(storage, blobs[r], what[r]) for r in ranks])
     out = {}
     for rank, data in zip(ranks, raw):
         index = Index.from_bytes(data, what[rank])
@@ -275,8 +251,7 @@ def for_load(storage: Storage, root: fmt.Manifest, rank: int, whole_globals: boo
     for key, entry in state.tensors.items():
         fmt.validate_coverage(entry, f"rank {rank} tensor {key!r}")
     fmt.validate_extents((rank, key, b) for key, b in indexes[rank].blobs())
-    return dataclasses.replace(root, ranks=(state,), tensors=LazyGlobals(storage, root, pool, indexes),
-                               tables=_tables(indexes.values()))
+    return with_index(storage, root, indexes[rank], pool)
 
 
 class LazyGlobals(Mapping):
@@ -320,7 +295,7 @@ class LazyGlobals(Mapping):
 
     def ensure(self, regions) -> None:
         """Read what covers ``regions``, (key, offsets, sizes) each."""
-        short = {key for key, offsets, sizes in regions if covered(self[key].chunks, offsets, sizes) < _volume(sizes)}
+        short = {key for key, offsets, sizes in regions if covered(self[key].chunks, offsets, sizes) < math.prod(sizes)}
         todo = sorted({r for key in short for r in ranges_ranks(self._root.globals[key].ranks)} - self._indexes.keys())
         if not todo:
             return
@@ -330,13 +305,6 @@ class LazyGlobals(Mapping):
         for rank in todo:
             self._indexes[rank] = fresh[rank]
             self._add(fresh[rank])
-
-
-def _volume(sizes) -> int:
-    n = 1
-    for s in sizes:
-        n *= s
-    return n
 
 
 def covered(chunks, offsets, sizes) -> int:

@@ -60,7 +60,7 @@ def index(manifest: fmt.Manifest, rank: int) -> dict[tuple[int, str], fmt.Blob]:
 
 def _records(manifest: fmt.Manifest):
     """(key, blob) of the records at hand: all of them, or of a version 4 root those
-    read into it (a rank's own: indexes.with_own)."""
+    read into it (a rank's own: indexes.with_index)."""
     if manifest.complete:
         for _, key, b in manifest.blobs():
             yield key, b

@@ -17,7 +17,7 @@ from ..runtime import Runtime
 from ..storage import Storage
 from . import exiting
 from .commit import SAVE_BEAT_EVERY, abort, await_outcome, commit, write_failure_vote, write_vote
-from .indexes import rank_records, seal, with_own
+from .indexes import rank_records, seal, with_index
 from .snapshot import DEFAULT_CHUNK_BYTES, snapshot
 
 
@@ -168,7 +168,7 @@ def start_save(obj, storage: Storage, *, rt: Runtime, attempt: str, step: int | 
             else:
                 manifest = await_outcome(storage, attempt, options.commit_timeout, rank)
             if own is not None:  # a root: with this rank's own records, which it has at hand
-                manifest = with_own(storage, manifest, own, rt.readers)
+                manifest = with_index(storage, manifest, own, rt.readers)
         except BaseException as e:
             _refuse(storage, attempt, step, world_size, rank, e)
             future._future.set_exception(e)

@@ -31,13 +31,13 @@ _NOT_FOUND = {"NoSuchKey", "404", "NotFound"}
 _PERMISSION = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AllAccessDisabled",
                "InvalidToken", "ExpiredToken", "TokenRefreshRequired", "AccountProblem",
                "InvalidSecurity", "403", "Forbidden"}
-_EXISTS = {"PreconditionFailed", "412"}
+EXISTS = {"PreconditionFailed", "412"}
 # AWS answers 409 when a conditional write races another in-flight write of the key and
 # says to retry it: S3Storage.put retries, then reads the key back (docs/s3.md).
 CONFLICT = {"ConditionalRequestConflict", "409"}
 # A request the store does not implement (Backblaze B2 answers 501 to If-None-Match):
 # no retry changes that.
-_NOT_IMPLEMENTED = {"NotImplemented", "501"}
+NOT_IMPLEMENTED = {"NotImplemented", "501"}
 _TRANSIENT = {"SlowDown", "Throttling", "ThrottlingException", "ThrottledException", "RequestThrottled",
               "RequestThrottledException", "RequestLimitExceeded", "TooManyRequestsException",
               "BandwidthLimitExceeded", "PriorRequestNotComplete", "RequestTimeout",
@@ -71,9 +71,9 @@ def translate(e: BaseException, where: str, bucket: str, max_attempts: int) -> C
             return ObjectNotFoundError(f"{where}: not found ({detail})")
         if code in _PERMISSION or status == 403:
             return StoragePermissionError(f"{where}: access denied ({detail})")
-        if code in _EXISTS or status == 412:
+        if code in EXISTS or status == 412:
             return AlreadyExistsError(f"{where}: already exists ({detail})")
-        if code in _NOT_IMPLEMENTED or status == 501:
+        if code in NOT_IMPLEMENTED or status == 501:
             return StorageError(f"{where}: the store does not implement this request ({detail})")
         if code in _TRANSIENT or status == 429 or (status or 0) >= 500:
             return TransientStorageError(f"{where}: {detail}; gave up after {tries} attempt(s)")

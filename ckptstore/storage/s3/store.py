@@ -41,7 +41,7 @@ from .client import (
     _Shared,
     new_client,
 )
-from .errors import CONFLICT, _NOT_FOUND, _STREAM_ERRORS, _backoff, _client_error, _scrub_exception, translate
+from .errors import CONFLICT, EXISTS, NOT_IMPLEMENTED, _NOT_FOUND, _STREAM_ERRORS, _backoff, _client_error, _scrub_exception, translate
 from .request_args import RequestArgs
 from .writer import _byte_view, _S3AppendWriter
 
@@ -62,6 +62,11 @@ def _fresh_probe_locks() -> None:  # a forked child must not inherit a lock a pa
 
 os.register_at_fork(after_in_child=_fresh_probe_locks)
 _READ_BLOCK = 4 * MiB  # bytes read off a response body at a time (and handed to on_piece)
+
+
+def _is_conflict(e: BaseException) -> bool:
+    """A 409 ConditionalRequestConflict (retried by a create-only put)."""
+    return isinstance(e, bexc.ClientError) and _client_error(e)[0] in CONFLICT
 
 
 def _as_bytes(data) -> bytes:
@@ -267,15 +272,14 @@ class S3Storage(Storage):
             # 409 ConditionalRequestConflict: another conditional write of the key was in
             # flight (perhaps our own earlier attempt); AWS says to retry. Then a 412 may be
             # our own write: resolved by the read-back below.
-            if not (isinstance(cause, bexc.ClientError) and _client_error(cause)[0] in CONFLICT
-                    and conflicts < CONFLICT_RETRIES):
+            if not _is_conflict(cause):
+                break
+            if conflicts == CONFLICT_RETRIES:
+                err = TransientStorageError(f"{self.describe(key)}: create-only write met a concurrent write of "
+                                            f"the key {conflicts + 1} times (409 ConditionalRequestConflict)")
                 break
             conflicts += 1
             _backoff(conflicts)
-        if isinstance(cause, bexc.ClientError) and _client_error(cause)[0] in CONFLICT:
-            err = TransientStorageError(f"{self.describe(key)}: create-only write met a concurrent write of the "
-                                        f"key {conflicts + 1} times (409 ConditionalRequestConflict)")
-        conflicts_seen = conflicts > 0
         # A create-only PUT whose response was lost (reset, stall past the read timeout, a
         # 5xx after the write) may have been stored: botocore's retry then meets its own
         # first attempt (412), or every retry fails too. Either way, read the key back:
@@ -283,7 +287,7 @@ class S3Storage(Storage):
         # and commit time, so no other writer produces the same bytes).
         if create_only and (isinstance(err, TransientStorageError) or (
                 isinstance(err, AlreadyExistsError) and isinstance(cause, bexc.ClientError)
-                and (_client_error(cause)[3] > 1 or conflicts_seen))):
+                and (_client_error(cause)[3] > 1 or conflicts))):
             held = self._holds(key, body)
             if held == "ours":
                 return
@@ -331,9 +335,9 @@ class S3Storage(Storage):
                                            IfNoneMatch="*")
                 except bexc.ClientError as e:
                     code, _, status, _ = _client_error(e)
-                    if code in ("NotImplemented", "501") or status == 501:
+                    if code in NOT_IMPLEMENTED or status == 501:
                         return "answers 501 NotImplemented to a create-only put (If-None-Match: *)"
-                    refused = code in ("PreconditionFailed", "412", *CONFLICT) or status in (409, 412)
+                    refused = code in EXISTS or code in CONFLICT or status in (409, 412)
                     if n == 2 and refused:
                         return "ok"
                     err = self._translate(e, name)
