@@ -22,6 +22,9 @@ SKIPPED_NAME = "resume-skipped.json"  # a resume could not use this step (inform
 PROGRESS_NAME = "progress.json"  # at a store's root: the last step a run reached
 EPOCHS_DIR = "epochs"  # at a store's root: one create-only claim per run incarnation
 ABORT_LEAF = "abort.json"
+# The committer's word to the ranks that wait: "committed as generation g" or "aborted"
+# (commit.await_outcome polls this one small object instead of listing the location).
+OUTCOME_LEAF = "outcome.json"
 # In an attempt: a gc deleted a manifest that read this attempt's files, which a save in
 # flight may still reference; rewriting it makes the attempt young again, so the files go
 # only once it has been idle for the grace (gc.py).
@@ -130,6 +133,10 @@ def abort_name(attempt: str) -> str:
     return f"{attempt_dir(attempt)}/{ABORT_LEAF}"
 
 
+def outcome_name(attempt: str) -> str:
+    return f"{attempt_dir(attempt)}/{OUTCOME_LEAF}"
+
+
 def heartbeat_name(attempt: str, rank: int) -> str:
     return f"{attempt_dir(attempt)}/heartbeat-r{_rank_field(rank)}"
 
@@ -151,13 +158,15 @@ def parse_vote_leaf(leaf: str) -> int | None:
 
 def attempt_leaf_kind(leaf: str) -> str | None:
     """What a file directly inside an attempt directory is: "data", "vote", "abort",
-    "release", "heartbeat" or "temp"; None for a name ckptstore never writes there."""
+    "outcome", "release", "heartbeat" or "temp"; None for a name ckptstore never writes there."""
     if _DATA_RE.fullmatch(leaf):
         return "data"
     if _VOTE_RE.fullmatch(leaf):
         return "vote"
     if leaf == ABORT_LEAF:
         return "abort"
+    if leaf == OUTCOME_LEAF:
+        return "outcome"
     if leaf == RELEASED_LEAF:
         return "release"
     if _HEARTBEAT_RE.fullmatch(leaf):

@@ -7,11 +7,13 @@ from __future__ import annotations
 import pickle
 import threading
 
+import pytest
 import torch
 
 from ckptstore import format as fmt
 from ckptstore import names
-from ckptstore.checkpoint.commit import read_votes
+from ckptstore.checkpoint.commit import abort, attempt_files, await_outcome, read_outcome, read_votes
+from ckptstore.errors import CommitError
 from ckptstore.checkpoint.save import SaveOptions, start_save
 from ckptstore.hashing import digest
 from ckptstore.runtime import runtime
@@ -30,10 +32,10 @@ def test_a_committer_waiting_for_the_last_vote_reads_every_vote_once(tmp_path):
                 reads[key] = reads.get(key, 0) + 1
             return super().read(key, *args, **kwargs)
 
-        def list(self, prefix=""):
+        def walk(self, prefix=""):
             if prefix.startswith(names.ATTEMPTS_DIR):
                 lists.release()  # one poll of the attempt directory
-            return super().list(prefix)
+            return super().walk(prefix)
 
     where = Counting(str(tmp_path / "ckpt"))
     attempt = names.new_attempt_id()
@@ -101,3 +103,73 @@ def test_a_listing_that_lags_the_manifest_write_is_given_a_moment_before_retirin
     assert where.lag == 0  # the lag was met ...
     assert not where.exists(names.manifest_name(1))  # ... and generation 1 retired all the same
     assert not [w for w in recwarn if "retiring older ones failed" in str(w.message)]
+
+
+# ---------------------------------------------------------------------------- the outcome the waiting ranks poll
+def committed_world(tmp_path, world: int = 3):
+    """A committed checkpoint of ``world`` simulated ranks: (location, attempt, manifest)."""
+    where = LocalStorage(str(tmp_path / "ckpt"))
+    attempt = names.new_attempt_id()
+    for r in range(1, world):
+        other_rank(where, attempt, r, world)
+    manifest = start_save({"w": torch.zeros(4)}, where, rt=runtime(), attempt=attempt, step=None, rank=0,
+                          world_size=world, metrics=None,
+                          options=SaveOptions(commit_timeout=HANG_GUARD_S, indexed=False)).result(HANG_GUARD_S)
+    return where, attempt, manifest
+
+
+def test_the_committer_tells_the_waiting_ranks_its_generation(tmp_path):
+    where, attempt, manifest = committed_world(tmp_path)
+    assert read_outcome(where, attempt) == {"committed": manifest.generation}
+    assert await_outcome(where, attempt, HANG_GUARD_S, 1, 3).attempt == attempt
+
+
+def test_an_outcome_never_written_delays_a_waiting_rank_but_does_not_fail_it(tmp_path):
+    """The committer died between its manifest and its outcome: a full look (every
+    FULL_LOOK_EVERY polls) finds the manifest."""
+    where, attempt, manifest = committed_world(tmp_path)
+    where.delete(names.outcome_name(attempt))
+    assert await_outcome(where, attempt, HANG_GUARD_S, 1, 3).generation == manifest.generation
+
+
+def test_a_commit_that_raced_an_abort_stands_for_the_waiting_ranks(tmp_path):
+    """A rank aborted after the committer's last listing and the manifest landed: the
+    outcome says aborted, but the manifest names the attempt, so the waiting ranks
+    succeed as the committer did."""
+    where, attempt, manifest = committed_world(tmp_path)
+    where.delete(names.outcome_name(attempt))
+    abort(where, attempt, "rank 2 gave up")
+    assert read_outcome(where, attempt) == {"aborted": "rank 2 gave up"}
+    assert await_outcome(where, attempt, HANG_GUARD_S, 1, 3).generation == manifest.generation
+
+
+def test_an_aborted_outcome_ends_the_wait_with_its_reason(tmp_path):
+    where = LocalStorage(str(tmp_path / "ckpt"))
+    attempt = names.new_attempt_id()
+    abort(where, attempt, "rank 5 ran out of disk")
+    where.delete(names.abort_name(attempt))  # the outcome alone says so
+    with pytest.raises(CommitError, match="rank 5 ran out of disk"):
+        await_outcome(where, attempt, HANG_GUARD_S, 1, 8)
+
+
+@pytest.mark.parametrize("planted", [
+    b"not json", b"[]", b'{"committed": 1}', b'{"attempt": "%(a)s", "committed": "../manifest"}',
+    b'{"attempt": "%(a)s", "committed": true}', b'{"attempt": "%(a)s", "committed": -1}',
+    b'{"attempt": "%(a)s", "aborted": 7}', b'{"attempt": "20990101T000000-000000000000", "aborted": "no"}',
+    b"x" * 100_000])
+def test_a_hostile_outcome_is_no_outcome(tmp_path, planted):
+    """An outcome is untrusted input: one that is not the committer's word for this
+    attempt is ignored; the abort marker still ends the wait, with its own reason."""
+    where = LocalStorage(str(tmp_path / "ckpt"))
+    attempt = names.new_attempt_id()
+    where.put(names.outcome_name(attempt), planted.replace(b"%(a)s", attempt.encode()))
+    assert read_outcome(where, attempt) is None
+    where.put(names.abort_name(attempt), b'{"reason": "the marker\'s reason"}')
+    with pytest.raises(CommitError, match="the marker's reason"):
+        await_outcome(where, attempt, HANG_GUARD_S, 1, 3)
+
+
+def test_an_outcome_is_an_attempt_file_gc_knows(tmp_path):
+    where, attempt, _ = committed_world(tmp_path)
+    assert names.attempt_file_of(names.outcome_name(attempt)) == (attempt, "outcome")
+    assert names.outcome_name(attempt) in {i.key for i in attempt_files(where, attempt)}

@@ -14,7 +14,7 @@ commit still needs by their heartbeats (:class:`PeerWatch`), so a dead peer ends
 wait within the liveness window instead of the commit timeout:
 
 - rank 0 judges the ranks whose vote is missing, each by the cadence it promised (every
-  rank of a multi-rank save beats every ``SAVE_BEAT_EVERY`` seconds from start to end,
+  rank of a multi-rank save beats every ``save_beat_every()`` seconds from start to end,
   and fast once it exits): one whose heartbeat says it exits and did not change for the
   window, or any other whose heartbeat did not change for the period plus the window,
   is presumed dead;
@@ -30,6 +30,7 @@ fails its save with a :class:`CommitError`.
 from __future__ import annotations
 
 import json
+import random
 import time
 import warnings
 
@@ -60,6 +61,14 @@ from .indexes import build_root
 # end, commit waits included (exiting.Heartbeat; a save shorter than this writes none):
 # what gc's grace and a peer in exit mode hold a silent rank to.
 SAVE_BEAT_EVERY = 3.0
+# ... and no faster than keeps all of a job's beats (one PUT and one HEAD each) under about
+# this many a second on their one prefix: 4,096 ranks beat every 8 s.
+SAVE_BEATS_PER_S = 500
+
+
+def save_beat_every(world_size: int) -> float:
+    """The heartbeat period of each rank of a ``world_size``-rank save."""
+    return max(SAVE_BEAT_EVERY, world_size / SAVE_BEATS_PER_S)
 
 
 class Deadline:
@@ -67,19 +76,46 @@ class Deadline:
     process group (votes travel through storage, so background threads need no
     collectives). The waiting rank's heartbeat, which keeps gc from taking its attempt
     for abandoned (I7), is beaten by the save's own thread (exiting.Heartbeat) from the
-    start of the save to its end, waits included."""
+    start of the save to its end, waits included.
 
-    def __init__(self, timeout: float):
+    The delay starts at ``start`` and doubles up to ``cap``; each sleep is jittered
+    (half to all of it), so ranks that began waiting together do not poll in step."""
+
+    def __init__(self, timeout: float, start: float = 0.002, cap: float = 0.25):
         self.end = time.monotonic() + timeout
-        self.delay = 0.002
+        self.delay = start
+        self.cap = max(cap, start)
 
     def sleep_or_expire(self) -> bool:
         left = self.end - time.monotonic()
         if left <= 0:
             return False
-        time.sleep(min(self.delay, left))
-        self.delay = min(self.delay * 2, 0.25)
+        time.sleep(min(self.delay * random.uniform(0.5, 1.0), left))
+        self.delay = min(self.delay * 2, self.cap)
         return True
+
+
+# Every rank polls the same prefix while it waits, and an object store serves a prefix a
+# bounded rate (S3: about 5,500 GETs and LISTs per second). The ranks that wait for the
+# commit make one small GET per poll, spread so that together they make at most about
+# FOLLOWER_POLLS_PER_S (at most eight times that at their first poll); the committer's
+# one listing per poll (a page per 1,000 files: data, vote and heartbeat per rank) slows
+# likewise. Below ~250 ranks the cadence is the fixed 0.25 s it always was.
+FOLLOWER_POLLS_PER_S = 1000
+COMMITTER_POLL_PAGES_PER_S = 12
+FULL_LOOK_EVERY = 8  # a waiting rank's polls between full looks (a listing), see await_outcome
+
+
+def follower_cadence(world_size: int) -> tuple[float, float]:
+    """(first delay, longest delay) of a rank waiting for the commit of ``world_size`` ranks."""
+    cap = max(0.25, world_size / FOLLOWER_POLLS_PER_S)
+    return max(0.002, world_size / (8 * FOLLOWER_POLLS_PER_S)), cap
+
+
+def committer_cadence(world_size: int) -> tuple[float, float]:
+    """(first delay, longest delay) of the committer waiting for the votes."""
+    pages = 3 * world_size / 1000
+    return 0.002, max(0.25, pages / COMMITTER_POLL_PAGES_PER_S)
 
 
 class PeerWatch:
@@ -124,12 +160,12 @@ class PeerWatch:
         return out
 
 
-def _patience(content: bytes | None) -> float:
+def _patience(content: bytes | None, world_size: int) -> float:
     """How long a peer's heartbeat may stay unchanged before it is presumed dead: the
     window when it says the peer exits too (it beats fast), else its normal period plus
-    the window (every rank in a multi-rank save beats every SAVE_BEAT_EVERY seconds,
+    the window (every rank in a multi-rank save beats every save_beat_every() seconds,
     even one whose main thread is stuck in a collective and never saw the signal)."""
-    return exiting.liveness() if exiting.says_exiting(content) else SAVE_BEAT_EVERY + exiting.liveness()
+    return exiting.liveness() if exiting.says_exiting(content) else save_beat_every(world_size) + exiting.liveness()
 
 
 def _presumed_dead(dead: list[int], me: int, silent: float) -> str:
@@ -231,12 +267,18 @@ def commit(storage: Storage, own: fmt.Vote, world_size: int, created_at: str, me
     attempt = own.attempt
     where = storage.describe()
     votes = {0: own}
-    deadline = Deadline(timeout)
+    deadline = Deadline(timeout, *committer_cadence(world_size))
     watch: PeerWatch | None = None
+    sizes: dict[str, int] = {}
     while True:
         entries: list[str] = []
         if world_size > 1:
-            entries = storage.list(names.attempt_dir(attempt))  # one listing: votes and abort marker
+            # One listing a poll: votes, abort marker, and the sizes of the data files (a
+            # rank's file is complete before its vote is written, so the listing that shows
+            # the last vote shows every file whole: no HEAD per file at commit).
+            listed = list(storage.walk(names.attempt_dir(attempt) + "/"))
+            entries = [info.key.rsplit("/", 1)[-1] for info in listed]
+            sizes = {info.key: info.size for info in listed if info.kind == "file"}
             votes.update(read_votes(storage, attempt, entries, have=votes.keys(), pool=runtime().readers))
         refusals = [v for v in votes.values() if not v.ok]
         if refusals:
@@ -252,7 +294,7 @@ def commit(storage: Storage, own: fmt.Vote, world_size: int, created_at: str, me
             if watch.due():
                 missing = sorted(set(range(world_size)) - votes.keys())
                 dead = sorted(r for r, (content, silent) in watch.look(missing).items()
-                              if silent >= _patience(content))
+                              if silent >= _patience(content, world_size))
                 if dead:
                     reason = _presumed_dead(dead, 0, exiting.liveness())
                     abort(storage, attempt, reason)
@@ -290,9 +332,9 @@ def commit(storage: Storage, own: fmt.Vote, world_size: int, created_at: str, me
     try:
         if indexed:  # each index is its data file's last blob: a file that holds it holds the rank's blobs
             check_sizes(storage, here({b.file: b.offset + b.length for b in root["indexes"]}, storage),
-                        "data file", "the votes", runtime().readers)
+                        "data file", "the votes", runtime().readers, listed=sizes)
         else:
-            check_files(storage, ranks, tensors)
+            check_files(storage, ranks, tensors, listed=sizes)
     except CommitError as e:
         abort(storage, attempt, str(e))
         raise
@@ -336,6 +378,8 @@ def commit(storage: Storage, own: fmt.Vote, world_size: int, created_at: str, me
         raise CommitConflictError(
             f"{where}: another writer committed generation {generation} first; this save was not committed"
         ) from e
+    if world_size > 1:
+        write_outcome(storage, attempt, {"committed": generation})
     try:
         # Retire only once a reader's own listing shows the new generation as the visible one.
         if not _listed_as_newest(storage, generation):
@@ -366,7 +410,7 @@ def _listed_as_newest(storage: Storage, generation: int) -> bool:
     return False
 
 
-def check_files(storage: Storage, ranks, tensors) -> None:
+def check_files(storage: Storage, ranks, tensors, listed: dict[str, int] | None = None) -> None:
     """Every data file the manifest will name is there and long enough: a file lost
     while the committer waited (deleted by hand, or by a gc run with a grace shorter
     than the wait) must not be published (I1). A reference's file (incremental saves)
@@ -383,7 +427,7 @@ def check_files(storage: Storage, ranks, tensors) -> None:
     need = here(need, storage)
     if any(b.step is not None for b in blobs):
         storage = ReferencingStorage(storage)
-    check_sizes(storage, need, "data file", "the votes")
+    check_sizes(storage, need, "data file", "the votes", listed=listed)
 
 
 def here(need: dict[str, int], storage: Storage) -> dict[str, int]:
@@ -395,11 +439,17 @@ def here(need: dict[str, int], storage: Storage) -> dict[str, int]:
     return {name: size for name, size in need.items() if names.parse_data_file(name)[1] == 0}
 
 
-def check_sizes(storage: Storage, need: dict[str, int], what: str, claimed_by: str, pool=None) -> None:
+def check_sizes(storage: Storage, need: dict[str, int], what: str, claimed_by: str, pool=None,
+                listed: dict[str, int] | None = None) -> None:
     """Each file of ``need`` is there and holds at least its number of bytes, else a
-    CommitError naming it (``what`` it is, ``claimed_by`` whom); stat'ed in parallel on
-    ``pool`` when given (one HEAD per file on S3)."""
+    CommitError naming it (``what`` it is, ``claimed_by`` whom). Sizes come from
+    ``listed`` (a listing just made: {key: size}) where it has them; the other files
+    are stat'ed, in parallel on ``pool`` when given (one HEAD per file on S3)."""
+    listed = listed or {}
+
     def size(name: str) -> int | None:
+        if name in listed:
+            return listed[name]
         try:
             return storage.stat(name).size
         except (ObjectNotFoundError, NotRegularObjectError):  # (a FIFO in its place is no data file either)
@@ -485,8 +535,7 @@ def retire_generations(storage: Storage, below: int, live_attempt: str, files: b
             attempt = None  # unreadable: drop the manifest, leave files to gc
         storage.delete(names.manifest_name(gen))
         if files and attempt is not None and attempt != live_attempt and attempt not in keep:  # (parsed: grammar)
-            for info in list(attempt_files(storage, attempt)):
-                storage.delete(info.key)
+            storage.delete_many([info.key for info in attempt_files(storage, attempt)])
 
 
 def abort(storage: Storage, attempt: str, reason) -> None:
@@ -495,6 +544,38 @@ def abort(storage: Storage, attempt: str, reason) -> None:
         storage.put(names.abort_name(attempt), data, if_absent=True)
     except BaseException:
         pass
+    write_outcome(storage, attempt, {"aborted": str(reason)[:4096]})
+
+
+def write_outcome(storage: Storage, attempt: str, outcome: dict) -> None:
+    """Tell the waiting ranks how ``attempt`` ended (best effort, create-only: the first
+    word stands). It is a hint they act on only after checking it (await_outcome): a
+    "committed" is read from its manifest, an "aborted" is believed only when no
+    manifest names the attempt, and a lost outcome costs a waiting rank time, not
+    correctness (its full looks find the manifest or the abort marker)."""
+    try:
+        data = json.dumps({"attempt": attempt, **outcome, "at": fmt.utc_now()}).encode()
+        storage.put(names.outcome_name(attempt), data, if_absent=True)
+    except BaseException:
+        pass
+
+
+def read_outcome(storage: Storage, attempt: str) -> dict | None:
+    """The outcome the committer wrote for ``attempt``: {"committed": generation} or
+    {"aborted": reason}; None when there is none yet, or it cannot be read or is not
+    one (untrusted input: a waiting rank then takes a full look instead)."""
+    try:
+        doc = fmt.loads_json(read_capped(storage, names.outcome_name(attempt), fmt.MAX_MARKER_BYTES, "outcome"),
+                             "outcome")
+    except CkptStoreError:
+        return None
+    if not isinstance(doc, dict) or doc.get("attempt") != attempt:
+        return None
+    generation = doc.get("committed")
+    if isinstance(generation, int) and not isinstance(generation, bool) and 0 < generation <= names.MAX_GENERATION:
+        return {"committed": generation}
+    reason = doc.get("aborted")
+    return {"aborted": reason[:4096]} if isinstance(reason, str) else None
 
 
 def read_abort_reason(storage: Storage, attempt: str) -> str:
@@ -508,44 +589,80 @@ def read_abort_reason(storage: Storage, attempt: str) -> str:
         return f"(unreadable abort marker: {e})"
 
 
-def await_outcome(storage: Storage, attempt: str, timeout: float, rank: int = 1) -> fmt.Manifest:
-    """Ranks other than 0: wait until rank 0 committed this attempt or gave up."""
+def await_outcome(storage: Storage, attempt: str, timeout: float, rank: int = 1,
+                  world_size: int = 2) -> fmt.Manifest:
+    """Ranks other than 0: wait until rank 0 committed this attempt or gave up.
+
+    Each poll is one small GET, of the outcome the committer writes (write_outcome),
+    paced by :func:`follower_cadence`. Every ``FULL_LOOK_EVERY``-th poll, and once more
+    at the deadline, the rank takes a full look instead (the location's manifests and
+    the abort marker), so an outcome that was never written (the committer died between
+    its manifest and its outcome) delays it, never fails it."""
     where = storage.describe()
-    deadline = Deadline(timeout)
+    deadline = Deadline(timeout, *follower_cadence(world_size))
     seen: set[int] = set()
     watch: PeerWatch | None = None
+    polls = 0
     while True:
-        for gen in reversed(generations(storage)):
-            if gen in seen:
-                continue
-            try:
-                m = read_manifest(storage, gen)
-            except ObjectNotFoundError:
-                continue  # retired while we looked
-            except FormatError:
-                seen.add(gen)  # not ours, whatever it is: rank 0 decides and says so
-                continue
-            seen.add(gen)
-            if m.attempt == attempt:
-                return m
-        if storage.exists(names.abort_name(attempt)):
-            raise CommitError(f"{where}: rank 0 did not commit attempt {attempt}: {read_abort_reason(storage, attempt)}")
+        polls += 1
+        outcome = read_outcome(storage, attempt)
+        if outcome is not None or polls % FULL_LOOK_EVERY == 0:
+            manifest = _conclude(storage, attempt, outcome, seen, where)
+            if manifest is not None:
+                return manifest
         if exiting.active() and rank != 0:
             watch = watch or PeerWatch(storage, attempt)
             if watch.due():
-                _judge_committer(storage, attempt, rank, watch, where)
+                _judge_committer(storage, attempt, rank, watch, where, world_size)
         if not deadline.sleep_or_expire():
+            manifest = _conclude(storage, attempt, None, seen, where)
+            if manifest is not None:
+                return manifest
             raise CommitTimeoutError(f"{where}: attempt {attempt} was not committed within {timeout}s")
 
 
-def _judge_committer(storage: Storage, attempt: str, rank: int, watch: PeerWatch, where: str) -> None:
+def _conclude(storage: Storage, attempt: str, outcome: dict | None, seen: set[int],
+              where: str) -> fmt.Manifest | None:
+    """What ends a waiting rank's wait: the manifest of ``attempt``, or a CommitError
+    when the attempt was aborted and no manifest names it (a commit that raced an abort
+    stands); None while neither is so."""
+    generation = (outcome or {}).get("committed")
+    if generation is not None:
+        try:
+            m = read_manifest(storage, generation)
+            if m.attempt == attempt:
+                return m
+        except (ObjectNotFoundError, FormatError):
+            pass  # retired, or not what the outcome says: look at every generation
+    for gen in reversed(generations(storage)):
+        if gen in seen:
+            continue
+        try:
+            m = read_manifest(storage, gen)
+        except ObjectNotFoundError:
+            continue  # retired while we looked
+        except FormatError:
+            seen.add(gen)  # not ours, whatever it is: rank 0 decides and says so
+            continue
+        seen.add(gen)
+        if m.attempt == attempt:
+            return m
+    if outcome is not None and "aborted" in outcome:
+        raise CommitError(f"{where}: rank 0 did not commit attempt {attempt}: {outcome['aborted']}")
+    if storage.exists(names.abort_name(attempt)):
+        raise CommitError(f"{where}: rank 0 did not commit attempt {attempt}: {read_abort_reason(storage, attempt)}")
+    return None
+
+
+def _judge_committer(storage: Storage, attempt: str, rank: int, watch: PeerWatch, where: str,
+                     world_size: int) -> None:
     """Exit mode, a rank that voted: abort when rank 0 stopped beating (by the cadence
     its heartbeat promises: :func:`_patience`)."""
     looked = watch.look([0])
     if 0 not in looked:
         return
     content, silent = looked[0]
-    limit = _patience(content)
+    limit = _patience(content, world_size)
     if silent >= limit:
         reason = _presumed_dead([0], rank, limit)
         abort(storage, attempt, reason)

@@ -144,7 +144,7 @@ def promote(src: Storage, dst: Storage, manifest: fmt.Manifest, rank: int, *, ti
         if rank == 0:
             return commit(dst, vote, world, manifest.created_at, dict(manifest.metrics), timeout,
                           epoch=manifest.epoch, fence=fence)
-        return await_outcome(dst, manifest.attempt, timeout, rank)
+        return await_outcome(dst, manifest.attempt, timeout, rank, world)
     except BaseException as e:
         _refuse(dst, manifest.attempt, manifest.step, world, rank, e)
         raise

@@ -16,7 +16,7 @@ from ..pipeline import RankWriter
 from ..runtime import Runtime
 from ..storage import Storage
 from . import exiting
-from .commit import SAVE_BEAT_EVERY, abort, await_outcome, commit, write_failure_vote, write_vote
+from .commit import abort, await_outcome, commit, save_beat_every, write_failure_vote, write_vote
 from .indexes import rank_records, seal, with_index
 from .snapshot import DEFAULT_CHUNK_BYTES, snapshot
 
@@ -65,7 +65,7 @@ class SaveFuture:
         # slowly, and fast once the process exits (watch_exit).
         self._beat: exiting.Heartbeat | None = None
         if world_size > 1 and storage is not None:
-            self._beat = exiting.Heartbeat(storage, attempt, rank, SAVE_BEAT_EVERY, self._settled,
+            self._beat = exiting.Heartbeat(storage, attempt, rank, save_beat_every(world_size), self._settled,
                                            self._on_aborted).start()
         self.aborted = False  # exit mode saw the attempt's abort marker: it cannot commit
         self.observed = False  # the caller has seen the outcome
@@ -166,7 +166,7 @@ def start_save(obj, storage: Storage, *, rt: Runtime, attempt: str, step: int | 
                                   # a step referenced by other steps: its retired files are gc's to judge
                                   retire_files=options.references is None or step is None)
             else:
-                manifest = await_outcome(storage, attempt, options.commit_timeout, rank)
+                manifest = await_outcome(storage, attempt, options.commit_timeout, rank, world_size)
             if own is not None:  # a root: with this rank's own records, which it has at hand
                 manifest = with_index(storage, manifest, own, rt.readers)
         except BaseException as e:

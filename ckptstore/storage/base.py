@@ -227,6 +227,13 @@ class Storage(abc.ABC):
     @abc.abstractmethod
     def delete(self, key: str) -> None: ...
 
+    def delete_many(self, keys) -> None:
+        """Delete ``keys`` (missing ones are no error). A store may batch them, so no
+        order among them holds: a caller that needs one (manifests before the files they
+        name: I7) calls once per group."""
+        for key in keys:
+            self.delete(key)
+
     def delete_prefix(self, prefix: str) -> None:
         """Delete every object under ``prefix`` (a key ending in '/')."""
         self._check(prefix, prefix=True)

@@ -1,0 +1,153 @@
+"""Requests per checkpoint on S3, counted on the wire (issue 19, item 5): what one save
+of N ranks costs, and that the ranks waiting for the commit poll one small object
+instead of listing the location (docs/s3.md, "Request counts").
+
+N ranks are simulated in one process against the moto server: ranks 1.. write their
+data file and vote as their own process would (tests/test_indexes.py's ``other_rank``),
+rank 0 saves through ``start_save`` and commits, then each other rank waits for the
+outcome as its save would. Every HTTP request the store's client sends is counted by a
+botocore hook, by method, operation and kind of object."""
+
+from __future__ import annotations
+
+import collections
+import threading
+from urllib.parse import parse_qs, unquote, urlsplit
+
+import pytest
+
+from ckptstore import names
+from ckptstore.checkpoint.commit import FULL_LOOK_EVERY, await_outcome, follower_cadence, committer_cadence
+from ckptstore.checkpoint.save import SaveOptions, start_save
+from ckptstore.codecs import CompressionPolicy
+from ckptstore.runtime import runtime
+from s3util import bucket, endpoint, s3_storage  # noqa: F401 - fixtures
+from test_indexes import other_rank, rank_state
+
+TIMEOUT = 120
+STEP = 7
+
+
+class Requests:
+    """Counts the requests a client sends: (method, what) -> n, where ``what`` is the
+    kind of object (vote, outcome, manifest, data, ...) or the listing."""
+
+    def __init__(self, client):
+        self.counts: collections.Counter = collections.Counter()
+        self.lock = threading.Lock()
+        self.on_request = None  # called with (method, what) after counting
+        client.meta.events.register("before-send.s3", self._count, unique_id=f"count-{id(self)}")
+
+    def _count(self, request, **_kwargs):
+        parts = urlsplit(request.url)
+        query = parse_qs(parts.query, keep_blank_values=True)
+        leaf = unquote(parts.path).rsplit("/", 1)[-1]
+        if "list-type" in query:
+            what = "list"
+        elif "delete" in query:
+            what = "batch-delete"
+        elif names.parse_manifest_name(leaf) is not None:
+            what = "manifest"
+        else:
+            what = names.attempt_leaf_kind(leaf) or leaf
+        if what in ("heartbeat", "abort"):
+            return  # a save's heartbeat thread (a save that lasts past save_beat_every()), not counted here
+        key = (request.method, what)
+        with self.lock:
+            self.counts[key] += 1
+        if self.on_request is not None:
+            self.on_request(*key)
+
+    def take(self) -> collections.Counter:
+        with self.lock:
+            out, self.counts = self.counts, collections.Counter()
+        return out
+
+
+def simulate(store, world: int, counter: Requests) -> dict[str, collections.Counter]:
+    """One version 4 checkpoint of ``world`` simulated ranks: the requests of the other
+    ranks' writes, of rank 0's save and commit, and of the others' waits."""
+    where = store.child(names.step_dir_name(STEP))
+    attempt = names.new_attempt_id()
+    for r in range(1, world):
+        other_rank(where, attempt, r, world, rank_state(r))
+    writes = counter.take()
+    future = start_save(rank_state(0), where, rt=runtime(), attempt=attempt, step=STEP, rank=0, world_size=world,
+                        metrics=None, options=SaveOptions(commit_timeout=TIMEOUT,
+                                                          compression=CompressionPolicy("none")))
+    manifest = future.result(timeout=TIMEOUT)
+    commit = counter.take()
+    for r in range(1, world):
+        assert await_outcome(where, attempt, TIMEOUT, r, world).generation == manifest.generation
+    waits = counter.take()
+    return {"writes": writes, "commit": commit, "waits": waits}
+
+
+@pytest.mark.parametrize("world", [2, 16, 64])
+def test_requests_per_checkpoint_grow_by_a_constant_per_rank(bucket, world):  # noqa: F811
+    store = s3_storage(bucket)
+    counter = Requests(store.client)
+    got = simulate(store, world, counter)
+    others = world - 1
+    print(f"\nN={world}: " + "; ".join(f"{phase}: {dict(sorted(c.items()))}" for phase, c in got.items()))
+
+    # Each other rank: its data file (one PutObject: small) and its vote
+    # (the HEAD: open_append refuses to replace an object that exists, I2)
+    assert got["writes"] == {("HEAD", "data"): others, ("PUT", "data"): others, ("PUT", "vote"): others}
+
+    # Rank 0 writes as they did, then commits: it reads each vote once, takes the files'
+    # sizes from the listing that showed the votes (no HEAD per file), and lists four
+    # times: the attempt (every vote was there at once), the generations before the
+    # commit, the one that shows it visible, the retiring of older ones.
+    assert got["commit"] == {("HEAD", "data"): 1, ("PUT", "data"): 1, ("PUT", "vote"): 1,
+                             ("GET", "vote"): others, ("GET", "list"): 4, ("PUT", "manifest"): 1,
+                             ("PUT", "outcome"): 1}
+
+    # A waiting rank whose commit is done: its outcome and its root, nothing else.
+    assert got["waits"] == {("GET", "outcome"): others, ("GET", "manifest"): others}
+    assert sum(sum(c.values()) for c in got.values()) == 6 * world + 3  # docs/s3.md's table
+
+
+def test_a_waiting_rank_polls_only_the_outcome_until_the_commit(bucket):  # noqa: F811
+    """While rank 0 has not committed, a waiting rank's polls are one GET of the outcome
+    each (a full look, which lists, comes only every FULL_LOOK_EVERY polls)."""
+    world = 3
+    store = s3_storage(bucket)
+    where = store.child(names.step_dir_name(STEP))
+    attempt = names.new_attempt_id()
+    for r in range(1, world):
+        other_rank(where, attempt, r, world, rank_state(r))
+    counter = Requests(store.client)
+    polled = threading.Semaphore(0)
+    counter.on_request = lambda method, what: polled.release() if what == "outcome" else None
+    result = {}
+    waiter = threading.Thread(target=lambda: result.setdefault("m", await_outcome(where, attempt, TIMEOUT, 1, world)))
+    waiter.start()
+    for _ in range(FULL_LOOK_EVERY - 2):
+        assert polled.acquire(timeout=TIMEOUT)
+    before = dict(counter.counts)
+    assert set(before) == {("GET", "outcome")}, before  # no listing, no HEAD, no manifest read
+    assert before[("GET", "outcome")] < FULL_LOOK_EVERY
+    start_save(rank_state(0), where, rt=runtime(), attempt=attempt, step=STEP, rank=0, world_size=world,
+               metrics=None, options=SaveOptions(commit_timeout=TIMEOUT)).result(timeout=TIMEOUT)
+    waiter.join(TIMEOUT)
+    assert result["m"].attempt == attempt
+
+
+def test_polling_slows_as_the_world_grows_so_a_prefix_is_not_flooded():
+    for world in (2, 64, 256, 1024, 4096, 16384):
+        first, longest = follower_cadence(world)
+        assert world / longest <= 1000 + 1e-9  # the waiting ranks' steady polls, together, per second
+        assert world / first <= 8000 + 1e-9  # and at their first poll
+        assert longest <= max(0.25, world / 1000)  # no slower than that needs
+        _, committer = committer_cadence(world)
+        assert 3 * world / 1000 / committer <= 12 + 1e-9  # listing pages per second
+    assert follower_cadence(2) == (0.002, 0.25)  # small jobs wait as fast as before
+
+
+def test_heartbeats_slow_as_the_world_grows():
+    from ckptstore.checkpoint.commit import SAVE_BEAT_EVERY, save_beat_every
+
+    assert save_beat_every(2) == save_beat_every(1500) == SAVE_BEAT_EVERY  # as before for most jobs
+    for world in (4096, 16384, 99999):
+        assert world / save_beat_every(world) <= 500 + 1e-9  # beats per second across the job
