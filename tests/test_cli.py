@@ -154,7 +154,7 @@ def test_ls_all_shows_uncommitted_attempts_with_age_and_votes(tmp_path):
     assert (a1["voted"], a1["aborted"], a1["committed"]) == ([1], False, False)
     assert (a0["voted"], a0["aborted"], a0["committed"]) == ([0], True, False)
     assert 3600 <= a1["age_s"] < 3600 + 600 and 0 <= a0["age_s"] < 3600
-    assert a1["files"] == 2 and a0["files"] == 3 and a1["bytes"] > 0
+    assert a1["files"] == 2 and a0["files"] == 4 and a1["bytes"] > 0  # a0: data, no-vote, abort marker, outcome
     committed = {a["attempt"]: a for a in recs["step-000000000005"]["attempts"]}
     assert committed[store.manifest(5).attempt]["committed"] is True
     assert committed[debris]["committed"] is False and committed[debris]["voted"] == [1]
