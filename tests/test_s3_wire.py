@@ -18,9 +18,15 @@ import torch  # noqa: E402
 
 import ckptstore  # noqa: E402
 import s3util  # noqa: E402
+from ckptstore import format as fmt  # noqa: E402
+from ckptstore.checkpoint.promote import Throttle, copy_file  # noqa: E402
 from ckptstore.checkpoint.references import ReferencingStorage  # noqa: E402
+from ckptstore.checkpoint.restore import restore  # noqa: E402
+from ckptstore.checkpoint.save import SaveOptions, start_save  # noqa: E402
+from ckptstore.codecs import CompressionPolicy  # noqa: E402
 from ckptstore.errors import FormatError, StorageError, StoragePermissionError  # noqa: E402
-from ckptstore.storage import MemoryStorage, open_storage  # noqa: E402
+from ckptstore.runtime import Runtime, runtime  # noqa: E402
+from ckptstore.storage import LocalStorage, MemoryStorage, open_storage  # noqa: E402
 from ckptstore.storage.s3 import S3Storage  # noqa: E402
 from ckptstore.storage.s3 import client as s3client  # noqa: E402
 from ckptstore.storage.s3.writer import DEFAULT_UPLOAD_MEMORY, plan_parts  # noqa: E402
@@ -39,6 +45,13 @@ def _keys(endpoint_url: str, bucket_name: str) -> list[str]:
 def _put_all(st, names) -> None:
     for name in names:
         st.put(name, name.encode())
+
+
+def _save(storage, obj, *, rank: int = 0, world_size: int = 1, attempt: str | None = None, rt=None,
+          chunk_bytes: int = 4 * MiB):
+    return start_save(obj, storage, rt=rt or runtime(), attempt=attempt or fmt.new_attempt_id(), step=None,
+                      rank=rank, world_size=world_size, metrics=None,
+                      options=SaveOptions(compression=CompressionPolicy(mode="none"), chunk_bytes=chunk_bytes))
 
 
 # ---------------------------------------------------------------------------- A: delete_many
@@ -347,3 +360,63 @@ def test_writers_give_the_upload_larger_equal_parts(bucket, proxy):
         assert lowered._manager.config.max_concurrency == st.part_plan(writers=640).in_flight == 2
     finally:
         lowered.abort()
+
+
+def test_a_save_hints_its_data_file_size_so_its_parts_are_equal(bucket, proxy):
+    """The save path tells the store the raw bytes it stages before the first append:
+    with parts that would otherwise double after every part, a 22 MiB save is cut into
+    equal 5 MiB parts (the captured path and the pickling path alike)."""
+    st = s3util.s3_storage(bucket, "save", proxy.url, _parts_per_tier=1)
+    assert [st.part_size_for(n) // MiB for n in (1, 2, 3)] == [5, 10, 20]  # unhinted
+    g = torch.Generator().manual_seed(7)
+    state = {"a": torch.randn(3 * MiB, generator=g), "b": torch.randn(5 * MiB // 2, generator=g)}  # 22 MiB
+    for pickle_protocol in (2, 3):  # 3: pickled by flatten, not captured
+        proxy.clear()
+        f = start_save(state, st, rt=runtime(), attempt=fmt.new_attempt_id(), step=None, rank=0, world_size=1,
+                       metrics=None, options=SaveOptions(compression=CompressionPolicy(mode="none"),
+                                                         pickle_protocol=pickle_protocol))
+        manifest = f.result(timeout=120)
+        sizes = _part_sizes_mib(proxy)
+        assert len(sizes) == 5 and sizes[:4] == [5] * 4, (pickle_protocol, sizes)
+        loaded = restore(st, manifest, 0)
+        assert torch.equal(loaded["a"], state["a"]) and torch.equal(loaded["b"], state["b"])
+
+
+class _HintedLocal(LocalStorage):
+    """A local store that notes the hints each open_append gets (local disk ignores them)."""
+
+    def __init__(self, root):
+        super().__init__(root)
+        self.hints: list = []
+
+    def open_append(self, key, **hints):
+        self.hints.append((key, hints))
+        return super().open_append(key, **hints)
+
+
+def test_a_save_tells_the_store_its_raw_size_and_world_size(tmp_path):
+    st = _HintedLocal(str(tmp_path / "ck"))
+    state = {"w": torch.zeros(1 << 18), "b": torch.ones(1000, dtype=torch.float64)}  # 1 MiB + 8,000 bytes
+    attempt = fmt.new_attempt_id()
+    rt1 = Runtime(workers=2)  # rank 1 commits on its own thread, as in its own process
+    try:
+        futures = [_save(st, state, world_size=2, attempt=attempt),
+                   _save(st, state, rank=1, world_size=2, attempt=attempt, rt=rt1)]
+        futures[0].result(timeout=60)
+        futures[1].result(timeout=60)
+    finally:
+        rt1.shutdown()
+    assert sorted(key for key, _ in st.hints) == [fmt.data_file_name(attempt, r, 0) for r in (0, 1)]
+    assert all(h == {"size_hint": MiB + 8000, "writers": 2} for _, h in st.hints), st.hints
+
+
+def test_a_promotion_tells_the_store_the_exact_size_of_each_file(tmp_path):
+    src = LocalStorage(str(tmp_path / "local"))
+    manifest = _save(src, {"w": torch.randn(300_000)}).result(timeout=60)
+    (name,) = manifest.files()
+    dst = _HintedLocal(str(tmp_path / "durable"))
+    blobs = [b for _rank, _key, b in manifest.blobs() if b.file == name]
+    size = copy_file(src, dst, name, blobs, Throttle(None), writers=3)
+    assert size == src.stat(name).size > 1_200_000
+    assert dst.hints == [(name, {"size_hint": size, "writers": 3})]
+    assert dst.read(name) == src.read(name)
