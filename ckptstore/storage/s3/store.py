@@ -259,7 +259,7 @@ class S3Storage(Storage):
     def part_size_for(self, part_number: int) -> int:
         """Size of part ``part_number`` (1-based) of an object appended without hints:
         ``part_size`` for the first tenth of S3's 10,000 parts, then doubling every tenth,
-        so an object may reach ``part_size * 1000 * 1023`` bytes (16 TB at 16 MiB)."""
+        at most 5 GiB, so an object may reach 12.7 TiB at 16 MiB."""
         return self.part_plan().part_size(part_number)
 
     def _translate(self, e: BaseException, key: str = "") -> CkptStoreError:
