@@ -161,7 +161,8 @@ class Writer(StorageWriter):
         self._slot = slot
         storage = self._storage()
         rt = runtime()
-        writer = RankWriter(storage, slot.attempt, slot.rank, self.policy, rt)
+        writer = RankWriter(storage, slot.attempt, slot.rank, self.policy, rt, writers=slot.world_size)
+        writer.size_hint = _planned_bytes(plan.items)
         chunks: dict[str, list[fmt.Chunk]] = {}
         shapes: dict[str, tuple[str, tuple[int, ...]]] = {}
         results = []
@@ -248,6 +249,17 @@ class Writer(StorageWriter):
 
     def _storage(self) -> Storage:
         return _location(self.url, self.step, self.storage_options)
+
+
+def _planned_bytes(items) -> int:
+    """The raw bytes of a plan's tensor items (the data file's size hint; byte items,
+    small, are left to the store's margin)."""
+    total = 0
+    for item in items:
+        data = getattr(item, "tensor_data", None)
+        if data is not None:
+            total += math.prod(data.chunk.sizes) * data.properties.dtype.itemsize
+    return total
 
 
 class Reader(StorageReader):

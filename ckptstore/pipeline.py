@@ -71,7 +71,7 @@ class RankWriter:
     """One rank's data file for one save attempt, fed chunk by chunk."""
 
     def __init__(self, storage: Storage, attempt: str, rank: int, policy: CompressionPolicy,
-                 rt: Runtime | None = None, references: dict | None = None, stream: int = 0):
+                 rt: Runtime | None = None, references: dict | None = None, stream: int = 0, writers: int = 1):
         self.storage = storage
         # Incremental saves: {(raw length, xxh3-128): a committed blob of the same store
         # (Blob.step set)}; a chunk whose raw bytes match one is recorded as a reference
@@ -85,6 +85,13 @@ class RankWriter:
         self.policy = policy
         self.rt = rt or runtime()
         self.file = fmt.data_file_name(attempt, rank, stream)
+        # Hints for opening the data file (Storage.open_append; S3 sizes its parts by
+        # them): about how many bytes it will hold, set by the snapshot before the first
+        # append (the raw bytes it stages: stored bytes are no more, but for the small
+        # skeleton and indexes, which the store's margin covers), and how many ranks
+        # write data files into this location at once.
+        self.size_hint: int | None = None
+        self.writers = writers
         self._out: AppendWriter | None = None
         self._open_lock = threading.Lock()
         self._futures: list[Future] = []
@@ -156,7 +163,7 @@ class RankWriter:
     def _writer(self) -> AppendWriter:
         with self._open_lock:
             if self._out is None:
-                self._out = self.storage.open_append(self.file)
+                self._out = self.storage.open_append(self.file, size_hint=self.size_hint, writers=self.writers)
             return self._out
 
     def _store(self, raw: memoryview, itemsize: int, release=None, hint=None) -> fmt.Blob:

@@ -12,8 +12,10 @@
   seeded rates, answers 503 SlowDown or 500 InternalError, resets the connection,
   stalls past the client's read timeout (before or after forwarding, so a fault may
   hide a write that happened), cuts a response body short, or denies access. It logs
-  every request (operation, botocore attempt number, range, bytes, status) and can hold
-  chosen operations until released, so tests synchronise on what the wire saw.
+  every request (operation, botocore attempt number, range, bytes, status, headers) and
+  can hold chosen operations until released, so tests synchronise on what the wire saw.
+  ``FaultProxy(endpoint, tls=self_signed_cert(dir))`` speaks HTTPS to boto3 (and plain
+  HTTP to moto), so tests see what botocore sends over TLS only (checksum trailers).
 
 Run as a script (``python tests/s3util.py race ...``) it is one side of the two-process
 commit race in ``tests/test_s3.py``.
@@ -134,7 +136,7 @@ def empty_bucket(bucket: str, endpoint: str | None = None, delete: bool = True) 
 
 
 def s3_storage(bucket: str, prefix: str = "store", endpoint: str | None = None, *, use_env: bool = False,
-               **options):
+               verify: str | None = None, **options):
     """An S3Storage on the moto server (or on ``endpoint``, e.g. a proxy) with small parts
     and few attempts, so tests stay fast.
 
@@ -143,7 +145,8 @@ def s3_storage(bucket: str, prefix: str = "store", endpoint: str | None = None, 
     configuration instead (the caller has set :func:`aws_env`). Its create-only puts
     trust the server's If-None-Match (``conditional_writes="trust"``: moto honours it),
     so tests that count requests see no probe; tests/test_s3_conditional.py covers the
-    probe."""
+    probe. ``verify``: the CA bundle for an HTTPS endpoint (a :class:`FaultProxy` with
+    ``tls``); ``checksums`` goes into the client's Config, as S3Storage would put it."""
     import boto3
     from botocore.config import Config
 
@@ -151,15 +154,18 @@ def s3_storage(bucket: str, prefix: str = "store", endpoint: str | None = None, 
 
     opts = {"part_size": 5 * MiB, "read_part_size": 5 * MiB, "max_concurrency": 4, "max_attempts": 3,
             "connect_timeout": 5.0, "read_timeout": 30.0, "conditional_writes": "trust", **options}
+    from ckptstore.storage.s3.client import check_checksums, checksum_config
+
     endpoint = endpoint or moto_endpoint()
     if use_env:
         return S3Storage(bucket, prefix, endpoint_url=endpoint, **opts)
     retries = {"mode": opts.pop("retry_mode", "standard"), "total_max_attempts": opts.pop("max_attempts")}
     config = Config(retries=retries, connect_timeout=opts.pop("connect_timeout"),
-                    read_timeout=opts.pop("read_timeout"), max_pool_connections=32)
+                    read_timeout=opts.pop("read_timeout"), max_pool_connections=32,
+                    **checksum_config(check_checksums(opts.pop("checksums", None))))
     client = boto3.session.Session().client(
         "s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="testing",
-        aws_secret_access_key="testing", config=config)
+        aws_secret_access_key="testing", config=config, verify=verify)
     return S3Storage(bucket, prefix, client=client, **opts)
 
 
@@ -176,6 +182,55 @@ def s3_storage_factory(request, tmp_path):
     bucket = new_bucket(endpoint)
     request.addfinalizer(lambda: empty_bucket(bucket, endpoint))
     return s3_storage(bucket, "store", endpoint)
+
+
+# ---------------------------------------------------------------------------- TLS
+def self_signed_cert(directory) -> tuple[str, str]:
+    """(certificate path, key path): a fresh self-signed certificate for 127.0.0.1 and
+    localhost, valid for a day; the certificate is its own CA bundle (boto3 ``verify=``,
+    ``AWS_CA_BUNDLE``)."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "ckptstore test proxy")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+                                                        x509.DNSName("localhost")]), critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    cert_path, key_path = os.path.join(directory, "proxy-cert.pem"), os.path.join(directory, "proxy-key.pem")
+    with open(cert_path, "wb") as f:
+        f.write(cert.public_bytes(serialization.Encoding.PEM))
+    with open(key_path, "wb") as f:
+        f.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                  serialization.NoEncryption()))
+    return cert_path, key_path
+
+
+class _TLSServer(ThreadingHTTPServer):
+    """A ThreadingHTTPServer whose connections are TLS, the handshake made on each
+    connection's own thread (a client that never finishes one blocks nobody else)."""
+
+    ssl_context = None
+
+    def finish_request(self, request, client_address):
+        try:
+            request = self.ssl_context.wrap_socket(request, server_side=True)
+        except OSError:  # a failed handshake: nothing to answer
+            return
+        super().finish_request(request, client_address)
+
+    def handle_error(self, request, client_address):  # quiet: clients that reset are tests' business
+        pass
 
 
 # ---------------------------------------------------------------------------- fault proxy
@@ -264,13 +319,17 @@ class FaultProxy:
     ``configure(seed=, slowdown=, error500=, reset=, stall=, truncate=, deny=, ops=)`` sets
     the probability of each fault per request (``ops``: only these operations are
     faulted). ``script(*faults)`` queues faults for the next matching requests, e.g.
-    ``script(("GetObject", "truncate"))`` or ``script(("PutObject", "canned:409:Code"))``. ``hold(ops)`` makes matching requests wait
-    (forwarded only after ``release()``). Faults that take a "-before"/"-after" phase:
+    ``script(("GetObject", "truncate"))`` or ``script(("PutObject", "canned:409:Code"))``
+    (``canned:STATUS:CODE[:MESSAGE]``). ``answer(when, fault)`` answers every request for
+    which ``when(request)`` holds with ``fault`` until ``reset()`` (e.g. ``lambda r:
+    "x-amz-trailer" in r.headers``: a store that refuses checksum trailers). ``hold(ops)``
+    makes matching requests wait (forwarded only after ``release()``). ``tls=(cert,
+    key)``: boto3 talks HTTPS to it (:func:`self_signed_cert`). Faults that take a "-before"/"-after" phase:
     error500, reset and stall act before forwarding or after moto already executed the
     request (so its effect happened but the client never hears of it).
     """
 
-    def __init__(self, upstream: str, seed: int = 0):
+    def __init__(self, upstream: str, seed: int = 0, tls: tuple[str, str] | None = None):
         u = urllib.parse.urlsplit(upstream)
         self._upstream = (u.hostname, u.port)
         self._lock = threading.Condition()
@@ -278,6 +337,7 @@ class FaultProxy:
         self._rates: dict[str, float] = {}
         self._ops: set[str] | None = None
         self._script: list[tuple[str, str]] = []
+        self._answers: list[tuple] = []  # (when(request), fault): standing answers
         self._held_ops: set[str] = set()
         self._gate = threading.Event()
         self._gate.set()
@@ -292,11 +352,19 @@ class FaultProxy:
             pass
 
         Handler.proxy = proxy
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        if tls is None:
+            self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        else:
+            import ssl
+
+            self._httpd = _TLSServer(("127.0.0.1", 0), Handler)
+            self._httpd.ssl_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            self._httpd.ssl_context.load_cert_chain(*tls)
         self._httpd.daemon_threads = True
         self._thread = threading.Thread(target=self._httpd.serve_forever, name="fault-proxy", daemon=True)
         self._thread.start()
-        self.url = f"http://127.0.0.1:{self._httpd.server_address[1]}"
+        scheme = "https" if tls else "http"
+        self.url = f"{scheme}://127.0.0.1:{self._httpd.server_address[1]}"
 
     # -- control
     def configure(self, seed: int | None = None, ops=None, **rates: float) -> "FaultProxy":
@@ -317,6 +385,12 @@ class FaultProxy:
         with self._lock:
             self._script.extend(faults)
 
+    def answer(self, when, fault: str) -> None:
+        """Answer every request for which ``when(request)`` holds with ``fault`` (until
+        :meth:`reset`)."""
+        with self._lock:
+            self._answers.append((when, fault))
+
     def hold(self, *ops: str) -> None:
         with self._lock:
             self._held_ops = set(ops)
@@ -330,6 +404,13 @@ class FaultProxy:
     def clear(self) -> None:
         with self._lock:
             self.log = []
+
+    def reset(self) -> None:
+        """Back to a plain proxy: no log, faults, scripts, answers or stripped headers."""
+        self.release()
+        with self._lock:
+            self.log, self._script, self._answers, self._rates, self._ops = [], [], [], {}, None
+            self.strip_headers = set()
 
     def requests(self, op: str | None = None) -> list[Request]:
         with self._lock:
@@ -353,8 +434,12 @@ class FaultProxy:
         self.close()
 
     # -- used by the handler
-    def _decide(self, op: str) -> str | None:
+    def _decide(self, req: Request) -> str | None:
+        op = req.op
         with self._lock:
+            for when, fault in self._answers:
+                if when(req):
+                    return fault
             for i, entry in enumerate(self._script):
                 sop, fault = entry[0], entry[1]
                 if sop == op and (len(entry) < 3 or entry[2](self)):
@@ -408,7 +493,10 @@ class _Handler(BaseHTTPRequestHandler):
         except OSError:
             pass
 
-    def _read_body(self) -> bytes:
+    def _read_body(self) -> tuple[bytes, int]:
+        """(the body, without HTTP chunked framing; the payload's size). An aws-chunked
+        body (botocore's checksum trailers) keeps its own framing, which the server
+        decodes: its payload is ``x-amz-decoded-content-length``."""
         if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
             out = bytearray()
             while True:
@@ -416,15 +504,19 @@ class _Handler(BaseHTTPRequestHandler):
                 if size == 0:
                     while self.rfile.readline() not in (b"\r\n", b"\n", b""):
                         pass
-                    return bytes(out)
+                    break
                 out += self.rfile.read(size)
                 self.rfile.readline()
-        n = int(self.headers.get("Content-Length") or 0)
-        return self.rfile.read(n) if n else b""
+            body = bytes(out)
+        else:
+            n = int(self.headers.get("Content-Length") or 0)
+            body = self.rfile.read(n) if n else b""
+        decoded = self.headers.get("x-amz-decoded-content-length")
+        return body, int(decoded) if decoded else len(body)
 
     def _handle(self) -> None:
         proxy = self.proxy
-        body = self._read_body()
+        body, payload = self._read_body()
         path, _, query = self.path.partition("?")
         op = operation(self.command, path, query)
         attempt_hdr = self.headers.get("amz-sdk-request", "")
@@ -432,16 +524,16 @@ class _Handler(BaseHTTPRequestHandler):
             attempt = int(attempt_hdr.split(";")[0].split("=")[1])
         except (IndexError, ValueError):
             attempt = 0
-        req = Request(op, self.command, path, query, attempt, self.headers.get("Range"), len(body), None, None,
+        req = Request(op, self.command, path, query, attempt, self.headers.get("Range"), payload, None, None,
                       headers={k.lower(): v for k, v in self.headers.items()})
-        fault = proxy._decide(op)
+        fault = proxy._decide(req)
         req.fault = fault
         if fault == "deny":
             code, msg = proxy.deny_code
             return self._canned(req, 403, code, msg)
-        if fault and fault.startswith("canned:"):  # e.g. "canned:409:ConditionalRequestConflict"
-            _, status, code = fault.split(":", 2)
-            return self._canned(req, int(status), code, code)
+        if fault and fault.startswith("canned:"):  # e.g. "canned:409:ConditionalRequestConflict[:message]"
+            _, status, code, *message = fault.split(":", 3)
+            return self._canned(req, int(status), code, message[0] if message else code)
         if fault in _CANNED:
             return self._canned(req, *_CANNED[fault])
         if fault == "error500-before":

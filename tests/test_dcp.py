@@ -113,6 +113,22 @@ def test_one_process_round_trip_and_gc_retention_of_dcp_steps(tmp_path):
     assert ckptstore.Store(str(url)).steps() == [3] and sorted(os.listdir(url)) == [names.step_dir_name(3)]
 
 
+def test_the_data_file_is_opened_with_the_plans_raw_bytes_and_world_size(tmp_path, monkeypatch):
+    """The size hint a store sizes its upload parts by (S3: docs/s3.md)."""
+    from ckptstore.storage import LocalStorage
+
+    opened, real = [], LocalStorage.open_append
+
+    def noting(self, key, **hints):
+        opened.append((key, hints))
+        return real(self, key, **hints)
+
+    monkeypatch.setattr(LocalStorage, "open_append", noting)
+    dcp.save(single_state(1), storage_writer=ckptstore.dcp.Writer(tmp_path / "store", step=1))
+    data = [hints for key, hints in opened if key.endswith("-s00.bin")]  # (not the committer's skeleton, -s01)
+    assert data == [{"size_hint": (256 * 64) * 4 + 64 * 2, "writers": 1}], opened
+
+
 def test_checkpoint_id_names_the_location_and_a_second_save_is_a_new_generation(tmp_path):
     path = tmp_path / "ckpt"
     dcp.save(single_state(1), checkpoint_id=str(path), storage_writer=ckptstore.dcp.Writer())

@@ -328,6 +328,18 @@ def test_delete_and_delete_missing(storage):
     assert list(storage.walk("")) == []
 
 
+def test_delete_many_deletes_those_keys_only_and_checks_every_key_first(storage):
+    _populate(storage)
+    with pytest.raises(FormatError):
+        storage.delete_many(["top.json", "a/../b/four"])
+    assert storage.exists("top.json")  # a bad key anywhere: nothing deleted
+    storage.delete_many(k for k in ["top.json", "a/deep/three", "never/was", "top.json"])  # missing keys: fine
+    assert {i.key for i in storage.walk("")} == {"a/one", "a/two", "b/four", "ab"}
+    storage.delete_many([])
+    storage.child("a").delete_many(["one", "two"])
+    assert {i.key for i in storage.walk("")} == {"b/four", "ab"}
+
+
 def test_delete_prefix_removes_only_that_prefix(storage):
     _populate(storage)
     storage.delete_prefix("a/")

@@ -334,10 +334,10 @@ def test_a_save_that_fails_locally_promotes_nothing_and_stays_the_saves_own_erro
 
     real = LocalStorage.open_append
 
-    def full(self, key):
+    def full(self, key, **hints):
         if str(tmp_path / "local") in self.describe():  # the local disk fills up
             raise StorageFullError(f"{self.describe(key)}: no space left on device")
-        return real(self, key)
+        return real(self, key, **hints)
 
     monkeypatch.setattr(LocalStorage, "open_append", full)
     with warnings.catch_warnings():

@@ -20,7 +20,7 @@ import sys
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -197,17 +197,17 @@ def _runs(index: Sequence[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
-def tensor_paths(obj, prefix: str = "") -> tuple[dict[int, tuple[str, torch.Tensor]], dict[int, str]]:
+def tensor_paths(obj, prefix: str = "") -> tuple[dict[int, tuple[str, torch.Tensor]], dict[int, tuple[str, Any]]]:
     """Walk containers: storage ``_cdata`` -> first (path, tensor) reaching it, and
-    id(DTensor) -> its first path."""
+    id(DTensor) -> its first (path, DTensor)."""
     found: dict[int, tuple[str, torch.Tensor]] = {}
-    dtensors: dict[int, str] = {}
+    dtensors: dict[int, tuple[str, Any]] = {}
     seen: set[int] = set()
 
     def visit(o, path: str) -> None:
         if isinstance(o, torch.Tensor):
             if _is_dtensor(o):
-                dtensors.setdefault(id(o), path or "tensor")
+                dtensors.setdefault(id(o), (path or "tensor", o))
             elif o.layout == torch.strided and type(o) in (torch.Tensor, torch.nn.Parameter) and not o.is_nested:
                 # (a strided nested tensor has no shape to lend; its buffer pickles as a plain tensor)
                 found.setdefault(o.untyped_storage()._cdata, (path or "tensor", o))
@@ -271,7 +271,8 @@ _NEVER_STORAGE = frozenset({int, float, bool, str, bytes, tuple, list, dict, typ
 
 def flatten(obj, on_storage: Callable[[StorageRef], None], pickle_protocol: int = 2, *,
             on_dtensor: Callable[[DTensorRef], None] | None = None,
-            replicated: Callable[[str], bool] | None = None, pickle_module=pickle) -> bytes:
+            replicated: Callable[[str], bool] | None = None, pickle_module=pickle,
+            on_paths: Callable[[dict, dict], None] | None = None) -> bytes:
     """Pickle ``obj``; call ``on_storage`` once per distinct storage and ``on_dtensor``
     once per DTensor, in pickling order.
 
@@ -281,10 +282,14 @@ def flatten(obj, on_storage: Callable[[StorageRef], None], pickle_protocol: int 
     loading without a process group yields the full (consolidated) tensor.
     ``replicated(path)`` marks storages whose first path it accepts as global.
     ``pickle_module`` supplies the Pickler, as torch.save's argument does.
+    ``on_paths`` gets :func:`tensor_paths`'s two maps before any other callback (the
+    tensors reachable through containers: a save's size estimate).
     Warns once (UnsafeForWeightsOnlyWarning) when the default load, weights_only=True,
     will refuse the result: see :mod:`.weights_only`.
     """
     paths, dtensor_paths = tensor_paths(obj)
+    if on_paths is not None:
+        on_paths(paths, dtensor_paths)
     keys: dict = {}  # storage cdata (an unallocated one: (cdata, dtype)) -> skeleton key
     indexes: dict = {}  # the same -> its index persistent id, for those named by one
     dtypes: dict[int, torch.dtype] = {}  # data pointer -> the dtype it is pickled as
@@ -340,7 +345,7 @@ def flatten(obj, on_storage: Callable[[StorageRef], None], pickle_protocol: int 
             return placeholders[id(dt)]
         if on_dtensor is None:
             raise SerializationError("DTensors can only be saved through Store.save")
-        key = _unique(dtensor_paths.get(id(dt), f"dtensor.{len(placeholders)}"), used[GLOBAL])
+        key = _unique(dtensor_paths.get(id(dt), (f"dtensor.{len(placeholders)}",))[0], used[GLOBAL])
         on_dtensor(DTensorRef(key, dt))
         location = torch.serialization.location_tag(dt.to_local().untyped_storage())
         value = placeholders[id(dt)] = _global_stand_in(key, dt.dtype, tuple(dt.shape), location, dt.requires_grad,

@@ -83,12 +83,14 @@ def promoted(dst: Storage, attempt: str) -> fmt.Manifest | None:
     return None
 
 
-def copy_file(src: Storage, dst: Storage, name: str, blobs: list[fmt.Blob], throttle: Throttle) -> int:
+def copy_file(src: Storage, dst: Storage, name: str, blobs: list[fmt.Blob], throttle: Throttle,
+              writers: int = 1) -> int:
     """``name`` from ``src`` to ``dst``, byte for byte, each blob checked against its
-    hash before it is appended (an IntegrityError names the blob); returns the bytes."""
+    hash before it is appended (an IntegrityError names the blob); returns the bytes.
+    ``writers``: how many ranks copy into ``dst`` at once (a hint for its part size)."""
     size = src.stat(name).size
     extents = sorted({(b.offset, b.length): b for b in blobs}.items())
-    writer = dst.open_append(name)
+    writer = dst.open_append(name, size_hint=size, writers=writers)
     try:
         pos = 0
         for (offset, length), blob in extents:
@@ -138,7 +140,7 @@ def promote(src: Storage, dst: Storage, manifest: fmt.Manifest, rank: int, *, ti
             if rank_of_file(blob.file) == rank:
                 mine.setdefault(blob.file, []).append(blob)
         for name in sorted(mine):
-            copy_file(src, dst, name, mine[name], throttle)
+            copy_file(src, dst, name, mine[name], throttle, writers=world)
         if world > 1:
             write_vote(dst, vote)
         if rank == 0:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Iterator
+from typing import Iterable, Iterator
 
 from .. import format as fmt
 from .. import names
@@ -143,8 +143,8 @@ class ReferencingStorage(Storage):
     def put(self, key: str, data, *, if_absent: bool = False) -> None:
         self.base.put(key, data, if_absent=if_absent)
 
-    def open_append(self, key: str) -> AppendWriter:
-        return self.base.open_append(key)
+    def open_append(self, key: str, *, size_hint: int | None = None, writers: int = 1) -> AppendWriter:
+        return self.base.open_append(key, size_hint=size_hint, writers=writers)
 
     def readinto(self, key: str, offset: int, out: memoryview, on_piece=None) -> None:
         s, k = self._route(key)
@@ -174,6 +174,9 @@ class ReferencingStorage(Storage):
 
     def delete(self, key: str) -> None:
         self.base.delete(key)
+
+    def delete_many(self, keys: Iterable[str]) -> None:
+        self.base.delete_many(keys)
 
     def is_dir(self) -> bool:
         return self.base.is_dir()

@@ -129,7 +129,8 @@ def start_save(obj, storage: Storage, *, rt: Runtime, attempt: str, step: int | 
     """Stage ``obj`` (blocking), then write, vote and commit on background threads."""
     created_at = fmt.utc_now()
     future = SaveFuture(storage.describe(), step, attempt, storage=storage, rank=rank, world_size=world_size)
-    writer = RankWriter(storage, attempt, rank, options.compression, rt, references=options.references)
+    writer = RankWriter(storage, attempt, rank, options.compression, rt, references=options.references,
+                        writers=world_size)
     try:
         staged = snapshot(obj, writer, rt.pool, options.chunk_bytes, options.pickle_protocol,
                           rank=rank, world_size=world_size, replicated=options.replicated,

@@ -122,13 +122,37 @@ def snapshot(obj, writer: RankWriter, pool: StagingPool, chunk_bytes: int = DEFA
         with copier:  # on a clean exit every byte has landed and every buffer is with the writer
             if captured is None:
                 skeleton = flatten(obj, on_storage, pickle_protocol, on_dtensor=on_dtensor, replicated=is_replicated,
-                                   pickle_module=pickle_module)
+                                   pickle_module=pickle_module, on_paths=lambda found, dtensors: _hint_size(
+                                       writer, _tensor_bytes(found, dtensors)))
             else:
+                _hint_size(writer, _captured_bytes(captured))
                 _stage_captured(captured, out, writer, copier, on_storage, limit)
                 frozen, n = captured.frozen, len(captured.storages)  # not the storages: the worker needs none
                 skeleton = lambda: pickle_captured(frozen, n)  # noqa: E731 (a worker calls it)
         writer.submit_skeleton(skeleton)
     return out
+
+
+def _hint_size(writer: RankWriter, raw_bytes: int) -> None:
+    """Tell the writer, before its first append opens the data file, about how large the
+    file will be: the raw bytes staged (the S3 store picks its part size from it). An
+    upper bound but for the skeleton and indexes (small, and the store adds a margin):
+    compression only shrinks, references and other ranks' shares of global tensors are
+    not written. Tensors that only pickling finds (inside custom objects) are missed:
+    the store then grows its parts past the estimate."""
+    writer.size_hint = raw_bytes
+
+
+def _captured_bytes(captured: Captured) -> int:
+    return sum(math.prod(dims) * dtype.itemsize for _key, _ptr, dtype, *dims in captured.storages)
+
+
+def _tensor_bytes(found: dict, dtensors: dict) -> int:
+    total = sum(tensor.untyped_storage().nbytes() for _path, tensor in found.values())
+    for _path, dt in dtensors.values():
+        local = dt.to_local()
+        total += local.numel() * local.element_size()
+    return total
 
 
 PACK_BYTES = 4 << 20  # small tensors are copied and handed over in buffers of about this much

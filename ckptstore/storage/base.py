@@ -18,7 +18,8 @@ conformance suite (tests/test_storage_conformance.py) checks for every backend:
   ``list`` returns ``[]`` and raises nothing, so callers need no not-found case.
 - ``walk`` yields every object under a prefix, recursively, with size and mtime (a
   missing prefix: nothing).
-- ``delete`` of a missing key is not an error.
+- ``delete`` of a missing key is not an error; nor is it for ``delete_many``, which
+  checks every key before it deletes any.
 - Missing keys raise :class:`ObjectNotFoundError` (a ``FileNotFoundError``).
 - ``is_dir()`` says whether the store's root exists as a place that holds objects, so
   an empty checkpoint directory and a path that names nothing can be told apart:
@@ -53,7 +54,7 @@ from __future__ import annotations
 import abc
 import re
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterable, Iterator
 
 from ..errors import FormatError
 
@@ -176,7 +177,13 @@ class Storage(abc.ABC):
     def put(self, key: str, data, *, if_absent: bool = False) -> None: ...
 
     @abc.abstractmethod
-    def open_append(self, key: str) -> AppendWriter: ...
+    def open_append(self, key: str, *, size_hint: int | None = None, writers: int = 1) -> AppendWriter:
+        """A new object ``key`` written by appending (never an existing key).
+
+        Hints, which a store may ignore (only S3 uses them, to choose its multipart part
+        size: docs/s3.md): ``size_hint``, about how many bytes the object will hold (an
+        estimate; more or fewer must still work); ``writers``, how many writers (ranks)
+        upload into the same location at once."""
 
     @abc.abstractmethod
     def readinto(self, key: str, offset: int, out: memoryview, on_piece=None) -> None: ...
@@ -227,10 +234,13 @@ class Storage(abc.ABC):
     @abc.abstractmethod
     def delete(self, key: str) -> None: ...
 
-    def delete_many(self, keys) -> None:
-        """Delete ``keys`` (missing ones are no error). A store may batch them, so no
-        order among them holds: a caller that needs one (manifests before the files they
-        name: I7) calls once per group."""
+    def delete_many(self, keys: Iterable[str]) -> None:
+        """Delete ``keys`` (a missing one is not an error, as for ``delete``). Every key is
+        checked before any is deleted. This default deletes them one by one, in the
+        given order; a store may batch them (S3: DeleteObjects of 1,000 keys), so no
+        order holds *within* one call. A caller that needs one group gone before another
+        (manifests before the files they name: invariant I7) calls it once per group."""
+        keys = [self._check(k) for k in keys]
         for key in keys:
             self.delete(key)
 

@@ -341,7 +341,7 @@ class LocalStorage(Storage):
             finally:
                 os.close(dfd)
 
-    def open_append(self, key: str) -> AppendWriter:
+    def open_append(self, key: str, *, size_hint: int | None = None, writers: int = 1) -> AppendWriter:
         parts = self._parts(key)
         with os_errors(self.describe(key)):
             dfd = self._parent(parts, key)

@@ -67,7 +67,7 @@ class MemoryStorage(Storage):
                 raise AlreadyExistsError(f"{self.describe(key)}: already exists")
             self._objects[k] = [bytes(data), time.time()]
 
-    def open_append(self, key: str) -> AppendWriter:
+    def open_append(self, key: str, *, size_hint: int | None = None, writers: int = 1) -> AppendWriter:
         k = self._k(self._check(key))
         with self._lock:
             if k in self._objects:

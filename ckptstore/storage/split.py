@@ -13,7 +13,7 @@ deleted one.
 from __future__ import annotations
 
 import itertools
-from typing import Iterator
+from typing import Iterable, Iterator
 
 from .. import names
 from .base import AppendWriter, ObjectInfo, Storage
@@ -48,8 +48,8 @@ class SplitStorage(Storage):
     def put(self, key: str, data, *, if_absent: bool = False) -> None:
         self._route(key).put(key, data, if_absent=if_absent)
 
-    def open_append(self, key: str) -> AppendWriter:
-        return self._route(key).open_append(key)
+    def open_append(self, key: str, *, size_hint: int | None = None, writers: int = 1) -> AppendWriter:
+        return self._route(key).open_append(key, size_hint=size_hint, writers=writers)
 
     def readinto(self, key: str, offset: int, out: memoryview, on_piece=None) -> None:
         self._route(key).readinto(key, offset, out, on_piece)
@@ -71,6 +71,16 @@ class SplitStorage(Storage):
 
     def delete(self, key: str) -> None:
         self._route(key).delete(key)
+
+    def delete_many(self, keys: Iterable[str]) -> None:
+        """Each key to its route's ``delete_many``, in the given order within each route:
+        the shared keys (manifests, votes) first, then the data files, the order I7 wants
+        should a caller mix them in one call."""
+        keys = [self._check(k) for k in keys]  # every key, before anything is deleted
+        for store, mine in ((self.shared, [k for k in keys if not is_data_key(k)]),
+                            (self.data, [k for k in keys if is_data_key(k)])):
+            if mine:
+                store.delete_many(mine)
 
     def is_dir(self) -> bool:
         return self.shared.is_dir() or self.data.is_dir()

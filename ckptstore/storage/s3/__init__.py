@@ -17,9 +17,17 @@ setting; keyword arguments override it. How the pieces work (see docs/s3.md):
 * **open_append** streams the object up while it is written: appends land, in arrival
   order, in a bounded buffer that a blocking file-like reader hands to boto3's transfer
   layer (``s3transfer.TransferManager.upload``), which sends it as a single PutObject
-  when small, else as a multipart upload with ``max_concurrency`` parts in flight, and
-  aborts the upload when it fails. Part sizes grow so that no object needs more than
-  S3's 10,000 parts.
+  when small, else as a multipart upload, and aborts the upload when it fails. With a
+  size hint every part of an upload has one size, fit to hold the hint in S3's 10,000
+  parts (R2 wants equal parts); more writers (ranks) make larger parts and fewer in
+  flight, so memory stays near ``(10 + 3) x 16 MiB``. An object that outgrows its plan,
+  or has none, gets parts that double every 1,000.
+* **delete_many** is DeleteObjects of 1,000 keys; a store that wants Content-MD5 on it
+  (older MinIO: 400 MissingContentMD5; botocore >= 1.36 sends a CRC32) gets per-key
+  deletes from then on.
+* **checksums** (None, "when_required", "when_supported"): botocore's request checksum
+  setting; over HTTPS its default sends bodies aws-chunked with a trailing CRC32, which
+  R2, GCS, B2 and Wasabi have refused (an error then says which option to pass).
 * **readinto** issues ranged GETs, several concurrently for large ranges; a range past
   the end of an object raises :class:`TruncatedObjectError` (a short read). Loads merge
   the reads of small neighbouring blobs into one GET (``read_hints``).
@@ -39,7 +47,7 @@ Modules:
 | ``errors.py`` | error translation (botocore -> the package's storage errors, by retry class), redaction of endpoint secrets, the backoff of the one retry loop of our own |
 | ``store.py`` | :class:`S3Storage` |
 | ``request_args.py`` | parameters every request carries: ``ExpectedBucketOwner``, ``RequestPayer``, SSE-KMS |
-| ``writer.py`` | the streaming multipart append writer (``open_append``) |
+| ``writer.py`` | the streaming multipart append writer (``open_append``) and its part plan (``plan_parts``) |
 """
 
 from __future__ import annotations

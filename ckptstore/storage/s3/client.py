@@ -39,9 +39,13 @@ DEFAULT_RETRY_MODE = "standard"
 DEFAULT_CONNECT_TIMEOUT = 10.0
 DEFAULT_READ_TIMEOUT = 60.0
 
-__all__ = ["DEFAULT_COALESCE_BLOB", "DEFAULT_COALESCE_GAP", "DEFAULT_CONCURRENCY", "DEFAULT_CONNECT_TIMEOUT",
-           "DEFAULT_MAX_ATTEMPTS", "DEFAULT_PART_SIZE", "DEFAULT_READ_PART_SIZE", "DEFAULT_READ_TIMEOUT",
-           "DEFAULT_RETRY_MODE", "MAX_PARTS", "MAX_PART_SIZE", "MIN_PART_SIZE", "boto3_session"]
+__all__ = ["CHECKSUMS", "DEFAULT_COALESCE_BLOB", "DEFAULT_COALESCE_GAP", "DEFAULT_CONCURRENCY",
+           "DEFAULT_CONNECT_TIMEOUT", "DEFAULT_MAX_ATTEMPTS", "DEFAULT_PART_SIZE", "DEFAULT_READ_PART_SIZE",
+           "DEFAULT_READ_TIMEOUT", "DEFAULT_RETRY_MODE", "MAX_PARTS", "MAX_PART_SIZE", "MIN_PART_SIZE",
+           "boto3_session"]
+
+# ``checksums``: botocore's request_checksum_calculation (and response_checksum_validation).
+CHECKSUMS = ("when_supported", "when_required")
 
 _sessions: dict[str | None, tuple[boto3.session.Session, botocore.session.Session]] = {}
 _sessions_lock = threading.Lock()
@@ -77,13 +81,45 @@ def _configured(profile_name: str | None, value, name: str) -> str | None:
         return None
 
 
+def check_checksums(checksums: str | None) -> str | None:
+    if checksums is not None and checksums not in CHECKSUMS:
+        raise ValueError(f"checksums must be None (botocore's setting), {' or '.join(map(repr, CHECKSUMS))}, "
+                         f"got {checksums!r}")
+    return checksums
+
+
+def checksum_config(checksums: str | None) -> dict:
+    """botocore ``Config`` keys for ``checksums``: {} for None (botocore's default,
+    ``AWS_REQUEST_CHECKSUM_CALCULATION`` / ``AWS_RESPONSE_CHECKSUM_VALIDATION`` or the
+    profile's settings decide), and on a botocore older than 1.36, which has no such
+    keys and only ever sends a checksum where an operation requires one: what
+    "when_required" asks for."""
+    if checksums is None or not _config_has("request_checksum_calculation"):
+        return {}
+    return {"request_checksum_calculation": checksums, "response_checksum_validation": checksums}
+
+
+def _config_has(name: str) -> bool:
+    return name in getattr(Config, "OPTION_DEFAULTS", {})
+
+
+def sends_checksum_trailers(client) -> bool:
+    """Whether ``client`` sends PutObject / UploadPart bodies aws-chunked with a trailing
+    checksum (``x-amz-trailer``): botocore does so over HTTPS when it computes checksums
+    for every operation that supports one (``when_supported``, its default since 1.36)."""
+    meta = getattr(client, "meta", None)
+    endpoint = getattr(meta, "endpoint_url", None)
+    setting = getattr(getattr(meta, "config", None), "request_checksum_calculation", None)
+    return isinstance(endpoint, str) and endpoint.lower().startswith("https://") and setting == "when_supported"
+
+
 def new_client(*, profile_name: str | None, endpoint_url: str | None, region_name: str | None,
                max_attempts: int | None, retry_mode: str | None, connect_timeout: float,
-               read_timeout: float, max_concurrency: int):
+               read_timeout: float, max_concurrency: int, checksums: str | None = None):
     """(client, max_attempts): a boto3 S3 client from :func:`boto3_session`'s standard
     configuration, overridden by the arguments that are not None, and the total attempts
-    per request it makes. An invalid ``endpoint_url`` raises ValueError without echoing
-    its credentials."""
+    per request it makes. ``checksums``: see :func:`checksum_config`. An invalid
+    ``endpoint_url`` raises ValueError without echoing its credentials."""
     session = boto3_session(profile_name)
     if max_attempts is None:
         configured = _configured(profile_name, process_config().s3_max_attempts, "max_attempts")
@@ -98,6 +134,7 @@ def new_client(*, profile_name: str | None, endpoint_url: str | None, region_nam
         read_timeout=read_timeout,
         max_pool_connections=max(32, 3 * int(max_concurrency)),
         user_agent_extra="ckptstore",
+        **checksum_config(check_checksums(checksums)),
     )
     try:
         with _sessions_lock:  # boto3 sessions are not thread-safe
@@ -125,6 +162,7 @@ class _Shared:
         self.read_part_size = read_part_size
         self.parts_per_tier = parts_per_tier
         self.read_hints = read_hints
+        self.batch_deletes = True  # False once the store refused a DeleteObjects without Content-MD5
         self._pool: DaemonThreadPool | None = None
         self._lock = threading.Lock()
 

@@ -4,7 +4,9 @@ docs/s3.md."""
 
 from __future__ import annotations
 
+import functools
 import os
+import re
 import secrets
 import threading
 import time
@@ -12,10 +14,11 @@ import time
 from ...config import config as process_config
 from concurrent.futures import CancelledError
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Iterable, Iterator
 
 from botocore import exceptions as bexc
 
+from ..._threads import run_all
 from ...errors import (
     AlreadyExistsError,
     CkptStoreError,
@@ -39,11 +42,13 @@ from .client import (
     MIN_PART_SIZE,
     MiB,
     _Shared,
+    check_checksums,
     new_client,
+    sends_checksum_trailers,
 )
 from .errors import CONFLICT, EXISTS, NOT_IMPLEMENTED, _NOT_FOUND, _STREAM_ERRORS, _backoff, _client_error, _scrub_exception, translate
 from .request_args import RequestArgs
-from .writer import _byte_view, _S3AppendWriter
+from .writer import PartPlan, _byte_view, _S3AppendWriter, plan_parts
 
 _DELETE_BATCH = 1000  # DeleteObjects limit
 CONDITIONAL_WRITES = ("probe", "trust", "single-writer")
@@ -61,12 +66,28 @@ def _fresh_probe_locks() -> None:  # a forked child must not inherit a lock a pa
 
 
 os.register_at_fork(after_in_child=_fresh_probe_locks)
+# Requests whose body botocore may send aws-chunked with a trailing checksum, and words
+# in a store's refusal of that.
+_STREAMING_OPS = {"PutObject", "UploadPart"}
+_CHECKSUM_WORDS = re.compile(r"trailer|aws-chunked|checksum|streaming-unsigned", re.IGNORECASE)
+CHECKSUM_HINT = ("this store may refuse botocore's request checksums (over HTTPS an aws-chunked body with a "
+                 "trailing x-amz-checksum-crc32): pass storage_options={'checksums': 'when_required'} "
+                 "(docs/s3.md, 'Checksums')")
 _READ_BLOCK = 4 * MiB  # bytes read off a response body at a time (and handed to on_piece)
 
 
 def _is_conflict(e: BaseException) -> bool:
     """A 409 ConditionalRequestConflict (retried by a create-only put)."""
     return isinstance(e, bexc.ClientError) and _client_error(e)[0] in CONFLICT
+
+
+def _wants_content_md5(e: BaseException) -> bool:
+    """A store refusing a DeleteObjects that carries no Content-MD5 (older MinIO:
+    400 MissingContentMD5; others: 400 InvalidRequest naming Content-MD5)."""
+    if not isinstance(e, bexc.ClientError):
+        return False
+    code, msg, _status, _tries = _client_error(e)
+    return code == "MissingContentMD5" or (code == "InvalidRequest" and "content-md5" in msg.lower())
 
 
 def _as_bytes(data) -> bytes:
@@ -83,8 +104,9 @@ class S3Storage(Storage):
     and the timeouts are ignored). Otherwise a client is made from boto3's standard
     configuration, overridden by the arguments given here.
 
-    ``part_size`` (>= 5 MiB, default 16 MiB): multipart part size for appended objects
-    (grown past part 1,000 to stay under S3's 10,000 parts). ``read_part_size`` (default
+    ``part_size`` (>= 5 MiB, default 16 MiB): multipart part size for appended objects;
+    ``open_append``'s size hint and writer count may make one upload's parts larger (all
+    equal), and parts past the plan grow (:meth:`part_plan`). ``read_part_size`` (default
     8 MiB): a ``readinto`` larger than this is split into ranged GETs of this size, run
     concurrently. ``max_concurrency`` (default 10): parts or ranges in flight per object.
     ``max_attempts``: total attempts per request (default: ``AWS_MAX_ATTEMPTS`` or the
@@ -109,6 +131,15 @@ class S3Storage(Storage):
 
     ``expected_bucket_owner`` (a 12-digit account id), ``request_payer`` and
     ``sse_kms_key_id``: added to every request that takes them (request_args.py).
+
+    ``checksums``: botocore's request checksums (docs/s3.md, "Checksums"). None (default):
+    botocore's own setting (``AWS_REQUEST_CHECKSUM_CALCULATION``, the profile's
+    ``request_checksum_calculation``, else "when_supported" since botocore 1.36, which
+    over HTTPS sends every PutObject / UploadPart aws-chunked with a trailing CRC32 that
+    some S3-compatible stores refuse). ``"when_required"``: only where an operation
+    requires one (R2, GCS, B2, Wasabi); ``"when_supported"``: always. Not with
+    ``client`` (set it on that client's Config). Transport checksums are an extra: load
+    checks every blob's xxh3-128 whatever this says.
     """
 
     def __init__(self, bucket: str, prefix: str = "", *, client=None, endpoint_url: str | None = None,
@@ -119,7 +150,7 @@ class S3Storage(Storage):
                  read_part_size: int | None = None, read_coalesce_blob: int = DEFAULT_COALESCE_BLOB,
                  read_coalesce_gap: int = DEFAULT_COALESCE_GAP, read_coalesce_limit: int | None = None,
                  conditional_writes: str | None = None, expected_bucket_owner: str | None = None,
-                 request_payer: bool = False, sse_kms_key_id: str | None = None,
+                 request_payer: bool = False, sse_kms_key_id: str | None = None, checksums: str | None = None,
                  _parts_per_tier: int = MAX_PARTS // 10, _shared: _Shared | None = None):
         if bucket and "@" in bucket:  # s3://user:password@bucket: never echoed back
             raise ValueError(f"invalid S3 bucket name {'***@' + bucket.rpartition('@')[2]!r}: credentials do "
@@ -150,13 +181,17 @@ class S3Storage(Storage):
         if conditional_writes not in CONDITIONAL_WRITES:
             raise ValueError(f"conditional_writes must be one of {', '.join(CONDITIONAL_WRITES)}, "
                              f"got {conditional_writes!r}")
+        check_checksums(checksums)
+        if checksums is not None and client is not None:
+            raise ValueError("checksums applies to the clients S3Storage makes; for a ready client, set "
+                             "botocore Config(request_checksum_calculation=...) on it")
         if retry_mode is not None and retry_mode not in ("standard", "adaptive", "legacy"):
             raise ValueError(f"retry_mode must be 'standard' or 'adaptive', got {retry_mode!r}")
         if client is None:
             client, max_attempts = new_client(
                 profile_name=profile_name, endpoint_url=endpoint_url, region_name=region_name,
                 max_attempts=max_attempts, retry_mode=retry_mode, connect_timeout=connect_timeout,
-                read_timeout=read_timeout, max_concurrency=max_concurrency)
+                read_timeout=read_timeout, max_concurrency=max_concurrency, checksums=checksums)
         elif max_attempts is None:
             max_attempts = client.meta.config.retries.get("total_max_attempts") or DEFAULT_MAX_ATTEMPTS
         self._shared = _Shared(bucket, client, part_size, int(max_concurrency), int(max_attempts),
@@ -215,22 +250,33 @@ class S3Storage(Storage):
         endpoint = self._shared.endpoint
         return f"S3Storage({self.url!r}" + (f", endpoint_url={endpoint!r})" if endpoint else ")")
 
-    def part_size_for(self, part_number: int) -> int:
-        """Size of part ``part_number`` (1-based) of an appended object: ``part_size``
-        for the first tenth of S3's 10,000 parts, then doubling every tenth, so an
-        object may reach ``part_size * 1000 * 1023`` bytes (16 TB at 16 MiB)."""
+    def part_plan(self, size_hint: int | None = None, writers: int = 1) -> PartPlan:
+        """How ``open_append(key, size_hint=, writers=)`` cuts its object into parts
+        (writer.py, :func:`~.writer.plan_parts`)."""
         sh = self._shared
-        tier = (part_number - 1) // sh.parts_per_tier
-        return min(MAX_PART_SIZE, sh.part_size << min(tier, 40))
+        return plan_parts(sh.part_size, sh.max_concurrency, sh.parts_per_tier, size_hint, writers)
+
+    def part_size_for(self, part_number: int) -> int:
+        """Size of part ``part_number`` (1-based) of an object appended without hints:
+        ``part_size`` for the first tenth of S3's 10,000 parts, then doubling every tenth,
+        at most 5 GiB, so an object may reach 12.7 TiB at 16 MiB."""
+        return self.part_plan().part_size(part_number)
 
     def _translate(self, e: BaseException, key: str = "") -> CkptStoreError:
         """A storage error naming the URL, classed as the interface wants it."""
-        if isinstance(e, CkptStoreError):
-            return e
-        _scrub_exception(e, self._shared.redact)
-        err = translate(e, self.describe(key), self.bucket, self._shared.max_attempts)
-        err.args = tuple(self._shared.redact(a) if isinstance(a, str) else a for a in err.args)
-        return err
+        return self._translate_at(e, self.describe(key))
+
+    def _refuses_checksums(self, e: BaseException) -> bool:
+        """Whether ``e`` may be the store refusing botocore's request checksums: a 400 or
+        501 to a PutObject / UploadPart whose text names them, or that was sent with a
+        checksum trailer (R2 answers 501 "STREAMING-UNSIGNED-PAYLOAD-TRAILER not
+        implemented"; others a 400)."""
+        if not isinstance(e, bexc.ClientError) or e.operation_name not in _STREAMING_OPS:
+            return False
+        code, msg, status, _tries = _client_error(e)
+        if status not in (400, 501) and code not in NOT_IMPLEMENTED:
+            return False
+        return bool(_CHECKSUM_WORDS.search(f"{code} {msg}")) or sends_checksum_trailers(self.client)
 
     @contextmanager
     def _errors(self, key: str = ""):
@@ -335,6 +381,8 @@ class S3Storage(Storage):
                                            IfNoneMatch="*")
                 except bexc.ClientError as e:
                     code, _, status, _ = _client_error(e)
+                    if self._refuses_checksums(e):  # not a verdict on If-None-Match: nothing is kept
+                        raise self._translate(e, name) from e
                     if code in NOT_IMPLEMENTED or status == 501:
                         return "answers 501 NotImplemented to a create-only put (If-None-Match: *)"
                     refused = code in EXISTS or code in CONFLICT or status in (409, 412)
@@ -366,11 +414,14 @@ class S3Storage(Storage):
                 continue
         return None
 
-    def open_append(self, key: str) -> AppendWriter:
+    def open_append(self, key: str, *, size_hint: int | None = None, writers: int = 1) -> AppendWriter:
+        """A streamed upload (writer.py); ``size_hint`` and ``writers`` choose its part
+        size (:meth:`part_plan`)."""
         self._check(key)
+        plan = self.part_plan(size_hint, writers)
         if self.exists(key):
             raise AlreadyExistsError(f"{self.describe(key)}: already exists")
-        return _S3AppendWriter(self, key)
+        return _S3AppendWriter(self, key, plan)
 
     def readinto(self, key: str, offset: int, out, on_piece=None) -> None:
         self._check(key)
@@ -545,6 +596,11 @@ class S3Storage(Storage):
                 if _client_error(e)[0] not in _NOT_FOUND:
                     raise
 
+    def delete_many(self, keys: Iterable[str]) -> None:
+        """DeleteObjects of up to 1,000 keys each (every key checked before any request);
+        per-key DeleteObject calls on a store that refuses those (below)."""
+        self._delete_full_keys([self._k(k) for k in keys])
+
     def delete_prefix(self, prefix: str) -> None:
         """Every object under ``prefix``, in batched DeleteObjects (1,000 keys each)."""
         keys, base = [], self._dir(prefix)
@@ -552,17 +608,69 @@ class S3Storage(Storage):
             pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=base)
             for page in pages:
                 keys += [obj["Key"] for obj in page.get("Contents", ())]
-        for i in range(0, len(keys), _DELETE_BATCH):
-            batch = keys[i:i + _DELETE_BATCH]
-            with self._errors(prefix):
-                resp = self.client.delete_objects(
-                    Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True})
-            errors = [e for e in resp.get("Errors", ()) if e.get("Code") not in _NOT_FOUND]
-            if errors:
-                first = errors[0]
-                raise StorageError(self._shared.redact(
-                    f"s3://{self.bucket}/{first.get('Key')}: delete failed "
-                    f"({first.get('Code')}: {first.get('Message')}); {len(errors)} key(s) not deleted"))
+        self._delete_full_keys(keys)
+
+    def _delete_full_keys(self, full_keys: list[str]) -> None:
+        for i in range(0, len(full_keys), _DELETE_BATCH):
+            batch = full_keys[i:i + _DELETE_BATCH]
+            if self._shared.batch_deletes:
+                self._delete_batch(batch)
+            else:
+                self._delete_each(batch)
+
+    def _delete_batch(self, full_keys: list[str]) -> None:
+        """One DeleteObjects. botocore >= 1.36 sends it with a CRC32 checksum instead of
+        Content-MD5, which some stores (older MinIO releases) refuse: then per-key
+        deletes, for this and every later batch of the store (the verdict is shared)."""
+        where = f"s3://{self.bucket}/{full_keys[0]}"
+        try:
+            resp = self.client.delete_objects(
+                Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in full_keys], "Quiet": True})
+        except bexc.ClientError as e:
+            if not _wants_content_md5(e):
+                raise self._translate_at(e, where) from e
+            self._shared.batch_deletes = False
+            self._delete_each(full_keys)
+            return
+        except Exception as e:
+            raise self._translate_at(e, where) from e
+        failed = [(e.get("Key"), f"{e.get('Code')}: {e.get('Message')}") for e in resp.get("Errors", ())
+                  if e.get("Code") not in _NOT_FOUND]
+        self._raise_delete_failures(failed)
+
+    def _delete_each(self, full_keys: list[str]) -> None:
+        """A DeleteObject per key, on the read pool; every key is tried."""
+        def delete(full: str) -> tuple[str, str] | None:  # (key, why) when it failed
+            try:
+                self.client.delete_object(Bucket=self.bucket, Key=full)
+            except bexc.ClientError as e:
+                code, msg, status, _tries = _client_error(e)
+                if code not in _NOT_FOUND:
+                    return full, f"{code or status}: {msg}"
+            except Exception as e:  # (after botocore's retries)
+                _scrub_exception(e, self._shared.redact)
+                return full, f"{type(e).__name__}: {e}"
+            return None
+
+        results = run_all(self._shared.pool(), [functools.partial(delete, k) for k in full_keys])
+        self._raise_delete_failures([r for r in results if r is not None])
+
+    def _raise_delete_failures(self, failed: list[tuple[str, str]]) -> None:
+        if failed:
+            key, why = failed[0]
+            raise StorageError(self._shared.redact(
+                f"s3://{self.bucket}/{key}: delete failed ({why}); {len(failed)} key(s) not deleted"))
+
+    def _translate_at(self, e: BaseException, where: str) -> CkptStoreError:
+        """As ``_translate``, for a full key (or a URL) rather than one of this root's keys."""
+        if isinstance(e, CkptStoreError):
+            return e
+        _scrub_exception(e, self._shared.redact)
+        err = translate(e, self._shared.redact(where), self.bucket, self._shared.max_attempts)
+        if self._refuses_checksums(e):
+            err.args = (f"{err.args[0]}; {CHECKSUM_HINT}", *err.args[1:])
+        err.args = tuple(self._shared.redact(a) if isinstance(a, str) else a for a in err.args)
+        return err
 
     def abort_stale_uploads(self, older_than: float, dry_run: bool = False) -> list[str]:
         """Abort multipart uploads under this root started ``older_than`` seconds ago or

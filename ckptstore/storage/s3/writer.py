@@ -3,15 +3,21 @@
 ``open_append`` returns an :class:`_S3AppendWriter`: appends land, in arrival order, in
 a bounded buffer that a blocking file-like reader (:class:`_Feed`) hands to
 ``s3transfer.TransferManager.upload``, which sends it as a single PutObject when small,
-else as a multipart upload with ``max_concurrency`` parts in flight, and aborts the
-upload when it fails. Part sizes grow so that no object needs more than S3's 10,000
-parts (docs/s3.md, "Streaming multipart appends").
+else as a multipart upload, and aborts the upload when it fails.
+
+Part sizes come from a :class:`PartPlan` (:func:`plan_parts`): with a size hint, one
+size for the whole upload, large enough that the hinted size fits in S3's 10,000 parts
+(Cloudflare R2 requires every part but the last to be equal); without one, ``part_size``
+for the first 1,000 parts, then doubling every 1,000, so that no object needs more than
+10,000 parts. Either way an object that outgrows its plan's uniform parts gets growing
+ones (docs/s3.md, "Streaming multipart appends").
 """
 
 from __future__ import annotations
 
 import collections
 import threading
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from boto3.s3.transfer import TransferConfig
@@ -20,10 +26,87 @@ from s3transfer.manager import TransferManager
 from ..._threads import DaemonThreadPool
 from ...errors import CkptStoreError, StorageError
 from ..base import AppendWriter
-from .client import MAX_PARTS
+from .client import DEFAULT_CONCURRENCY, DEFAULT_PART_SIZE, MAX_PART_SIZE, MAX_PARTS, MiB
 
 if TYPE_CHECKING:
     from .store import S3Storage
+
+
+# Memory an upload may hold, in parts: those in flight, one read and waiting for a slot,
+# and the two the append queue holds (see _S3AppendWriter).
+_HELD_BEYOND_IN_FLIGHT = 3
+# What one upload may hold with the default settings (10 + 3 parts of 16 MiB, 208 MiB):
+# larger uniform parts lower the parts in flight to stay within it.
+DEFAULT_UPLOAD_MEMORY = (DEFAULT_CONCURRENCY + _HELD_BEYOND_IN_FLIGHT) * DEFAULT_PART_SIZE
+# S3 takes about 3,500 PUTs per second per prefix, and every rank of a save uploads into
+# one: each writer's share of a part size, so that more writers make fewer, larger parts.
+WRITER_PART_SHARE = 64 << 10
+HINT_MARGIN = 16  # a size hint is an estimate: plan for 1/16 more
+
+
+def _ceil_div(n: int, d: int) -> int:
+    return -(-n // d)
+
+
+def _round_up(n: int, unit: int) -> int:
+    return _ceil_div(n, unit) * unit
+
+
+@dataclass(frozen=True)
+class PartPlan:
+    """How one appended object is cut into parts: ``size`` for parts 1 to
+    ``uniform_parts``, then (an object larger than planned) doubling every ``tier``
+    parts, at most 5 GiB; ``in_flight`` parts upload at once."""
+
+    size: int
+    uniform_parts: int
+    tier: int
+    in_flight: int
+
+    def part_size(self, part_number: int) -> int:
+        """Size of part ``part_number`` (1-based)."""
+        if part_number <= self.uniform_parts:
+            return self.size
+        doublings = 1 + (part_number - self.uniform_parts - 1) // self.tier
+        return min(MAX_PART_SIZE, self.size << min(doublings, 40))
+
+    @property
+    def memory(self) -> int:
+        """The most bytes the upload holds while its parts are ``size``."""
+        return (self.in_flight + _HELD_BEYOND_IN_FLIGHT) * self.size
+
+
+def plan_parts(part_size: int, max_concurrency: int, tier: int, size_hint: int | None = None,
+               writers: int = 1) -> PartPlan:
+    """The parts of one upload, from the store's ``part_size`` / ``max_concurrency`` /
+    tier (1,000 parts) and the object's hints.
+
+    ``size_hint`` (bytes, an estimate): one part size for the whole upload, the smallest
+    multiple of 1 MiB that is at least ``part_size`` and fits the hint plus 1/16 in
+    10,000 parts (``part_size`` itself when that fits), capped at 5 GiB. ``writers``
+    (ranks uploading into one prefix at once): parts of at least ``writers`` x 64 KiB,
+    rounded up to MiB (4,096 ranks: 256 MiB), so that the ranks together make fewer
+    requests against S3's per-prefix rate. Parts larger than ``part_size`` lower the
+    parts in flight so that the upload holds no more than the default settings' 208 MiB,
+    or ``(max_concurrency + 3) x part_size`` when that is more, with at least one part
+    in flight."""
+    if size_hint is not None and size_hint < 0:
+        raise ValueError(f"size_hint must be >= 0, got {size_hint}")
+    if writers < 1:
+        raise ValueError(f"writers must be >= 1, got {writers}")
+    size = part_size
+    if writers > 1:
+        size = max(size, _round_up(writers * WRITER_PART_SHARE, MiB))
+    covered = size_hint + size_hint // HINT_MARGIN if size_hint else 0
+    if _ceil_div(covered, MAX_PARTS) > size:
+        size = _round_up(_ceil_div(covered, MAX_PARTS), MiB)
+    size = min(size, MAX_PART_SIZE)
+    uniform_parts = max(tier, min(MAX_PARTS, _ceil_div(covered, size)))
+    in_flight = max_concurrency
+    if size > part_size:
+        budget = max(DEFAULT_UPLOAD_MEMORY, (max_concurrency + _HELD_BEYOND_IN_FLIGHT) * part_size)
+        in_flight = max(1, min(max_concurrency, budget // size - _HELD_BEYOND_IN_FLIGHT))
+    return PartPlan(size, uniform_parts, tier, in_flight)
 
 
 def _byte_view(out) -> memoryview:
@@ -53,14 +136,16 @@ class _S3AppendWriter(AppendWriter):
     ``append`` takes an offset and queues the bytes (a copy, unless they are an immutable
     ``bytes``) under one lock, so offsets follow arrival order and the queue is the
     object's byte order. s3transfer's
-    submission thread reads parts off the queue (``_take``); its request threads upload
-    up to ``max_concurrency`` parts at once. Memory stays bounded: ``append`` waits while
-    two parts' worth is queued, and s3transfer holds at most ``max_concurrency`` parts.
+    submission thread reads parts off the queue (``_take``), each of the size ``plan``
+    gives; its request threads upload up to ``plan.in_flight`` parts at once. Memory
+    stays bounded: ``append`` waits while two parts' worth is queued, and s3transfer
+    holds at most ``plan.in_flight`` parts plus the one it is handing over.
     """
 
-    def __init__(self, storage: S3Storage, key: str):
+    def __init__(self, storage: S3Storage, key: str, plan: PartPlan):
         self.key = key
         self._s = storage
+        self._plan = plan
         sh = storage._shared
         self._cv = threading.Condition()
         self._queue: collections.deque[memoryview] = collections.deque()
@@ -72,13 +157,15 @@ class _S3AppendWriter(AppendWriter):
         self._closed = False
         self._completed = False
         self._future = None
+        # s3transfer reads the first part as its single-PUT-or-multipart probe and cuts
+        # that into chunksize pieces: both must be the first part's size.
         config = TransferConfig(
-            multipart_threshold=sh.part_size,
-            multipart_chunksize=sh.part_size,
-            max_concurrency=sh.max_concurrency,
+            multipart_threshold=plan.part_size(1),
+            multipart_chunksize=plan.part_size(1),
+            max_concurrency=plan.in_flight,
             use_threads=True,
         )
-        config.max_in_memory_upload_chunks = sh.max_concurrency  # parts held by s3transfer
+        config.max_in_memory_upload_chunks = plan.in_flight  # parts held by s3transfer
         self._manager = TransferManager(sh.client, config, executor_cls=DaemonThreadPool)
         with self._cv:
             self._future = self._manager.upload(_Feed(self), sh.bucket, storage._k(key))
@@ -107,7 +194,7 @@ class _S3AppendWriter(AppendWriter):
         raise self._failure()
 
     def _limit(self) -> int:
-        return 2 * self._s.part_size_for(self._parts + 1)
+        return 2 * self._plan.part_size(self._parts + 1)
 
     def _failure(self) -> CkptStoreError:
         try:
@@ -129,7 +216,7 @@ class _S3AppendWriter(AppendWriter):
                         "use a larger part_size")
                 # Returning more than asked is how parts grow: s3transfer sizes each part
                 # by the bytes read (checked by tests/test_s3.py::test_part_sizes_grow...).
-                want = max(amount, self._s.part_size_for(self._parts))
+                want = max(amount, self._plan.part_size(self._parts))
             while True:
                 if self._stop is not None:
                     raise self._stop
