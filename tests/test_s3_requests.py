@@ -151,3 +151,24 @@ def test_heartbeats_slow_as_the_world_grows():
     assert save_beat_every(2) == save_beat_every(1500) == SAVE_BEAT_EVERY  # as before for most jobs
     for world in (4096, 16384, 99999):
         assert world / save_beat_every(world) <= 500 + 1e-9  # beats per second across the job
+
+
+def test_gc_deletes_a_checkpoint_in_two_batches_manifests_first(bucket):  # noqa: F811
+    """A 64-rank checkpoint's 190-odd files go in one DeleteObjects after the one that
+    takes its manifest (I7), not one DeleteObject each."""
+    from ckptstore.checkpoint.gc import collect
+    from ckptstore.checkpoint.retention import Retention
+
+    store = s3_storage(bucket)
+    counter = Requests(store.client)
+    simulate(store, 64, counter)
+    newer = store.child(names.step_dir_name(STEP + 1))
+    start_save(rank_state(0), newer, rt=runtime(), attempt=names.new_attempt_id(), step=STEP + 1, rank=0,
+               world_size=1, metrics=None, options=SaveOptions(commit_timeout=TIMEOUT)).result(timeout=TIMEOUT)
+    batches = []
+    counter.on_request = lambda method, what: batches.append(what) if method in ("POST", "DELETE") else None
+    counter.take()
+    result = collect(store, Retention(last=1), grace=0)
+    assert [d.location for d in result.deletions if d.skipped is None] == [names.step_dir_name(STEP)]
+    assert batches == ["batch-delete", "batch-delete"], batches  # the manifest, then every file
+    assert not [k for k in store.walk(names.step_dir_name(STEP) + "/")]
