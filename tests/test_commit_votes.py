@@ -173,3 +173,31 @@ def test_an_outcome_is_an_attempt_file_gc_knows(tmp_path):
     where, attempt, _ = committed_world(tmp_path)
     assert names.attempt_file_of(names.outcome_name(attempt)) == (attempt, "outcome")
     assert names.outcome_name(attempt) in {i.key for i in attempt_files(where, attempt)}
+
+
+def test_a_waiting_rank_in_exit_mode_finds_the_manifest_before_it_presumes_the_committer_dead(tmp_path, monkeypatch):
+    """Rank 0 died after its manifest, before its outcome, and its heartbeat stopped:
+    the waiting rank looks at the manifests before it aborts, and the commit stands."""
+    from ckptstore.checkpoint import commit as commit_mod, exiting
+
+    where, attempt, manifest = committed_world(tmp_path)
+    where.delete(names.outcome_name(attempt))
+    monkeypatch.setattr(exiting, "_active", threading.Event())
+    exiting.enter()
+    monkeypatch.setattr(commit_mod, "_patience", lambda content, world_size: 0.0)  # presumed dead at once
+    assert await_outcome(where, attempt, HANG_GUARD_S, 1, 3).generation == manifest.generation
+    assert not where.exists(names.abort_name(attempt))
+
+
+def test_the_committer_counts_only_its_attempts_own_files(tmp_path):
+    """A file planted below an attempt directory is not a vote (the committer's listing
+    is of the directory's own files)."""
+    where = LocalStorage(str(tmp_path / "ckpt"))
+    attempt = names.new_attempt_id()
+    for r in (1, 2):
+        other_rank(where, attempt, r, 3)
+    where.put(f"{names.attempt_dir(attempt)}/x/vote-r00005.json", b"planted")
+    manifest = start_save({"w": torch.zeros(4)}, where, rt=runtime(), attempt=attempt, step=None, rank=0,
+                          world_size=3, metrics=None,
+                          options=SaveOptions(commit_timeout=HANG_GUARD_S, indexed=False)).result(HANG_GUARD_S)
+    assert manifest.world_size == 3

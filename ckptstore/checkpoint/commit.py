@@ -276,7 +276,8 @@ def commit(storage: Storage, own: fmt.Vote, world_size: int, created_at: str, me
             # One listing a poll: votes, abort marker, and the sizes of the data files (a
             # rank's file is complete before its vote is written, so the listing that shows
             # the last vote shows every file whole: no HEAD per file at commit).
-            listed = list(storage.walk(names.attempt_dir(attempt) + "/"))
+            top = names.attempt_dir(attempt) + "/"  # (its own files only: nothing planted below)
+            listed = [info for info in storage.walk(top) if "/" not in info.key[len(top):]]
             entries = [info.key.rsplit("/", 1)[-1] for info in listed]
             sizes = {info.key: info.size for info in listed if info.kind == "file"}
             votes.update(read_votes(storage, attempt, entries, have=votes.keys(), pool=runtime().readers))
@@ -613,7 +614,9 @@ def await_outcome(storage: Storage, attempt: str, timeout: float, rank: int = 1,
         if exiting.active() and rank != 0:
             watch = watch or PeerWatch(storage, attempt)
             if watch.due():
-                _judge_committer(storage, attempt, rank, watch, where, world_size)
+                manifest = _judge_committer(storage, attempt, rank, watch, where, world_size, seen)
+                if manifest is not None:
+                    return manifest
         if not deadline.sleep_or_expire():
             manifest = _conclude(storage, attempt, None, seen, where)
             if manifest is not None:
@@ -655,15 +658,20 @@ def _conclude(storage: Storage, attempt: str, outcome: dict | None, seen: set[in
 
 
 def _judge_committer(storage: Storage, attempt: str, rank: int, watch: PeerWatch, where: str,
-                     world_size: int) -> None:
+                     world_size: int, seen: set[int]) -> fmt.Manifest | None:
     """Exit mode, a rank that voted: abort when rank 0 stopped beating (by the cadence
-    its heartbeat promises: :func:`_patience`)."""
+    its heartbeat promises: :func:`_patience`), unless a full look finds the attempt
+    committed (rank 0 died after its manifest, before its outcome): then its manifest."""
     looked = watch.look([0])
     if 0 not in looked:
-        return
+        return None
     content, silent = looked[0]
     limit = _patience(content, world_size)
-    if silent >= limit:
-        reason = _presumed_dead([0], rank, limit)
-        abort(storage, attempt, reason)
-        raise CommitError(f"{where}: {reason}; nothing was committed")
+    if silent < limit:
+        return None
+    manifest = _conclude(storage, attempt, None, seen, where)
+    if manifest is not None:
+        return manifest
+    reason = _presumed_dead([0], rank, limit)
+    abort(storage, attempt, reason)
+    raise CommitError(f"{where}: {reason}; nothing was committed")
