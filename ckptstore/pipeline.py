@@ -88,9 +88,9 @@ class RankWriter:
         # Hints for opening the data file (Storage.open_append; S3 sizes its parts by
         # them): about how many bytes it will hold, set by the snapshot before the first
         # append (the raw bytes it stages: stored bytes are no more, but for the small
-        # skeleton and indexes, which the store's margin covers), and how many ranks
-        # write data files into this location at once.
-        self.size_hint: int | None = None
+        # skeleton and indexes, which the store's margin covers), or a function that
+        # counts them; and how many ranks write data files into this location at once.
+        self.size_hint: int | Callable[[], int] | None = None
         self.writers = writers
         self._out: AppendWriter | None = None
         self._open_lock = threading.Lock()
@@ -163,8 +163,18 @@ class RankWriter:
     def _writer(self) -> AppendWriter:
         with self._open_lock:
             if self._out is None:
-                self._out = self.storage.open_append(self.file, size_hint=self.size_hint, writers=self.writers)
+                self._out = self.storage.open_append(self.file, size_hint=self._size_hint(), writers=self.writers)
             return self._out
+
+    def _size_hint(self) -> int | None:
+        """``size_hint``, counted now when it is a function (the snapshot's, so the
+        training thread does not count); a hint that cannot be counted is no hint."""
+        if not callable(self.size_hint):
+            return self.size_hint
+        try:
+            return int(self.size_hint())
+        except Exception:
+            return None
 
     def _store(self, raw: memoryview, itemsize: int, release=None, hint=None) -> fmt.Blob:
         """Hash, encode and append one blob; calls ``release`` once ``raw`` is not needed.

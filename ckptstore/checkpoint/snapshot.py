@@ -13,6 +13,7 @@ copies agree.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import math
 import pickle
 from dataclasses import dataclass, field
@@ -123,9 +124,9 @@ def snapshot(obj, writer: RankWriter, pool: StagingPool, chunk_bytes: int = DEFA
             if captured is None:
                 skeleton = flatten(obj, on_storage, pickle_protocol, on_dtensor=on_dtensor, replicated=is_replicated,
                                    pickle_module=pickle_module, on_paths=lambda found, dtensors: _hint_size(
-                                       writer, _tensor_bytes(found, dtensors)))
+                                       writer, functools.partial(_tensor_bytes, found, dtensors)))
             else:
-                _hint_size(writer, _captured_bytes(captured))
+                _hint_size(writer, functools.partial(_captured_bytes, captured.storages))
                 _stage_captured(captured, out, writer, copier, on_storage, limit)
                 frozen, n = captured.frozen, len(captured.storages)  # not the storages: the worker needs none
                 skeleton = lambda: pickle_captured(frozen, n)  # noqa: E731 (a worker calls it)
@@ -133,9 +134,11 @@ def snapshot(obj, writer: RankWriter, pool: StagingPool, chunk_bytes: int = DEFA
     return out
 
 
-def _hint_size(writer: RankWriter, raw_bytes: int) -> None:
+def _hint_size(writer: RankWriter, raw_bytes) -> None:
     """Tell the writer, before its first append opens the data file, about how large the
-    file will be: the raw bytes staged (the S3 store picks its part size from it). An
+    file will be: ``raw_bytes()``, the raw bytes staged (the S3 store picks its part
+    size from it), counted by the worker that opens the file, not on the training
+    thread (about 0.6 us a tensor). An
     upper bound but for the skeleton and indexes (small, and the store adds a margin):
     compression only shrinks, references and other ranks' shares of global tensors are
     not written. Tensors that only pickling finds (inside custom objects) are missed:
@@ -143,8 +146,8 @@ def _hint_size(writer: RankWriter, raw_bytes: int) -> None:
     writer.size_hint = raw_bytes
 
 
-def _captured_bytes(captured: Captured) -> int:
-    return sum(math.prod(dims) * dtype.itemsize for _key, _ptr, dtype, *dims in captured.storages)
+def _captured_bytes(storages) -> int:
+    return sum(math.prod(dims) * dtype.itemsize for _key, _ptr, dtype, *dims in storages)
 
 
 def _tensor_bytes(found: dict, dtensors: dict) -> int:
