@@ -417,9 +417,9 @@ def execute(storage: Storage, gc_plan: GcPlan, on_deleted=None) -> None:
                 storage.put(("" if loc_name == "." else f"{loc_name}/") + names.released_name(attempt),
                             json.dumps(mark).encode())
             # Manifests first, then what they name (I7): a store may batch each group.
-            manifests = [k for k in d.keys if names.parse_manifest_name(k) is not None]
-            storage.delete_many(prefix + k for k in manifests)
-            storage.delete_many(prefix + k for k in d.keys if names.parse_manifest_name(k) is None)
+            manifests = {k for k in d.keys if names.parse_manifest_name(k) is not None}
+            storage.delete_many(prefix + k for k in d.keys if k in manifests)
+            storage.delete_many(prefix + k for k in d.keys if k not in manifests)
         if on_deleted is not None:
             on_deleted(d)
     if gc_plan.stale_upload_age is not None:
