@@ -33,6 +33,8 @@ class _Echo:
     equal ask torch for the same tensors."""
 
     def __init__(self, name, args):
+        if name == "_rebuild_tensor":  # capture's call for a tensor without grad: what v2 would set
+            name, args = "_rebuild_tensor_v2", (*args, False, OrderedDict())
         if name in ("_rebuild_tensor_v2", "_rebuild_tensor_v3") and args[5] is None:
             args = (*args[:5], OrderedDict(), *args[6:])  # capture pickles the empty hook table as None
         if name == "_rebuild_parameter" and args[2] is None:
@@ -256,6 +258,26 @@ def test_identity_and_sharing_come_back_as_torch_load_gives_them(tmp_path):
         views = obj["views"]
         assert views["t"].stride() == (1, 6) and views["rows"].storage_offset() == 6
     _assert_same(back, ref)
+
+
+def test_tensors_without_grad_are_rebuilt_by_the_plain_call():
+    """A tensor that needs no gradient is pickled for ``_rebuild_tensor`` (the cheaper
+    call, without v2's fake-mode look-up), one that needs it for v2, which sets the flag."""
+    state = {"plain": torch.ones(2), "grad": torch.ones(2, requires_grad=True), "u16": torch.ones(2, dtype=torch.uint16)}
+    captured = capture(state)
+    echoed = _RawEcho(io.BytesIO(pickle_captured(captured.frozen, len(captured.storages)))).load()
+    assert echoed["plain"][0] == "_rebuild_tensor" and len(echoed["plain"][1]) == 4
+    assert echoed["grad"][0] == "_rebuild_tensor_v2" and echoed["grad"][1][4] is True
+    assert echoed["u16"][0] == "_rebuild_tensor_v3"
+
+
+class _RawEcho(_EchoUnpickler):
+    """The rebuild call's name and arguments, as written."""
+
+    def find_class(self, module, name):
+        if module == "torch._utils":
+            return lambda *args: (name, args)
+        return super().find_class(module, name)
 
 
 def _assert_same(a, b):
