@@ -202,6 +202,7 @@ def restore(storage: Storage, manifest: fmt.Manifest, rank: int, map_location=No
     loaded: dict[str, torch.storage.TypedStorage] = {}
 
     local_keys: list[str] | None = None  # made on the first index persistent id
+    local_ref = skeleton_key(LOCAL, "")  # the prefix, formatted once (an enum's format is Python code)
 
     def storage_at(pid: int):
         """Version 2's index persistent id ("storage", index): the rank's tensor at that
@@ -216,7 +217,7 @@ def restore(storage: Storage, manifest: fmt.Manifest, rank: int, map_location=No
             raise FormatError(f"{where}: the skeleton names tensor index {pid}; rank {rank} stored "
                               f"{len(local_keys)} tensors")
         key = local_keys[pid]
-        ref = skeleton_key(LOCAL, key)
+        ref = local_ref + key
         typed = loaded.get(ref)
         if typed is None:
             dtype = implied_storage_dtype(fmt.dtype_from_name(state.tensors[key].dtype))
