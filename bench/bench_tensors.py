@@ -124,6 +124,47 @@ def measure(n: int, numel: int, repeats: int, root: str) -> dict:
     return {"n": n, "numel": numel, "median_s": med, "all_s": times}
 
 
+def measure_dtensors(n: int, numel: int, repeats: int, root: str) -> dict:
+    """Blocking time of a state of N DTensors (FSDP2's kind: Shard(0) on a CPU mesh of
+    this one process) through ``Store.save``, beside ``dcp.async_save`` of the same
+    state and a bare ``copy_`` of the local tensors."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29561")
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    mesh = init_device_mesh("cpu", (1,))
+    g = torch.Generator().manual_seed(n)
+    state = {f"layers.{i}.weight": distribute_tensor(torch.randn(numel, generator=g), mesh, [Shard(0)])
+             for i in range(n)}
+    locals_ = [v.to_local() for v in state.values()]
+    copies = [torch.empty_like(t) for t in locals_]
+    store = ckptstore.Store(os.path.join(root, "store"), compression="none")
+    times: dict[str, list[float]] = {"copy_": [], "ckptstore blocking": [], "dcp.async_save blocking": []}
+    store.save(0, state).result()  # warm-up
+    dcp.async_save(state, checkpoint_id=os.path.join(root, "warm-dcp")).result()
+    for step in range(1, repeats + 1):
+        t = time.perf_counter()
+        for dst, src in zip(copies, locals_):
+            dst.copy_(src)
+        times["copy_"].append(time.perf_counter() - t)
+        t = time.perf_counter()
+        fut = store.save(step, state)
+        times["ckptstore blocking"].append(time.perf_counter() - t)
+        fut.result()
+        t = time.perf_counter()
+        dfut = dcp.async_save(state, checkpoint_id=os.path.join(root, f"dcp-{step}"))
+        times["dcp.async_save blocking"].append(time.perf_counter() - t)
+        dfut.result()
+
+    med = {k: statistics.median(v) for k, v in times.items()}
+    med["per tensor beyond copy_ (us)"] = (med["ckptstore blocking"] - med["copy_"]) / n * 1e6
+    return {"n": n, "numel": numel, "dtensors": True, "median_s": med, "all_s": times}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--counts", default="1000,10000")
@@ -131,6 +172,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dir", default=None, help="parent directory (a disk, not tmpfs)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--dtensors", action="store_true",
+                    help="also time the blocking save of the same counts as DTensors (Store.save, a 1-rank mesh)")
     args = ap.parse_args()
     root = tempfile.mkdtemp(prefix="bench-tensors-", dir=args.dir)
     rows = []
@@ -139,11 +182,21 @@ def main() -> None:
             rows.append(measure(n, args.numel, args.repeats, root))
             shutil.rmtree(root, ignore_errors=True)
             os.makedirs(root, exist_ok=True)
+            if args.dtensors:
+                rows.append(measure_dtensors(n, args.numel, args.repeats, root))
+                shutil.rmtree(root, ignore_errors=True)
+                os.makedirs(root, exist_ok=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(f"{'tensors':>8} {'measure':<24} {'ckptstore s':>11} {'peer':<24} {'peer s':>8} {'ratio':>6}")
     for r in rows:
         m = r["median_s"]
+        if r.get("dtensors"):
+            for peer in ("dcp.async_save blocking", "copy_"):
+                print(f"{r['n']:>8} {'DTensor blocking':<24} {m['ckptstore blocking']:>11.3f} {peer:<24} "
+                      f"{m[peer]:>8.3f} {m['ckptstore blocking'] / m[peer]:>5.2f}x")
+            print(f"{r['n']:>8} {'DTensor per tensor':<24} {m['per tensor beyond copy_ (us)']:>9.0f}us")
+            continue
         for what, ours, peer in (("blocking", "ckptstore blocking", "dcp.async_save blocking"),
                                  ("blocking", "ckptstore blocking", "copy_"),
                                  ("committed and durable", "ckptstore committed", "torch.save+fsync"),

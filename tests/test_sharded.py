@@ -525,6 +525,7 @@ def test_dtensor_with_partial_placement_is_refused_by_name(tp_run):
 class _FakeMesh:
     def __init__(self, shape, coord):
         self.mesh = torch.empty(shape)
+        self.shape = tuple(shape)  # DeviceMesh.shape: what the box computation reads
         self._coord = list(coord)
 
     def get_coordinate(self):

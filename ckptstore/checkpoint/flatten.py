@@ -12,6 +12,7 @@ under a key named after the first state-dict path that reaches it.
 
 from __future__ import annotations
 
+import functools
 import io
 import itertools
 import math
@@ -100,6 +101,14 @@ def _is_dtensor(o) -> bool:
     return cls is not None and isinstance(o, cls)
 
 
+def local_tensor(dt) -> torch.Tensor:
+    """A DTensor's local tensor, read for its bytes and metadata. ``to_local()`` runs an
+    autograd Function for the gradient's way back (30-50 us a call); a save only reads
+    the bytes, so it takes the tensor the DTensor holds when it is there."""
+    local = getattr(dt, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else dt.to_local()
+
+
 def _dtensor_class():
     # Importing torch.distributed.tensor costs a second or more; if nothing imported it,
     # no DTensor can exist, so the blocking part of a save never pays for that import.
@@ -137,7 +146,7 @@ def dtensor_boxes(dt, failure: str = "cannot save DTensor") -> list[LocalBox]:
         return []
     shape = tuple(dt.shape)
     ndim = len(shape)
-    mesh_shape = tuple(mesh.mesh.shape)
+    mesh_shape = tuple(mesh.shape)  # not mesh.mesh.shape: that builds the mesh's rank tensor on every call
     placements = tuple(dt.placements)
     index: list[Sequence[int]] = [range(n) for n in shape]  # ranges until a strided shard scatters one
     for m, p in enumerate(placements):
@@ -158,7 +167,7 @@ def dtensor_boxes(dt, failure: str = "cannot save DTensor") -> list[LocalBox]:
             parts = [_chunk(piece, n)[c] for piece in _chunk(index[d], int(split_factor))]
             parts = [q for q in parts if len(q)]
             index[d] = parts[0] if len(parts) == 1 else [i for q in parts for i in q]
-    local_shape = tuple(dt.to_local().shape)
+    local_shape = tuple(local_tensor(dt).shape)
     if tuple(len(ix) for ix in index) != local_shape:
         raise SerializationError(
             f"{failure}: placements {list(placements)} on a mesh of shape {list(mesh_shape)} give "
@@ -251,6 +260,7 @@ def _contiguous_stride(shape) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
+@functools.lru_cache(maxsize=None)  # one answer per dtype; asked once per DTensor
 def _has_typed_storage(dtype: torch.dtype) -> bool:
     """Whether torch pickles this dtype over a legacy typed storage class."""
     import warnings
@@ -347,7 +357,7 @@ def flatten(obj, on_storage: Callable[[StorageRef], None], pickle_protocol: int 
             raise SerializationError("DTensors can only be saved through Store.save")
         key = _unique(dtensor_paths.get(id(dt), (f"dtensor.{len(placeholders)}",))[0], used[GLOBAL])
         on_dtensor(DTensorRef(key, dt))
-        location = torch.serialization.location_tag(dt.to_local().untyped_storage())
+        location = torch.serialization.location_tag(local_tensor(dt).untyped_storage())
         value = placeholders[id(dt)] = _global_stand_in(key, dt.dtype, tuple(dt.shape), location, dt.requires_grad,
                                                         global_refs)
         return value
@@ -482,5 +492,5 @@ def region_byte_offset(shape, offsets, itemsize: int) -> int:
 
 
 __all__ = ["DTensorRef", "GLOBAL", "LOCAL", "LocalBox", "StorageRef", "UnserializableTensorError", "dtensor_boxes",
-           "flatten", "global_skeleton", "implied_storage_dtype", "index_pid", "parse_skeleton_key", "plan_chunks", "region_byte_offset",
+           "flatten", "global_skeleton", "implied_storage_dtype", "index_pid", "local_tensor", "parse_skeleton_key", "plan_chunks", "region_byte_offset",
            "skeleton_key", "tensor_paths"]

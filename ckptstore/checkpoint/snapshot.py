@@ -31,6 +31,7 @@ from .flatten import (
     DTensorRef,
     StorageRef,
     dtensor_boxes,
+    local_tensor,
     entry_shape,
     flatten,
     plan_chunks,
@@ -99,7 +100,7 @@ def snapshot(obj, writer: RankWriter, pool: StagingPool, chunk_bytes: int = DEFA
         boxes = dtensor_boxes(dt, f"cannot save DTensor {ref.key!r}")
         if not boxes:
             return
-        local = dt.to_local()
+        local = local_tensor(dt)
         mine, out.holders[ref.key] = _writes_dtensor_replica(dt)
         itemsize = dt.dtype.itemsize
         for box in boxes:
@@ -153,7 +154,7 @@ def _captured_bytes(storages) -> int:
 def _tensor_bytes(found: dict, dtensors: dict) -> int:
     total = sum(tensor.untyped_storage().nbytes() for _path, tensor in found.values())
     for _path, dt in dtensors.values():
-        local = dt.to_local()
+        local = local_tensor(dt)
         total += local.numel() * local.element_size()
     return total
 
