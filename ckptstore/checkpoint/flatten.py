@@ -128,7 +128,7 @@ class LocalBox:
 MAX_LOCAL_BOXES = 1 << 16
 
 
-def dtensor_boxes(dt, failure: str = "cannot save DTensor") -> list[LocalBox]:
+def dtensor_boxes(dt, failure: str = "cannot save DTensor") -> Sequence[LocalBox]:
     """The boxes of the global tensor that this rank's local tensor holds, with where
     each lies in the local tensor: one box for Shard and Replicate placements, several
     for ``_StridedShard`` layouts whose local rows are not a contiguous range of the
@@ -144,22 +144,36 @@ def dtensor_boxes(dt, failure: str = "cannot save DTensor") -> list[LocalBox]:
     coord = mesh.get_coordinate()
     if coord is None:  # this rank is not part of the DTensor's mesh: it holds nothing
         return []
-    shape = tuple(dt.shape)
+    facts = (tuple(dt.shape), tuple(local_tensor(dt).shape),
+             tuple(mesh.shape),  # not mesh.mesh.shape: that builds the mesh's rank tensor on every call
+             tuple(coord), tuple(dt.placements))
+    try:
+        return _boxes(*facts)  # a model's layers repeat their shapes: most DTensors are a look-up
+    except _BoxError as e:
+        raise SerializationError(f"{failure}: {e}") from None
+    except TypeError:  # a placement that cannot be hashed: computed afresh
+        return _boxes.__wrapped__(*facts)
+
+
+class _BoxError(Exception):
+    """Why a DTensor's boxes cannot be computed (dtensor_boxes names the tensor)."""
+
+
+@functools.lru_cache(maxsize=4096)
+def _boxes(shape, local_shape, mesh_shape, coord, placements) -> tuple[LocalBox, ...]:
+    """dtensor_boxes from what it reads of the DTensor (a pure function of these)."""
     ndim = len(shape)
-    mesh_shape = tuple(mesh.shape)  # not mesh.mesh.shape: that builds the mesh's rank tensor on every call
-    placements = tuple(dt.placements)
     index: list[Sequence[int]] = [range(n) for n in shape]  # ranges until a strided shard scatters one
     for m, p in enumerate(placements):
         if p.is_replicate():
             continue
         split_factor = getattr(p, "split_factor", None)
         if not (p.is_shard() or split_factor is not None) or not isinstance(getattr(p, "dim", None), int):
-            raise SerializationError(f"{failure}: placement {p!r} (placements {list(placements)}) "
-                                     "is neither Shard, _StridedShard nor Replicate; redistribute it first")
+            raise _BoxError(f"placement {p!r} (placements {list(placements)}) "
+                            "is neither Shard, _StridedShard nor Replicate; redistribute it first")
         d = p.dim % ndim if ndim else p.dim
         if not 0 <= d < ndim:
-            raise SerializationError(f"{failure}: placement {p!r} shards dimension {p.dim} "
-                                     f"of a {ndim}-dimensional tensor")
+            raise _BoxError(f"placement {p!r} shards dimension {p.dim} of a {ndim}-dimensional tensor")
         n, c = mesh_shape[m], coord[m]
         if split_factor is None:
             index[d] = _chunk(index[d], n)[c]
@@ -167,22 +181,21 @@ def dtensor_boxes(dt, failure: str = "cannot save DTensor") -> list[LocalBox]:
             parts = [_chunk(piece, n)[c] for piece in _chunk(index[d], int(split_factor))]
             parts = [q for q in parts if len(q)]
             index[d] = parts[0] if len(parts) == 1 else [i for q in parts for i in q]
-    local_shape = tuple(local_tensor(dt).shape)
     if tuple(len(ix) for ix in index) != local_shape:
-        raise SerializationError(
-            f"{failure}: placements {list(placements)} on a mesh of shape {list(mesh_shape)} give "
+        raise _BoxError(
+            f"placements {list(placements)} on a mesh of shape {list(mesh_shape)} give "
             f"rank coordinate {list(coord)} a local shape {[len(ix) for ix in index]}, but its local tensor "
             f"has shape {list(local_shape)}")
     if any(n == 0 for n in local_shape):
-        return []
+        return ()
     runs = [_runs(ix) for ix in index]
     count = math.prod(len(r) for r in runs)
     if count > MAX_LOCAL_BOXES:
-        raise SerializationError(f"{failure}: placements {list(placements)} scatter this rank's shard "
-                                 f"over {count} separate boxes of the global tensor; redistribute it first")
-    return [LocalBox(tuple(slice(lo, lo + k) for lo, _g, k in combo), tuple(g for _l, g, _k in combo),
-                     tuple(k for _l, _g, k in combo))
-            for combo in itertools.product(*runs)]
+        raise _BoxError(f"placements {list(placements)} scatter this rank's shard "
+                        f"over {count} separate boxes of the global tensor; redistribute it first")
+    return tuple(LocalBox(tuple(slice(lo, lo + k) for lo, _g, k in combo), tuple(g for _l, g, _k in combo),
+                          tuple(k for _l, _g, k in combo))
+                 for combo in itertools.product(*runs))
 
 
 def _chunk(items: Sequence[int], n: int) -> list[Sequence[int]]:
