@@ -209,6 +209,9 @@ def main() -> int:
     ap.add_argument("--bucket", default=None, help="an existing bucket (default: a new one)")
     ap.add_argument("--dir", default=None, help="where the baseline's local files go (default: temp dir)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "s3.json"))
+    ap.add_argument("--pin-server", action="store_true",
+                    help="run the moto server on the last CPU and the clients on the others, as a real endpoint "
+                         "runs on machines of its own (without it, each client's CPU is taken from the server)")
     args = ap.parse_args()
 
     server = None
@@ -216,6 +219,13 @@ def main() -> int:
         server = subprocess.Popen([sys.executable, "-c", _SERVER, "stock" if args.stock_moto else "ranged"],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         endpoint = f"http://127.0.0.1:{int(server.stdout.readline())}"
+        if args.pin_server:
+            cpus = sorted(os.sched_getaffinity(0))
+            if len(cpus) < 2:
+                raise SystemExit("--pin-server needs at least two CPUs")
+            os.sched_setaffinity(server.pid, {cpus[-1]})
+            for tid in os.listdir("/proc/self/task"):  # every thread of this process, and those it starts later
+                os.sched_setaffinity(int(tid), set(cpus[:-1]))
         os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
         os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
         os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
@@ -362,7 +372,8 @@ def run(args, endpoint: str, workdir: str, server) -> int:
         "bench": "s3",
         "machine": machine_info(),
         "server": (f"moto {'stock' if args.stock_moto else 'with range-reading GET patch'} "
-                   "(ThreadedMotoServer, own process, 127.0.0.1)") if server is not None else endpoint,
+                   "(ThreadedMotoServer, own process, 127.0.0.1"
+                   f"{', pinned to its own CPU' if args.pin_server else ''})") if server is not None else endpoint,
         "params": {"size_gib": args.size_gib, "state_bytes": nbytes, "tensors": len(tensors), "repeats": args.repeats,
                    "part_size": part, "read_part_size": read_part, "concurrency": concurrency, "compression": args.compression,
                    "chunk_bytes": 16 * MiB, "read_coalesce": {"blob": DEFAULT_COALESCE_BLOB, "gap": DEFAULT_COALESCE_GAP,
