@@ -123,7 +123,10 @@ def _if_present(location: Storage, generation: int, references: dict) -> dict:
 
 
 def _earlier_references(storage: Storage) -> dict:
-    """What a drop-in save may reference of the checkpoint it replaces (none: {})."""
+    """What a drop-in save may reference of the checkpoint it replaces (none: {}). One
+    listing when there is none: ``latest_manifest`` would list twice more to say why."""
+    if not generations(storage):
+        return {}
     return index_references(latest_manifest(storage), 0)
 
 

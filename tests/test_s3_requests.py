@@ -172,3 +172,15 @@ def test_gc_deletes_a_checkpoint_in_two_batches_manifests_first(bucket):  # noqa
     assert [d.location for d in result.deletions if d.skipped is None] == [names.step_dir_name(STEP)]
     assert batches == ["batch-delete", "batch-delete"], batches  # the manifest, then every file
     assert not [k for k in store.walk(names.step_dir_name(STEP) + "/")]
+
+
+def test_a_drop_in_save_to_a_new_location_lists_it_once_for_references(bucket):  # noqa: F811
+    """Before a drop-in save writes, it looks for a checkpoint it replaces (whose
+    unchanged blobs it may reference): one listing when there is none, not the three
+    that finding out why a load would fail takes."""
+    from ckptstore.api import _earlier_references
+
+    store = s3_storage(bucket, prefix="fresh-dropin")
+    counter = Requests(store.client)
+    assert _earlier_references(store) == {}
+    assert counter.take() == {("GET", "list"): 1}
