@@ -38,8 +38,9 @@ DEFAULT_OVERFLOW_AFTER = 1.0
 
 
 def default_capacity() -> int:
-    """The process config's ``staging_bytes``: CKPTSTORE_STAGING_BYTES, else half the RAM."""
-    return config().staging_bytes
+    """The process config's ``staging_capacity``: CKPTSTORE_STAGING_BYTES, else half the
+    node's RAM divided by LOCAL_WORLD_SIZE (docs/configuration.md)."""
+    return config().staging_capacity
 
 
 class StagingBuffer:
