@@ -132,6 +132,8 @@ SPY = """
 
     for name in dir(torch.cuda):
         obj = getattr(torch.cuda, name)
+        if name == "is_initialized":  # reads a flag of torch's: no driver call (rng.py asks it)
+            continue
         if not name.startswith("_") and (inspect.isfunction(obj) or inspect.isclass(obj)):
             setattr(torch.cuda, name, spy(name, obj))
     torch.cuda.is_available = spy("is_available", lambda: True)  # a GPU node, for the decisions
@@ -146,8 +148,8 @@ SPY = """
 
 
 def test_cpu_only_save_calls_nothing_of_cuda_and_pins_nothing(tmp_path):
-    """From the main thread and from a helper thread, ``save``, ``Store.save`` and
-    ``prepare`` of a CPU-only state (plain and through the pickling path) make no
+    """From the main thread and from a helper thread, ``save``, ``Store.save``,
+    ``Checkpointer.save`` (RNG states included) and ``prepare`` of a CPU-only state (plain and through the pickling path) make no
     ``torch.cuda`` call and no call to the extension's CUDA probe, on a node where CUDA
     looks available; the runtime's pool stays unpinned."""
     result = run_child(SPY + f"""
@@ -161,6 +163,8 @@ def test_cpu_only_save_calls_nothing_of_cuda_and_pins_nothing(tmp_path):
     ckptstore.save({{"box": Box(torch.ones(5))}}, root + "/b").result()
     def helper():
         ckptstore.Store(root + "/store").save(1, state).result()
+        ckpt = ckptstore.Checkpointer(root + "/ckpt", model=torch.nn.Linear(4, 4), rng=True)
+        ckpt.save(1).result()
     t = threading.Thread(target=helper)
     t.start(); t.join()
     loaded = ckptstore.load(root + "/a")
