@@ -153,11 +153,15 @@ def prepare(state: Any = None, *, nbytes: int | None = None) -> Future:
         nbytes = state_nbytes(state)
     devices = frozenset(_device_of(t).index for t in tensors_in(state) if _device_of(t).type == "cuda")
     rt = runtime()
-    if not devices:  # the pool as it is: no CUDA call
-        return lifecycle.track_preparation(rt.workers.submit(rt.pool.warm, int(nbytes)))
-    device = min(devices)
-    with torch.cuda.device(device):  # (a pinned pool made here pins under this device)
-        pool = rt.staging_pool(devices)
+    if devices:
+        with torch.cuda.device(min(devices)):  # (a pinned pool made here pins under this device)
+            pool = rt.staging_pool(devices)
+        device = min(devices)
+    else:
+        pool = rt.pool
+        device = pool.device if pool.pin_memory else None
+    if device is None:  # an unpinned pool: no CUDA call
+        return lifecycle.track_preparation(rt.workers.submit(pool.warm, int(nbytes)))
     return lifecycle.track_preparation(rt.workers.submit(_warm_on, pool, int(nbytes), device))
 
 

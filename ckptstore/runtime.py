@@ -71,6 +71,7 @@ class Runtime:
             if pool.pin_memory or pool.in_use:
                 return pool
             pinned = StagingPool(self.config.pinned_capacity, pin_memory=True, backend=self.config.staging_pool)
+            pinned.device = min(cuda_devices)
             pool.trim()
             self._pool = pinned
             return pinned

@@ -196,16 +196,23 @@ def test_cuda_save_on_gpu1_from_a_helper_thread_makes_no_context_on_gpu0(tmp_pat
     t = threading.Thread(target=helper)
     t.start(); t.join()
     after = active(0)
+    def cpu_helper():  # CPU tensors, more than the pool holds: it grows, pinned, under GPU 1
+        ckptstore.save({{"big": torch.randn(64 << 20)}}, {str(tmp_path / "b")!r}).result()
+    t = threading.Thread(target=cpu_helper)
+    t.start(); t.join()
+    after_cpu = active(0)
     loaded = ckptstore.load({str(tmp_path / "a")!r}, map_location="cpu")
-    print(json.dumps({{"before": before, "after": after, "pinned": runtime().pool.pin_memory,
+    print(json.dumps({{"before": before, "after": after, "after_cpu": after_cpu,
+                      "pinned": runtime().pool.pin_memory, "device": runtime().pool.device,
                       "equal": bool(torch.equal(loaded["w"], state["w"].cpu()))}}))
     """)
     if r["before"]:
         pytest.skip("torch itself made a context on GPU 0")
-    assert r == {"before": False, "after": False, "pinned": True, "equal": True}
+    assert r == {"before": False, "after": False, "after_cpu": False, "pinned": True, "device": 1, "equal": True}
 
 
 def test_a_cuda_save_stages_through_a_pinned_pool_of_the_pinned_capacity(tmp_path):
+    ckptstore.wait()  # an earlier save still holding unpinned buffers would delay the swap
     state = {"w": torch.randn(1 << 20, device="cuda")}
     ckptstore.save(state, str(tmp_path / "a")).result()
     pool = runtime().pool

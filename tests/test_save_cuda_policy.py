@@ -82,6 +82,21 @@ def test_bad_local_world_size_is_an_error_naming_it(value):
         Config(local_world_size=0)
 
 
+def test_configuration_md_lists_every_variable():
+    from pathlib import Path
+    text = (Path(__file__).resolve().parent.parent / "docs" / "configuration.md").read_text()
+    for knob in Config.knobs():
+        assert f"| `{knob['name']}` | `{knob['env']}` |" in text, knob["name"]
+
+
+def test_a_direct_pinned_pool_defaults_to_the_pinned_capacity(monkeypatch):
+    from ckptstore import config as config_mod
+    cfg = Config.from_env({"CKPTSTORE_STAGING_BYTES": str(host_memory_bytes()), "LOCAL_WORLD_SIZE": "2"})
+    monkeypatch.setattr(config_mod, "_config", cfg)
+    assert StagingPool(pin_memory=True, backend="torch").capacity == cfg.pinned_capacity < cfg.staging_capacity
+    assert StagingPool(pin_memory=False, backend="torch").capacity == cfg.staging_capacity
+
+
 def test_runtime_pool_follows_the_budget_and_is_unpinned():
     rt = Runtime(workers=1, config=Config.from_env({"LOCAL_WORLD_SIZE": "8"}))
     try:
@@ -111,6 +126,7 @@ def test_runtime_swaps_in_a_pinned_pool_only_for_cuda_devices_and_only_when_idle
         plain.release(buf)
         pinned = rt.staging_pool(frozenset({0}))  # (no memory is allocated until acquire)
         assert pinned is not plain and pinned.pin_memory and rt.pool is pinned
+        assert (plain.device, pinned.device) == (None, 0)  # the device it pins under
         assert pinned.capacity == rt.config.pinned_capacity == 4 * MiB
         assert plain.held == 0  # the old pool was trimmed
         assert rt.staging_pool(frozenset()) is pinned and rt.staging_pool(frozenset({1})) is pinned

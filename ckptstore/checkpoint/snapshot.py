@@ -146,6 +146,10 @@ def snapshot(obj, writer: RankWriter, pool: StagingPool | Callable[[frozenset], 
             stack.enter_context(torch.cuda.device(min(devices)))
         if callable(pool):
             pool = pool(devices)
+        if not devices and pool.pin_memory and pool.device is not None:
+            # CPU tensors into a pinned pool (the process saved CUDA tensors before): a
+            # slab it adds is page-locked under the pool's device, not under GPU 0.
+            stack.enter_context(torch.cuda.device(pool.device))
         writer.pool = pool  # where the writer returns the buffers
         limit = max(1, min(chunk_bytes, pool.capacity))
         assignment = _assign_replicated(paths[0], is_replicated, limit, world_size) if patterns else {}
