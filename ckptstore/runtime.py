@@ -61,7 +61,9 @@ class Runtime:
         ``config.pinned_capacity``, once the unpinned one lends nothing (a save still
         holding its buffers keeps it for this save: its copies then wait on pageable
         memory, correct but synchronous). The caller makes one of ``cuda_devices``
-        current first, so that pinning creates no context on another GPU.
+        current first, so that pinning creates no context on another GPU. (A save
+        on another thread that took the unpinned pool just before the swap keeps it:
+        for that moment the two pools' budgets add up.)
         """
         pool = self._pool
         if not cuda_devices or pool.pin_memory:
