@@ -122,8 +122,8 @@ def test_checkpointer_save_passes_the_stream(tmp_path):
         torch.cuda._sleep(SLEEP_CYCLES)
         with torch.no_grad():
             model.weight.fill_(5.0)
-    ckpt = ckptstore.Checkpointer(ckptstore.Store(str(tmp_path / "s")), model=model, every=None)
-    ckpt.save(1, stream=side).result()
+    with ckptstore.Checkpointer(ckptstore.Store(str(tmp_path / "s")), model=model) as ckpt:
+        ckpt.save(1, stream=side).result()
     loaded = ckptstore.Store(str(tmp_path / "s")).load(1, map_location="cpu")
     weights = [v for k, v in _leaves(loaded) if k.endswith("weight")]
     assert weights and all(bool((w == 5.0).all()) for w in weights)
