@@ -233,6 +233,17 @@ def test_bad_stream_fails_before_anything_is_written(tmp_path, bad, error, match
     assert not (tmp_path / "a").exists() and not list((tmp_path / "s").glob("*/*"))
 
 
+def test_checkpointer_passes_stream_to_the_store(tmp_path):
+    with ckptstore.Checkpointer(str(tmp_path / "c"), state={"progress": {"n": 1}}, every=1, rng=False) as ckpt:
+        with pytest.raises(TypeError, match="Store.save: stream= must be"):
+            ckpt.save(1, stream="side")
+        with pytest.raises(TypeError, match="Store.save: stream= must be"):
+            ckpt.step(1, stream=3)
+        ckpt.step(2, stream=None)
+    ckptstore.wait()
+    assert ckptstore.Store(str(tmp_path / "c")).steps() == [2]
+
+
 def test_no_stream_and_an_empty_dict_are_accepted(tmp_path):
     assert check_stream(None) is None and check_stream({}) == {}
     state = {"w": torch.arange(6.0)}
