@@ -56,6 +56,7 @@ from .errors import (
     UnsupportedVersionError,
 )
 from .runtime import runtime
+from .staging.cuda import check_stream
 from .storage import MemoryStorage, Storage, is_url, open_storage
 
 wait = lifecycle.wait
@@ -76,7 +77,7 @@ def _is_stream(f) -> bool:
 def save(obj: Any, f, pickle_module: Any = pickle, pickle_protocol: int = 2, *,
          compression: str | CompressionPolicy = "auto", commit_timeout: float = 600.0,
          chunk_bytes: int | None = None, storage_options: dict | None = None,
-         incremental: bool = True) -> SaveFuture:
+         incremental: bool = True, stream=None) -> SaveFuture:
     """Save ``obj`` like ``torch.save``; returns once its tensors are staged.
 
     ``f`` is a local path, a ``memory://`` or (with the S3 backend) ``s3://`` URL, or a
@@ -90,9 +91,20 @@ def save(obj: Any, f, pickle_module: Any = pickle, pickle_protocol: int = 2, *,
     ``storage_options`` go to the backend (for S3: endpoint_url, part_size, ...).
     Saving again to a checkpoint directory is incremental (``incremental=False``: not):
     a chunk unchanged since the generation it replaces is referenced, not written again.
+
+    ``stream`` (CUDA tensors only): the stream, or ``{device index: stream}``, whose
+    work the device-to-host copies wait for; default each device's current stream of
+    the calling thread. Pass the stream(s) that last wrote the tensors when that is not
+    the caller's current stream: a side stream, or any stream when saving from a helper
+    thread (its current stream is the default one, which waits for no other stream).
+    See docs/native.md, "Which stream a save waits for". A state without CUDA tensors
+    ignores it and makes no CUDA call.
     """
+    stream = check_stream(stream, "ckptstore.save")
     lifecycle.raise_earlier_failure()
     options = _options(compression, commit_timeout, chunk_bytes, pickle_protocol)
+    if stream is not None:
+        options = dataclasses.replace(options, stream=stream)
     if pickle_module is not pickle:  # SaveOptions' default is pickle
         options = dataclasses.replace(options, pickle_module=pickle_module)
     rt = runtime()
@@ -142,7 +154,29 @@ def prepare(state: Any = None, *, nbytes: int | None = None) -> Future:
     holds no memory a save of ``state`` would not take anyway."""
     if nbytes is None:
         nbytes = state_nbytes(state)
-    return lifecycle.track_preparation(runtime().workers.submit(runtime().pool.warm, int(nbytes)))
+    devices = frozenset(_device_of(t).index for t in tensors_in(state) if _device_of(t).type == "cuda")
+    rt = runtime()
+    if devices:
+        with torch.cuda.device(min(devices)):  # (a pinned pool made here pins under this device)
+            pool = rt.staging_pool(devices)
+        device = min(devices)
+    else:
+        pool = rt.pool
+        device = pool.device if pool.pin_memory else None
+    if device is None:  # an unpinned pool: no CUDA call
+        return lifecycle.track_preparation(rt.workers.submit(pool.warm, int(nbytes)))
+    return lifecycle.track_preparation(rt.workers.submit(_warm_on, pool, int(nbytes), device))
+
+
+def _device_of(t: torch.Tensor) -> torch.device:
+    return getattr(t, "_local_tensor", t).device
+
+
+def _warm_on(pool, nbytes: int, device: int) -> int:
+    """``pool.warm`` on a worker thread, under ``device``: a thread with no CUDA context
+    would otherwise page-lock under GPU 0's, and create that context."""
+    with torch.cuda.device(device):
+        return pool.warm(nbytes)
 
 
 def state_nbytes(state: Any) -> int:
@@ -404,7 +438,7 @@ class Store:
         return self.storage.child(names.step_dir_name(step))
 
     def save(self, step: int, state: Any, metrics: dict | None = None, *,
-             replicated: list[str] | tuple[str, ...] = (), durable: bool = False) -> SaveFuture:
+             replicated: list[str] | tuple[str, ...] = (), durable: bool = False, stream=None) -> SaveFuture:
         """Save ``state`` as ``step``; returns once it is staged.
 
         Under torch.distributed every rank calls this with the same step. DTensors are
@@ -415,9 +449,15 @@ class Store:
         With two tiers the future is the local save's; ``durable=True`` (the same on
         every rank: a preemption's last save, say) promotes this step whatever
         ``durable_every`` says, and ``ckptstore.wait()`` waits for promotions too.
+
+        ``stream``: what the copies of CUDA tensors wait for, as in
+        :func:`ckptstore.save` (a ``torch.cuda.Stream`` or ``{device index: stream}``;
+        default each device's current stream): pass the stream(s) that last wrote the
+        state when it is not the current one (side streams, a save from a helper thread).
         """
+        stream = check_stream(stream, "Store.save")
         if self.local is not None:
-            return self._save_tiered(step, state, metrics, replicated, durable)
+            return self._save_tiered(step, state, metrics, replicated, durable, stream)
         lifecycle.raise_earlier_failure()
         where = self.location(step)
         attempt, step0 = agree_on_attempt(step, self.process_group)
@@ -441,7 +481,7 @@ class Store:
         if self.keep is not None and rank == 0:  # (once committed, the manifest itself keeps what it reads)
             after_commit = lambda manifest: (settled(), self._apply_retention(step, manifest))  # noqa: E731
         options = dataclasses.replace(self.options, replicated=tuple(replicated), epoch=self.epoch, fence=fence,
-                                      references=refs, reference_base=base)
+                                      references=refs, reference_base=base, stream=stream)
         try:
             future = start_save(state, where, rt=runtime(), attempt=attempt, step=step, rank=rank,
                                 world_size=world, metrics=_check_metrics(metrics), options=options,
@@ -474,7 +514,7 @@ class Store:
             self._references = index_references(manifest, rank_and_world(self.process_group)[0])
             self._reference_base = (manifest.step, manifest.generation)
 
-    def _save_tiered(self, step, state, metrics, replicated, durable: bool) -> SaveFuture:
+    def _save_tiered(self, step, state, metrics, replicated, durable: bool, stream) -> SaveFuture:
         rank, world = rank_and_world(self.process_group)
         split = not getattr(self.local.storage, "sees_all_data", True)
         if not split and world > 1 and not self._one_node:
@@ -489,7 +529,7 @@ class Store:
             self._one_node = True
         self.local.epoch = self.epoch
         self._saves += 1  # first: a save that raises on one rank only must not skew the ranks' counts
-        future = self.local.save(step, state, metrics, replicated=replicated)
+        future = self.local.save(step, state, metrics, replicated=replicated, stream=stream)
         if split:
             future.add_done_callback(lambda f, r=rank: self._after_local_commit(f, r))
         if durable or self._saves % self.durable_every == 0:

@@ -104,11 +104,26 @@ def _default_workers() -> int:
     return max(2, min(8, os.cpu_count() or 2))
 
 
-def _half_the_memory() -> int:
+#: Share of the node's RAM that the default staging budgets of all its ranks add up to,
+#: and the most page-locked staging memory they may hold together, whatever
+#: ``staging_bytes`` says (page-locked memory cannot be swapped out: pinning too much
+#: starves the node).
+NODE_STAGING_SHARE = 0.5
+
+
+def host_memory_bytes() -> int:
+    """The node's physical RAM in bytes (16 GiB where the OS cannot tell)."""
     try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):  # pragma: no cover - not POSIX
-        return 8 << 30
+        return 16 << 30
+
+
+def rank_share_of_node(local_world_size: int, ram: int | None = None) -> int:
+    """One rank's part of the node's staging share: NODE_STAGING_SHARE of ``ram``
+    (default: this node's) divided by the ranks on the node, at least 1 byte."""
+    ram = host_memory_bytes() if ram is None else ram
+    return max(1, int(ram * NODE_STAGING_SHARE) // local_world_size)
 
 
 def _knob(env: str, parse: Callable[[str], Any], check: Callable[[Any], None], reader: str) -> dict:
@@ -128,9 +143,15 @@ class Config:
     #: Encode/hash/write worker threads (readers: at least 8). Default: CPU count, 2..8.
     workers: int = field(default_factory=_default_workers, metadata=_knob(
         "CKPTSTORE_WORKERS", _parse_int, _positive_int, "ckptstore.runtime"))
-    #: Capacity of the process's staging pool, in bytes. Default: half the RAM.
-    staging_bytes: int = field(default_factory=_half_the_memory, metadata=_knob(
-        "CKPTSTORE_STAGING_BYTES", _parse_int, _positive_int, "ckptstore.staging.pool"))
+    #: Capacity of the process's staging pool, in bytes. None (the default): half the
+    #: node's RAM divided by ``local_world_size`` (see :attr:`staging_capacity`).
+    staging_bytes: int | None = field(default=None, metadata=_knob(
+        "CKPTSTORE_STAGING_BYTES", _parse_int, _optional_positive_int, "ckptstore.runtime, ckptstore.staging.pool"))
+    #: Processes (ranks) on this node, which share its staging memory; torchrun sets
+    #: LOCAL_WORLD_SIZE. A value that is not an integer >= 1 is an error: guessing 1
+    #: would let every rank of the node pin the whole share.
+    local_world_size: int = field(default=1, metadata=_knob(
+        "LOCAL_WORLD_SIZE", _parse_int, _positive_int, "ckptstore.config (staging_capacity, pinned_capacity)"))
     #: Staging pool backend: "auto" (native slabs when the extension can serve), "native", "torch".
     staging_pool: str = field(default="auto", metadata=_knob(
         "CKPTSTORE_STAGING_POOL", _parse_str, _one_of("auto", "native", "torch"), "ckptstore.staging.pool"))
@@ -205,6 +226,22 @@ class Config:
                 raise ConfigError(f"environment variable {env}={raw!r}: {e}") from None
             values[f.name] = value
         return cls(**values)
+
+    @property
+    def staging_capacity(self) -> int:
+        """The staging pool's capacity in bytes: ``staging_bytes`` when set, else this
+        rank's part of the node's share, ``NODE_STAGING_SHARE`` of the RAM divided by
+        ``local_world_size``."""
+        if self.staging_bytes is not None:
+            return self.staging_bytes
+        return rank_share_of_node(self.local_world_size)
+
+    @property
+    def pinned_capacity(self) -> int:
+        """The capacity of a page-locked staging pool: ``staging_capacity``, capped at
+        this rank's part of the node's share even when ``staging_bytes`` asks for more,
+        so the ranks of a node never pin more than ``NODE_STAGING_SHARE`` of its RAM."""
+        return min(self.staging_capacity, rank_share_of_node(self.local_world_size))
 
     def replace(self, **changes: Any) -> "Config":
         """A copy with ``changes`` (field=value), validated."""

@@ -84,6 +84,9 @@ class RankWriter:
         self.rank = rank
         self.policy = policy
         self.rt = rt or runtime()
+        # The pool its buffers go back to: the one the snapshot staged from (which sets
+        # it before the first hand-over), not whichever the runtime holds by then.
+        self.pool = self.rt.pool
         self.file = fmt.data_file_name(attempt, rank, stream)
         # Hints for opening the data file (Storage.open_append; S3 sizes its parts by
         # them): about how many bytes it will hold, set by the snapshot before the first
@@ -213,7 +216,7 @@ class RankWriter:
             nonlocal released
             if not released:
                 released = True
-                self.rt.pool.release(buf)
+                self.pool.release(buf)
 
         try:
             if self._error is not None:
@@ -269,7 +272,7 @@ class RankWriter:
         except BaseException as e:
             self._fail(e, f"tensor {entries[0][0]!r} (or one of the {len(entries) - 1} packed after it)")
         finally:
-            self.rt.pool.release(buf)
+            self.pool.release(buf)
 
     def _skeleton_task(self, data) -> None:
         try:
@@ -330,7 +333,7 @@ class RankWriter:
     def abort(self) -> None:
         for _fn, _args, buf in self._pending:  # held back, never started: return the buffers
             if buf is not None:
-                self.rt.pool.release(buf)
+                self.pool.release(buf)
         self._pending = []
         wait_futures(self._futures)
         if self._out is not None:

@@ -54,8 +54,9 @@ def _numpy_dict(npstate: tuple) -> dict:
 def rng_state() -> dict:
     """Every generator's state, as plain data; never initialises CUDA."""
     # Only a CUDA that is already up has states worth saving; touching it otherwise would
-    # start a context (and pick a device) behind the program's back.
-    cuda_up = torch.cuda.is_available() and torch.cuda.is_initialized()
+    # start a context (and pick a device) behind the program's back. (is_initialized()
+    # alone: is_available() would initialise the driver, cuInit, for a CPU-only job.)
+    cuda_up = torch.cuda.is_initialized()
     return {MARKER: VERSION, "rank": _current_rank(),
             "python": _python_dict(random.getstate()),
             "numpy": _numpy_dict(_np.random.get_state()) if _np is not None else None,

@@ -25,7 +25,8 @@ class Runtime:
 
     ``Runtime()`` follows the process config; ``workers`` / ``staging_bytes`` override
     it for this runtime alone (tests, a second rank in one process); ``config`` gives
-    the whole config.
+    the whole config. The staging pool is page-locked only once a save holds CUDA
+    tensors (:meth:`staging_pool`).
     """
 
     def __init__(self, workers: int | None = None, staging_bytes: int | None = None, *,
@@ -40,9 +41,42 @@ class Runtime:
         # One commit thread: a process's saves commit in the order they were made, so a
         # later save of the same path always gets the later generation.
         self.committer = DaemonThreadPool(1, "ckptstore-commit")
-        self.pool = StagingPool(self.config.staging_bytes, backend=self.config.staging_pool)
+        # Unpinned until a save holds CUDA tensors (staging_pool()): a process that only
+        # saves CPU tensors never page-locks memory nor touches CUDA.
+        self._pool = StagingPool(self.config.staging_capacity, pin_memory=False, backend=self.config.staging_pool)
+        self._pool_lock = threading.Lock()
         # What "auto" compression decided per chunk in earlier saves (see codecs.CodecMemo).
         self.codec_memo = CodecMemo()
+
+    @property
+    def pool(self) -> StagingPool:
+        """The staging pool now: unpinned until a save of CUDA tensors asked for a pinned one."""
+        return self._pool
+
+    def staging_pool(self, cuda_devices=()) -> StagingPool:
+        """The pool a save stages from; ``cuda_devices``: the CUDA devices of its tensors.
+
+        With none, the pool as it is (pinned or not): no CUDA call. With some, a
+        page-locked pool: the first such save replaces the unpinned pool by one of
+        ``config.pinned_capacity``, once the unpinned one lends nothing (a save still
+        holding its buffers keeps it for this save: its copies then wait on pageable
+        memory, correct but synchronous). The caller makes one of ``cuda_devices``
+        current first, so that pinning creates no context on another GPU. (A save
+        on another thread that took the unpinned pool just before the swap keeps it:
+        for that moment the two pools' budgets add up.)
+        """
+        pool = self._pool
+        if not cuda_devices or pool.pin_memory:
+            return pool
+        with self._pool_lock:
+            pool = self._pool
+            if pool.pin_memory or pool.in_use:
+                return pool
+            pinned = StagingPool(self.config.pinned_capacity, pin_memory=True, backend=self.config.staging_pool)
+            pinned.device = min(cuda_devices)
+            pool.trim()
+            self._pool = pinned
+            return pinned
 
     def shutdown(self) -> None:
         for ex in (self.workers, self.readers, self.committer):

@@ -136,9 +136,10 @@ class Checkpointer:
         return info.step + 1
 
     # ------------------------------------------------------------------ steps
-    def step(self, step: int, metrics: dict | None = None) -> bool:
+    def step(self, step: int, metrics: dict | None = None, *, stream=None) -> bool:
         """Call after finishing ``step``: saves when due; returns True when the loop
-        must stop (a signal arrived; the final save is committed or its deadline passed)."""
+        must stop (a signal arrived; the final save is committed or its deadline passed).
+        ``stream``: what a save's copies of CUDA tensors wait for (:meth:`save`)."""
         now = time.monotonic()
         if self._last_step_time is not None:
             took = now - self._last_step_time
@@ -155,7 +156,7 @@ class Checkpointer:
         due = preempted or due_time or (self.every is not None and step % self.every == 0)
         if due and step != self.last_saved:
             # a preemption's save goes to the durable tier too: the node may not come back
-            future = self.save(step, metrics, durable=preempted)
+            future = self.save(step, metrics, durable=preempted, stream=stream)
             if preempted:
                 self._report("saving", step, force=True)
                 self._finish(future)
@@ -182,13 +183,15 @@ class Checkpointer:
             warnings.warn(f"ckptstore: could not prepare the staging memory of the first save: {e}",
                           RuntimeWarning, stacklevel=3)
 
-    def save(self, step: int, metrics: dict | None = None, durable: bool = False):
+    def save(self, step: int, metrics: dict | None = None, durable: bool = False, *, stream=None):
         """Save now (collective); returns the :class:`~ckptstore.SaveFuture`.
         ``durable``: with a two-tier store, promote this step whatever ``durable_every``
-        says (every rank alike)."""
+        says (every rank alike). ``stream``: what the copies of CUDA tensors wait for
+        (:meth:`Store.save`); default each device's current stream."""
         began = time.monotonic()
         self._report("saving", step)  # a supervisor does not take a long staging copy for a hang
-        future = self.store.save(step, self._state_dict(), metrics, replicated=self.replicated, durable=durable)
+        future = self.store.save(step, self._state_dict(), metrics, replicated=self.replicated, durable=durable,
+                                 stream=stream)
         self._save_blocking_s = time.monotonic() - began
         self._report("train", step)
         if self.on_commit is not None:

@@ -28,6 +28,7 @@ import torch
 from ..errors import SerializationError
 from ..format import TYPED_STORAGE_DTYPES
 from ..scopes import Scope
+from ..staging.strided import row_major_boxes
 from .weights_only import AS_IS, WeightsOnlyAudit
 
 
@@ -295,7 +296,7 @@ _NEVER_STORAGE = frozenset({int, float, bool, str, bytes, tuple, list, dict, typ
 def flatten(obj, on_storage: Callable[[StorageRef], None], pickle_protocol: int = 2, *,
             on_dtensor: Callable[[DTensorRef], None] | None = None,
             replicated: Callable[[str], bool] | None = None, pickle_module=pickle,
-            on_paths: Callable[[dict, dict], None] | None = None) -> bytes:
+            on_paths: Callable[[dict, dict], None] | None = None, paths: tuple[dict, dict] | None = None) -> bytes:
     """Pickle ``obj``; call ``on_storage`` once per distinct storage and ``on_dtensor``
     once per DTensor, in pickling order.
 
@@ -306,11 +307,12 @@ def flatten(obj, on_storage: Callable[[StorageRef], None], pickle_protocol: int 
     ``replicated(path)`` marks storages whose first path it accepts as global.
     ``pickle_module`` supplies the Pickler, as torch.save's argument does.
     ``on_paths`` gets :func:`tensor_paths`'s two maps before any other callback (the
-    tensors reachable through containers: a save's size estimate).
+    tensors reachable through containers: a save's size estimate); ``paths``: those
+    maps when the caller has them already (one walk, not two).
     Warns once (UnsafeForWeightsOnlyWarning) when the default load, weights_only=True,
     will refuse the result: see :mod:`.weights_only`.
     """
-    paths, dtensor_paths = tensor_paths(obj)
+    paths, dtensor_paths = tensor_paths(obj) if paths is None else paths
     if on_paths is not None:
         on_paths(paths, dtensor_paths)
     keys: dict = {}  # storage cdata (an unallocated one: (cdata, dtype)) -> skeleton key
@@ -475,24 +477,9 @@ def _unique(path: str, used: set[str]) -> str:
 
 def plan_chunks(shape: tuple[int, ...], itemsize: int, limit: int):
     """Split a row-major tensor into regions of at most ``limit`` bytes (one row at
-    least), each contiguous in memory. Yields (offsets, sizes, byte offset, nbytes)."""
-    nd = len(shape)
-    total = math.prod(shape) * itemsize
-    if total == 0:
-        return
-    if nd == 0 or total <= limit:
-        yield (0,) * nd, tuple(shape), 0, total
-        return
-    row = math.prod(shape[1:]) * itemsize
-    if row <= limit or nd == 1:
-        rows = max(1, limit // row)
-        for start in range(0, shape[0], rows):
-            n = min(rows, shape[0] - start)
-            yield (start,) + (0,) * (nd - 1), (n,) + tuple(shape[1:]), start * row, n * row
-        return
-    for i in range(shape[0]):
-        for off, sz, b, n in plan_chunks(tuple(shape[1:]), itemsize, limit):
-            yield (i,) + off, (1,) + sz, i * row + b, n
+    least), each contiguous in memory. Yields (offsets, sizes, byte offset, nbytes).
+    (The staging's :func:`~ckptstore.staging.strided.row_major_boxes`.)"""
+    return row_major_boxes(shape, itemsize, limit)
 
 
 def region_byte_offset(shape, offsets, itemsize: int) -> int:

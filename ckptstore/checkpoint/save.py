@@ -37,6 +37,9 @@ class SaveOptions:
     # manifest a root naming them. None: for a save of more than one rank (one rank's
     # records in one document are one read where a root and an index would be two).
     indexed: bool | None = None
+    # What the device copies wait for: None (each device's current stream), a
+    # torch.cuda.Stream or {device index: stream}, checked by staging.check_stream.
+    stream: Any = None
 
 
 class SaveFuture:
@@ -132,9 +135,9 @@ def start_save(obj, storage: Storage, *, rt: Runtime, attempt: str, step: int | 
     writer = RankWriter(storage, attempt, rank, options.compression, rt, references=options.references,
                         writers=world_size)
     try:
-        staged = snapshot(obj, writer, rt.pool, options.chunk_bytes, options.pickle_protocol,
+        staged = snapshot(obj, writer, rt.staging_pool, options.chunk_bytes, options.pickle_protocol,
                           rank=rank, world_size=world_size, replicated=options.replicated,
-                          pickle_module=options.pickle_module)
+                          pickle_module=options.pickle_module, stream=options.stream)
     except BaseException as e:
         writer.abort()
         _refuse(storage, attempt, step, world_size, rank, e)

@@ -12,12 +12,15 @@ copies agree.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import functools
 import math
 import pickle
 from dataclasses import dataclass, field
+from typing import Callable
 
+import torch
 import xxhash
 
 from .. import format as fmt
@@ -50,17 +53,23 @@ class Snapshot:
     holders: dict[str, int] = field(default_factory=dict)  # global key -> ranks holding each of its chunks
 
 
-def snapshot(obj, writer: RankWriter, pool: StagingPool, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-             pickle_protocol: int = 2, *, rank: int = 0, world_size: int = 1,
-             replicated: list[str] | tuple[str, ...] = (), pickle_module=pickle) -> Snapshot:
+def snapshot(obj, writer: RankWriter, pool: StagingPool | Callable[[frozenset], StagingPool],
+             chunk_bytes: int = DEFAULT_CHUNK_BYTES, pickle_protocol: int = 2, *, rank: int = 0,
+             world_size: int = 1, replicated: list[str] | tuple[str, ...] = (), pickle_module=pickle,
+             stream=None) -> Snapshot:
     """Stage ``obj``. When this returns, every byte the checkpoint will hold sits in
     staging memory (or is already written), so the caller may modify its tensors.
-    ``pickle_module`` pickles the skeleton, as in torch.save."""
-    limit = max(1, min(chunk_bytes, pool.capacity))
+    ``pickle_module`` pickles the skeleton, as in torch.save.
+
+    ``pool``: the staging pool, or a function of the set of CUDA device indexes the
+    state's tensors live on that returns it (``Runtime.staging_pool``: pinned only for
+    CUDA states). CUDA is touched only when that set is not empty, and then with its
+    lowest device current (restored after), so no call makes a context on another
+    GPU. ``stream``: what the device copies wait for (``check_stream``'s forms; None:
+    each device's current stream)."""
     out = Snapshot()
     patterns = tuple(replicated)
     is_replicated = (lambda path: any(fnmatch.fnmatchcase(path, p) for p in patterns)) if patterns else None
-    assignment = _assign_replicated(obj, is_replicated, limit, world_size) if patterns else {}
 
     def stage(key: str, storage, base: int, shape, offset0, itemsize: int, scope: str, writes) -> None:
         for offsets, sizes, byte_off, nbytes in plan_chunks(tuple(shape), itemsize, limit):
@@ -105,34 +114,72 @@ def snapshot(obj, writer: RankWriter, pool: StagingPool, chunk_bytes: int = DEFA
         itemsize = dt.dtype.itemsize
         for box in boxes:
             part = local[box.index]
-            if not part.is_contiguous():
-                part = part.contiguous()
-            stage(ref.key, part.untyped_storage(), part.storage_offset() * itemsize, box.sizes, box.offsets,
-                  itemsize, GLOBAL, lambda o, n: mine(ref.key, o))
+            if part.is_contiguous():
+                stage(ref.key, part.untyped_storage(), part.storage_offset() * itemsize, box.sizes, box.offsets,
+                      itemsize, GLOBAL, lambda o, n: mine(ref.key, o))
+            else:  # no .contiguous() of the whole part: on a full GPU it may not fit
+                stage_strided(ref.key, part, box.offsets, lambda o, n: mine(ref.key, o))
 
-    # The copier batches the copies (CPU: one parallel memcpy per batch; CUDA: one
-    # device-to-host transfer per batch on a staging stream). ``before_wait`` starts
-    # the workers before it waits for the pool, since only they free buffers.
-    copier = StagingCopier(pool, before_wait=writer.flush)
-    plain_pickle = pickle_module is pickle and pickle_protocol == 2
+    def stage_strided(key: str, part, offset0, writes) -> None:
+        """``stage`` for a non-contiguous tensor: each chunk copied by strides."""
+        itemsize = part.element_size()
+        for offsets, sizes, _byte_off, nbytes in plan_chunks(tuple(part.shape), itemsize, limit):
+            if writer.failed is not None:
+                raise writer.failed
+            goff = tuple(o + d for o, d in zip(offsets, offset0))
+            if pool.in_use + nbytes > pool.capacity // 2:
+                writer.flush()
+            write = writes(goff, nbytes)
+            region = part[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))]
+            copier.copy_strided(region, lambda buf, goff=goff, sizes=sizes, write=write:
+                                writer.submit_chunk(key, goff, sizes, itemsize, buf, GLOBAL, write))
+
     # The walks make many new objects: one pause of the collector from the walk to the
     # hand-over, so no collection walks them meanwhile. The pause is process-wide: while
     # the caller waits here for a pool buffer, other threads allocate with the collector
     # off until a worker frees one (a pack's write).
-    with gc_paused():
-        captured = capture(obj) if plain_pickle and not patterns else None
-        with copier:  # on a clean exit every byte has landed and every buffer is with the writer
-            if captured is None:
-                skeleton = flatten(obj, on_storage, pickle_protocol, on_dtensor=on_dtensor, replicated=is_replicated,
-                                   pickle_module=pickle_module, on_paths=lambda found, dtensors: _hint_size(
-                                       writer, functools.partial(_tensor_bytes, found, dtensors)))
-            else:
-                _hint_size(writer, functools.partial(_captured_bytes, captured.storages))
-                _stage_captured(captured, out, writer, copier, on_storage, limit)
-                frozen, n = captured.frozen, len(captured.storages)  # not the storages: the worker needs none
-                skeleton = lambda: pickle_captured(frozen, n)  # noqa: E731 (a worker calls it)
-        writer.submit_skeleton(skeleton)
+    plain_pickle = pickle_module is pickle and pickle_protocol == 2
+    with gc_paused(), contextlib.ExitStack() as stack:
+        captured = capture(obj) if plain_pickle and not patterns else None  # None for any CUDA tensor
+        paths = tensor_paths(obj) if captured is None else None
+        devices = cuda_devices(*paths) if paths is not None else frozenset()
+        if devices:  # pinning and the copies then run under a device the state is on
+            stack.enter_context(torch.cuda.device(min(devices)))
+        if callable(pool):
+            pool = pool(devices)
+        if not devices and pool.pin_memory and pool.device is not None:
+            # CPU tensors into a pinned pool (the process saved CUDA tensors before): a
+            # slab it adds is page-locked under the pool's device, not under GPU 0.
+            stack.enter_context(torch.cuda.device(pool.device))
+        writer.pool = pool  # where the writer returns the buffers
+        limit = max(1, min(chunk_bytes, pool.capacity))
+        assignment = _assign_replicated(paths[0], is_replicated, limit, world_size) if patterns else {}
+        # The copier batches the copies (CPU: one parallel memcpy per batch; CUDA: one
+        # device-to-host transfer per batch on a staging stream). ``before_wait`` starts
+        # the workers before it waits for the pool, since only they free buffers.
+        # On a clean exit every byte has landed and every buffer is with the writer.
+        copier = stack.enter_context(StagingCopier(pool, before_wait=writer.flush, stream=stream))
+        if captured is None:
+            skeleton = flatten(obj, on_storage, pickle_protocol, on_dtensor=on_dtensor, replicated=is_replicated,
+                               pickle_module=pickle_module, paths=paths, on_paths=lambda found, dtensors: _hint_size(
+                                   writer, functools.partial(_tensor_bytes, found, dtensors)))
+        else:
+            _hint_size(writer, functools.partial(_captured_bytes, captured.storages))
+            _stage_captured(captured, out, writer, copier, on_storage, limit)
+            frozen, n = captured.frozen, len(captured.storages)  # not the storages: the worker needs none
+            skeleton = lambda: pickle_captured(frozen, n)  # noqa: E731 (a worker calls it)
+    writer.submit_skeleton(skeleton)
     return out
+
+
+def cuda_devices(found: dict, dtensors: dict) -> frozenset:
+    """The CUDA device indexes of ``tensor_paths``' tensors and DTensors' local tensors."""
+    devices = {t.device.index for _path, t in found.values() if t.device.type == "cuda"}
+    for _path, dt in dtensors.values():
+        device = getattr(dt, "_local_tensor", dt).device
+        if device.type == "cuda":
+            devices.add(device.index)
+    return frozenset(devices)
 
 
 def _hint_size(writer: RankWriter, raw_bytes) -> None:
@@ -240,9 +287,9 @@ def _writes_dtensor_replica(dt):
     return (lambda key, offsets: _stable_hash(key, offsets) % replicas == index), replicas
 
 
-def _assign_replicated(obj, is_replicated, limit: int, world_size: int) -> dict:
-    """(key, chunk offsets) -> writing rank, balancing bytes over ranks, largest first."""
-    paths, _ = tensor_paths(obj)
+def _assign_replicated(paths: dict, is_replicated, limit: int, world_size: int) -> dict:
+    """(key, chunk offsets) -> writing rank, balancing bytes over ranks, largest first
+    (``paths``: ``tensor_paths``' first map)."""
     items = []
     for path, tensor in paths.values():
         if not is_replicated(path):

@@ -11,7 +11,10 @@ encodes and writes them, and the copies that fill it.
 * :mod:`.torch_pool`: :class:`TorchStagingPool`, torch tensors cached by size, a
   strict budget;
 * :mod:`.cuda`: :func:`stage_to_host` and :class:`StageHandle`, batched device-to-host
-  copies (the extension's CUDA path or torch streams);
+  copies (the extension's CUDA path or torch streams); :func:`stage_strided`, copies of
+  non-contiguous CUDA tensors in bounded pieces; :func:`check_stream`, the ``stream=``
+  argument of a save;
+* :mod:`.strided`: :func:`row_major_boxes`, a tensor split into bounded row-major boxes;
 * :mod:`.copier`: :class:`StagingCopier`, which fills pool buffers for one save.
 
 See docs/native.md.
@@ -27,7 +30,8 @@ from .pool import (
 )
 from .native_pool import NativeStagingPool  # registers the "native" backend
 from .torch_pool import TorchStagingPool  # registers the "torch" backend
-from .cuda import SMALL_COPY_BYTES, StageHandle, stage_to_host
+from .cuda import SMALL_COPY_BYTES, STRIDED_PIECE_BYTES, StageHandle, check_stream, stage_strided, stage_to_host
+from .strided import row_major_boxes
 from .copier import QueuedCopy, StagingCopier
 
 __all__ = [
@@ -37,11 +41,15 @@ __all__ = [
     "NativeStagingPool",
     "QueuedCopy",
     "SMALL_COPY_BYTES",
+    "STRIDED_PIECE_BYTES",
     "StageHandle",
     "StagingBuffer",
     "StagingCopier",
     "StagingPool",
     "TorchStagingPool",
+    "check_stream",
     "default_capacity",
+    "row_major_boxes",
+    "stage_strided",
     "stage_to_host",
 ]

@@ -10,8 +10,9 @@ from typing import Callable
 import torch
 
 from .. import native
-from .cuda import SMALL_COPY_BYTES, StageHandle, stage_to_host
+from .cuda import SMALL_COPY_BYTES, STRIDED_PIECE_BYTES, StageHandle, stage_strided, stage_to_host
 from .pool import StagingBuffer, StagingPool
+from .strided import copy_boxes
 
 __all__ = ["StagingCopier"]
 
@@ -47,7 +48,9 @@ class StagingCopier:
     ``cpu_batch_bytes`` (default ``batch_bytes``; one wake-up of the copy threads
     instead of one per chunk), CUDA bytes by one :func:`stage_to_host` call per device
     and ``batch_bytes``, each device batch running while the next one is queued; other
-    devices by ``Tensor.copy_``, at once. The copier keeps every source storage
+    devices by ``Tensor.copy_``, at once. ``copy_strided(tensor, then)`` stages a
+    non-contiguous tensor row-major without a contiguous copy of it (CUDA: in pieces of
+    at most ``strided_piece_bytes`` of device memory). The copier keeps every source
     referenced until its bytes have landed.
     ``finish()`` completes every copy and hands every buffer over. When the pool has
     no room (``try_acquire`` fails) it hands over everything it holds, calls
@@ -62,7 +65,8 @@ class StagingCopier:
 
     def __init__(self, pool: StagingPool, *, before_wait: Callable[[], None] | None = None,
                  batch_bytes: int | None = None, cpu_batch_bytes: int | None = None, stream=None,
-                 backend: str | None = None, small_bytes: int = SMALL_COPY_BYTES):
+                 backend: str | None = None, small_bytes: int = SMALL_COPY_BYTES,
+                 strided_piece_bytes: int = STRIDED_PIECE_BYTES):
         self.pool = pool
         self.before_wait = before_wait
         self.batch_bytes = int(batch_bytes) if batch_bytes else max(1, min(pool.capacity // 4, 256 << 20))
@@ -77,6 +81,8 @@ class StagingCopier:
         self._dev: list[QueuedCopy] = []
         self._dev_bytes = 0
         self._inflight: _DeviceBatch | None = None
+        self.strided_piece_bytes = int(strided_piece_bytes)
+        self._strided: list[_DeviceBatch] = []  # copy_strided batches in flight
         self.batches = 0  # device batches launched (for tests and benchmarks)
         self.gathered = 0  # copies done by the native gather kernel
 
@@ -114,6 +120,30 @@ class StagingCopier:
                 raise
             then(buf)
 
+    def copy_strided(self, tensor: torch.Tensor, then: Callable[[StagingBuffer], None]) -> None:
+        """Stage a tensor of any strides, row-major (``tensor.contiguous()``'s bytes),
+        into a buffer of its size, then call ``then(buf)``; no contiguous copy of the
+        whole tensor is made. A CPU or other-device tensor is copied at once (straight
+        into the buffer); a CUDA one by :func:`~ckptstore.staging.cuda.stage_strided`
+        in pieces of at most ``strided_piece_bytes`` of device memory, completed with
+        the device batches. The copier keeps ``tensor`` referenced until then."""
+        nbytes = tensor.numel() * tensor.element_size()
+        buf = self._acquire(nbytes)
+        if tensor.device.type != "cuda":
+            try:
+                copy_boxes(tensor, buf.tensor, max(1, nbytes))
+            except BaseException:
+                self.pool.release(buf)
+                raise
+            then(buf)
+            return
+        try:
+            handle = stage_strided([(tensor, buf.tensor)], stream=self.stream, piece_bytes=self.strided_piece_bytes)
+        except BaseException:
+            self.pool.release(buf)
+            raise
+        self._strided.append(_DeviceBatch(handle, [QueuedCopy(tensor.untyped_storage(), 0, nbytes, buf, then)]))
+
     def gather(self, pointers: list[int], sizes: list[int], then: Callable[[StagingBuffer], None]) -> None:
         """Copy several CPU byte ranges back to back into one buffer of their total size,
         now, then call ``then(buf)``. For many small tensors: one pool reservation, one
@@ -138,13 +168,14 @@ class StagingCopier:
     def abort(self) -> None:
         """Return every buffer not handed over, after the copies into them stopped."""
         inflight, self._inflight = self._inflight, None
+        batches = ([inflight] if inflight is not None else []) + self._strided
         copies = self._cpu + self._dev
-        self._cpu, self._cpu_bytes, self._dev, self._dev_bytes = [], 0, [], 0
+        self._cpu, self._cpu_bytes, self._dev, self._dev_bytes, self._strided = [], 0, [], 0, []
         try:
-            if inflight is not None:
-                copies += inflight.copies
+            for batch in batches:
+                copies += batch.copies
                 try:
-                    inflight.handle.wait()
+                    batch.handle.wait()
                 except Exception:  # the copies stopped either way; the caller has the error
                     pass
         finally:
@@ -206,9 +237,13 @@ class StagingCopier:
         self._inflight = _DeviceBatch(handle, copies)
 
     def _complete_inflight(self) -> None:
-        if self._inflight is None:
-            return
-        batch, self._inflight = self._inflight, None
+        if self._inflight is not None:
+            batch, self._inflight = self._inflight, None
+            self._complete(batch)
+        while self._strided:
+            self._complete(self._strided.pop(0))
+
+    def _complete(self, batch: _DeviceBatch) -> None:
         try:
             batch.handle.wait()
         except BaseException:

@@ -16,11 +16,16 @@ import torch
 
 from .. import native
 from ..config import config
+from .strided import copy_boxes
 
-__all__ = ["SMALL_COPY_BYTES", "StageHandle", "stage_to_host"]
+__all__ = ["SMALL_COPY_BYTES", "STRIDED_PIECE_BYTES", "StageHandle", "check_stream", "stage_strided", "stage_to_host"]
 
 #: Copies below this size go through the gather kernel (native CUDA path).
 SMALL_COPY_BYTES = 64 << 10
+#: The most device memory a strided copy (:func:`stage_strided`) borrows at once: torch
+#: copies a non-contiguous CUDA tensor to the host through a contiguous temporary on
+#: the device, so the tensor goes over in pieces of at most this many bytes.
+STRIDED_PIECE_BYTES = 16 << 20
 
 
 class StageHandle:
@@ -96,6 +101,34 @@ def _producer_stream(stream, device: int):
     if stream.device.index != device:
         raise ValueError(f"stage_to_host: stream is on cuda:{stream.device.index}, copies on cuda:{device}")
     return stream
+
+
+def check_stream(stream, what: str = "save"):
+    """``stream`` checked and normalised for :func:`stage_to_host`: None, a
+    ``torch.cuda.Stream``, or a dict {device index or ``torch.device``: stream} (keys
+    become ints). Raises TypeError / ValueError naming ``what`` at once, so a bad
+    argument fails before anything is staged. Touches no CUDA API."""
+    if stream is None:
+        return None
+    if isinstance(stream, torch.cuda.Stream):
+        return stream
+    if not isinstance(stream, dict):
+        raise TypeError(f"{what}: stream= must be None, a torch.cuda.Stream or a dict "
+                        f"{{device index: torch.cuda.Stream}}, got {type(stream).__name__}")
+    out = {}
+    for key, s in stream.items():
+        if isinstance(key, torch.device) and key.type == "cuda" and key.index is not None:
+            dev = key.index
+        elif isinstance(key, int) and not isinstance(key, bool) and key >= 0:
+            dev = key
+        else:
+            raise TypeError(f"{what}: stream= dict keys must be CUDA device indexes, got {key!r}")
+        if not isinstance(s, torch.cuda.Stream):
+            raise TypeError(f"{what}: stream[{dev}] must be a torch.cuda.Stream, got {type(s).__name__}")
+        if s.device.index != dev:
+            raise ValueError(f"{what}: stream[{dev}] is on cuda:{s.device.index}")
+        out[dev] = s
+    return out
 
 
 def _src_parts(src, what: str):
@@ -197,5 +230,60 @@ def stage_to_host(copies: Iterable[tuple], *, stream=None, backend: str | None =
             handle.wait()
         except BaseException:
             pass
+        raise
+    return handle
+
+
+def stage_strided(copies: Iterable[tuple], *, stream=None, piece_bytes: int = STRIDED_PIECE_BYTES) -> StageHandle:
+    """Copy non-contiguous CUDA tensors into host buffers, row-major, and return at once.
+
+    ``copies``: ``(src, dst)``, ``src`` a CUDA tensor of any strides, ``dst`` a
+    contiguous uint8 CPU tensor of at least ``src.numel() * src.element_size()`` bytes,
+    which receives ``src``'s elements in row-major order (``src.contiguous()``'s bytes).
+    torch copies a non-contiguous device tensor to the host through a contiguous
+    temporary on the device; here each source goes over in row-major boxes of at most
+    ``piece_bytes`` (:func:`~ckptstore.staging.strided.row_major_boxes`), one after the
+    other on one side stream per device, so the temporaries reuse one block of the
+    caching allocator: the device memory borrowed stays about ``piece_bytes``, not the
+    tensor's size. Ordered after ``stream`` as :func:`stage_to_host`; torch path only
+    (the extension copies byte ranges). The caller must not change the sources until
+    ``wait()`` returns.
+    """
+    stream = check_stream(stream, "stage_strided")
+    handle = StageHandle("torch")
+    keep = handle._keep
+    groups: dict[int, list] = {}
+    for k, (src, dst) in enumerate(copies):
+        if not isinstance(src, torch.Tensor) or src.device.type != "cuda":
+            raise ValueError(f"stage_strided: copy {k}: src must be a CUDA tensor")
+        n = src.numel() * src.element_size()
+        if (not isinstance(dst, torch.Tensor) or dst.dtype != torch.uint8 or dst.device.type != "cpu"
+                or not dst.is_contiguous() or dst.numel() < n):
+            raise ValueError(f"stage_strided: copy {k}: dst must be a contiguous uint8 CPU tensor of >= {n} bytes")
+        if n == 0:
+            continue
+        keep += (src, dst)
+        groups.setdefault(src.device.index, []).append((src, dst))
+        handle.count += 1
+        handle.nbytes += n
+    sides = []
+    try:
+        for dev, items in groups.items():
+            side = _torch_side_stream(dev)
+            side.wait_stream(_producer_stream(stream, dev))
+            sides.append(side)
+            with torch.cuda.stream(side):
+                for src, dst in items:
+                    copy_boxes(src, dst, piece_bytes, non_blocking=True)
+                ev = torch.cuda.Event(blocking=True)
+                ev.record(side)
+            handle._events.append(ev)
+    except BaseException:
+        for side in sides:  # let queued copies land before the caller recycles the buffers
+            try:
+                side.synchronize()
+            except BaseException:
+                pass
+        handle._keep = None
         raise
     return handle

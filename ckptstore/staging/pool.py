@@ -37,9 +37,11 @@ DEFAULT_BACKEND: str = Config.__dataclass_fields__["staging_pool"].default
 DEFAULT_OVERFLOW_AFTER = 1.0
 
 
-def default_capacity() -> int:
-    """The process config's ``staging_bytes``: CKPTSTORE_STAGING_BYTES, else half the RAM."""
-    return config().staging_bytes
+def default_capacity(pinned: bool = False) -> int:
+    """The process config's ``staging_capacity``: CKPTSTORE_STAGING_BYTES, else half the
+    node's RAM divided by LOCAL_WORLD_SIZE; ``pinned``: its ``pinned_capacity``, capped
+    at that share whatever CKPTSTORE_STAGING_BYTES says (docs/configuration.md)."""
+    return config().pinned_capacity if pinned else config().staging_capacity
 
 
 class StagingBuffer:
@@ -93,7 +95,7 @@ class StagingPool(ABC):
     (CKPTSTORE_STAGING_POOL, default "auto").
 
     ``capacity``: bytes lent at once before ``acquire`` waits (default
-    :func:`default_capacity`). ``pin_memory``: page-lock the memory (default: when
+    :func:`default_capacity`, of the pinned kind when pinning). ``pin_memory``: page-lock the memory (default: when
     CUDA is available). ``slab_bytes``: usual slab size (native pool only).
     ``lends_past_capacity``: whether ``acquire`` may lend beyond ``capacity`` (see
     :meth:`acquire`).
@@ -103,6 +105,11 @@ class StagingPool(ABC):
     backend: str = ""
     #: True when ``acquire(overflow_after=...)`` may lend memory beyond ``capacity``.
     lends_past_capacity: bool = False
+    #: The CUDA device whose context a pinned pool's memory should be allocated under
+    #: (set by ``Runtime.staging_pool``: a device of the state that made it pinned);
+    #: None: the caller's current one. Callers that may grow the pool from a thread
+    #: without a context make it current first.
+    device: int | None = None
     _implementations: dict[str, type["StagingPool"]] = {}
 
     def __init_subclass__(cls, **kwargs):
@@ -120,10 +127,10 @@ class StagingPool(ABC):
                  backend: str | None = None, slab_bytes: int = DEFAULT_SLAB_BYTES):
         if backend not in (None, "auto", self.backend):
             raise ValueError(f"{type(self).__name__} is the {self.backend!r} backend, not {backend!r}")
-        self.capacity = default_capacity() if capacity is None else int(capacity)
+        self.pin_memory = _pin(pin_memory)
+        self.capacity = default_capacity(self.pin_memory) if capacity is None else int(capacity)
         if self.capacity <= 0:
             raise ValueError(f"staging capacity must be positive, got {self.capacity}")
-        self.pin_memory = _pin(pin_memory)
         self._setup(int(slab_bytes))
 
     @abstractmethod
