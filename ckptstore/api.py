@@ -151,10 +151,16 @@ def prepare(state: Any = None, *, nbytes: int | None = None) -> Future:
     once the state exists (after the first optimizer step, say); a
     :class:`~ckptstore.Checkpointer` built with ``prepare=True`` does. Returns at once; the future gives the bytes
     added (0 when the pool holds enough already, or with the torch staging pool). It
-    holds no memory a save of ``state`` would not take anyway."""
+    holds no memory a save of ``state`` would not take anyway. With ``nbytes`` and no
+    state, the pool warmed is the pinned one when the process has initialised CUDA
+    (its saves will hold CUDA tensors), else the unpinned one."""
     if nbytes is None:
         nbytes = state_nbytes(state)
     devices = frozenset(_device_of(t).index for t in tensors_in(state) if _device_of(t).type == "cuda")
+    if state is None and torch.cuda.is_initialized():
+        # Bytes without a state, in a process that uses CUDA: its saves will be of CUDA
+        # tensors, so warm the pinned pool they will take, not the unpinned one.
+        devices = frozenset({torch.cuda.current_device()})
     rt = runtime()
     if devices:
         with torch.cuda.device(min(devices)):  # (a pinned pool made here pins under this device)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
@@ -126,6 +127,17 @@ def rank_share_of_node(local_world_size: int, ram: int | None = None) -> int:
     return max(1, int(ram * NODE_STAGING_SHARE) // local_world_size)
 
 
+def _launcher_local_size(environ: Mapping[str, str]) -> int:
+    """Ranks on this node as other launchers say it, where LOCAL_WORLD_SIZE (torchrun's)
+    is not set: Open MPI, MPICH/Intel MPI, then Slurm ("4" or "4(x2)": the first count);
+    1 when none says. Read leniently: these are the launchers' variables, not ours."""
+    for name in ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE"):
+        digits = re.match(r"\s*(\d+)", environ.get(name, ""))
+        if digits and int(digits.group(1)) >= 1:
+            return int(digits.group(1))
+    return 1
+
+
 def _knob(env: str, parse: Callable[[str], Any], check: Callable[[Any], None], reader: str) -> dict:
     return {"env": env, "parse": parse, "check": check, "reader": reader}
 
@@ -149,7 +161,8 @@ class Config:
         "CKPTSTORE_STAGING_BYTES", _parse_int, _optional_positive_int, "ckptstore.runtime, ckptstore.staging.pool"))
     #: Processes (ranks) on this node, which share its staging memory; torchrun sets
     #: LOCAL_WORLD_SIZE. A value that is not an integer >= 1 is an error: guessing 1
-    #: would let every rank of the node pin the whole share.
+    #: would let every rank of the node pin the whole share. Where it is not set, Open
+    #: MPI's, MPICH's or Slurm's count of the node's ranks, else 1.
     local_world_size: int = field(default=1, metadata=_knob(
         "LOCAL_WORLD_SIZE", _parse_int, _positive_int, "ckptstore.config (staging_capacity, pinned_capacity)"))
     #: Staging pool backend: "auto" (native slabs when the extension can serve), "native", "torch".
@@ -225,6 +238,8 @@ class Config:
             except ValueError as e:
                 raise ConfigError(f"environment variable {env}={raw!r}: {e}") from None
             values[f.name] = value
+        if "local_world_size" not in values:
+            values["local_world_size"] = _launcher_local_size(environ)
         return cls(**values)
 
     @property

@@ -58,19 +58,19 @@ class Runtime:
 
         With none, the pool as it is (pinned or not): no CUDA call. With some, a
         page-locked pool: the first such save replaces the unpinned pool by one of
-        ``config.pinned_capacity``, once the unpinned one lends nothing (a save still
-        holding its buffers keeps it for this save: its copies then wait on pageable
-        memory, correct but synchronous). The caller makes one of ``cuda_devices``
-        current first, so that pinning creates no context on another GPU. (A save
-        on another thread that took the unpinned pool just before the swap keeps it:
-        for that moment the two pools' budgets add up.)
+        ``config.pinned_capacity``, at once, even while the unpinned one still lends
+        buffers to saves being written (each returns them to the pool it took them
+        from, ``RankWriter.pool``; the unpinned pool's idle memory is freed now, and
+        the rest once those saves are done: until then the two budgets add up). The
+        caller makes one of ``cuda_devices`` current first, so that pinning creates no
+        context on another GPU.
         """
         pool = self._pool
         if not cuda_devices or pool.pin_memory:
             return pool
         with self._pool_lock:
             pool = self._pool
-            if pool.pin_memory or pool.in_use:
+            if pool.pin_memory:
                 return pool
             pinned = StagingPool(self.config.pinned_capacity, pin_memory=True, backend=self.config.staging_pool)
             pinned.device = min(cuda_devices)

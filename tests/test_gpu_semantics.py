@@ -221,6 +221,65 @@ def test_a_cuda_save_stages_through_a_pinned_pool_of_the_pinned_capacity(tmp_pat
     assert torch.equal(ckptstore.load(str(tmp_path / "a"), map_location="cpu")["w"], state["w"].cpu())
 
 
+def test_a_cuda_save_while_a_cpu_save_still_writes_gets_a_pinned_pool(tmp_path):
+    """The pinned pool comes at the first CUDA save, even while a CPU save (made just
+    before, in a fresh process) still holds unpinned buffers."""
+    r = run_child(f"""
+    import json, torch
+    import ckptstore
+    from ckptstore.runtime import runtime
+    cpu = ckptstore.save({{"w": torch.randn(32 << 20)}}, {str(tmp_path / "cpu")!r})  # not waited for
+    state = {{"w": torch.randn(1 << 20, device="cuda")}}
+    ckptstore.save(state, {str(tmp_path / "gpu")!r}).result()
+    cpu.result()
+    pool = runtime().pool
+    print(json.dumps({{"pinned": pool.pin_memory, "stats_pinned": pool.stats()["pinned"],
+                      "equal": bool(torch.equal(ckptstore.load({str(tmp_path / "gpu")!r}, map_location="cpu")["w"],
+                                                state["w"].cpu()))}}))
+    """)
+    assert r == {"pinned": True, "stats_pinned": True, "equal": True}
+
+
+def test_cuda_tensors_only_pickling_finds_are_saved_and_later_saves_pin(tmp_path):
+    """A module (pickled whole) hides its CUDA parameters from the container walk: the
+    save is still exact (pageable staging), says so once, and readies the pinned pool."""
+    r = run_child(f"""
+    import json, warnings, torch
+    import ckptstore
+    from ckptstore.runtime import runtime
+    model = torch.nn.Linear(64, 32).cuda()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ckptstore.save({{"model": model}}, {str(tmp_path / "m")!r}).result()
+    back = ckptstore.load({str(tmp_path / "m")!r}, weights_only=False, map_location="cpu")["model"]
+    print(json.dumps({{"warned": sum("only pickling looks into" in str(w.message) for w in caught),
+                      "pinned": runtime().pool.pin_memory,
+                      "equal": bool(torch.equal(back.weight, model.weight.detach().cpu()))}}))
+    """)
+    assert r == {"warned": 1, "pinned": True, "equal": True}
+
+
+def test_one_stream_for_a_state_on_two_devices_is_refused_before_anything_is_staged(tmp_path):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
+    state = {"a": torch.ones(3, device="cuda:0"), "b": torch.ones(3, device="cuda:1")}
+    with pytest.raises(ValueError, match=r"stream of cuda:0, but the state holds tensors on cuda:\[0, 1\]"):
+        ckptstore.save(state, str(tmp_path / "a"), stream=torch.cuda.Stream(device=0)).result()
+
+
+def test_prepare_by_bytes_in_a_cuda_process_warms_the_pinned_pool(tmp_path):
+    r = run_child("""
+    import json, torch
+    import ckptstore
+    from ckptstore.runtime import runtime
+    torch.zeros(1, device="cuda")  # the process uses CUDA
+    added = ckptstore.prepare(nbytes=64 << 20).result()
+    pool = runtime().pool
+    print(json.dumps({"pinned": pool.pin_memory, "warm": added > 0 or pool.held >= 64 << 20}))
+    """)
+    assert r == {"pinned": True, "warm": True}
+
+
 # ---- item 6: non-contiguous tensors in bounded device memory ---------------------------------
 
 

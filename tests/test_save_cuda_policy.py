@@ -58,6 +58,20 @@ def test_default_budget_is_half_the_ram_shared_by_the_local_ranks():
     assert Config.from_env({"LOCAL_WORLD_SIZE": " "}).local_world_size == 1  # empty = unset
 
 
+def test_without_local_world_size_the_launchers_count_of_the_node_ranks_is_used():
+    """srun and mpirun set no LOCAL_WORLD_SIZE: their own counts divide the share."""
+    def local(env):
+        return Config.from_env(env).local_world_size
+
+    assert local({"SLURM_NTASKS_PER_NODE": "4"}) == 4
+    assert local({"SLURM_NTASKS_PER_NODE": "4(x2)"}) == 4  # 4 tasks on each of 2 nodes
+    assert local({"OMPI_COMM_WORLD_LOCAL_SIZE": "8", "SLURM_NTASKS_PER_NODE": "4"}) == 8
+    assert local({"MPI_LOCALNRANKS": "2"}) == 2
+    assert local({"LOCAL_WORLD_SIZE": "2", "SLURM_NTASKS_PER_NODE": "4"}) == 2  # torchrun's wins
+    assert local({"SLURM_NTASKS_PER_NODE": "(x2)", "OMPI_COMM_WORLD_LOCAL_SIZE": "0"}) == 1  # unreadable: 1
+    assert Config.from_env({"SLURM_NTASKS_PER_NODE": "4"}).staging_capacity == rank_share_of_node(4)
+
+
 def test_rank_share_arithmetic():
     assert rank_share_of_node(8, ram=64 * GiB) == 4 * GiB
     assert rank_share_of_node(3, ram=10) == 1  # 5 // 3
@@ -116,19 +130,23 @@ def test_import_fails_with_the_variable_named_when_local_world_size_is_bad():
 # ---- item 3: a pinned pool only for CUDA states -------------------------------------------
 
 
-def test_runtime_swaps_in_a_pinned_pool_only_for_cuda_devices_and_only_when_idle():
+def test_runtime_swaps_in_a_pinned_pool_for_cuda_devices_even_while_the_old_one_lends():
+    """A CUDA save gets a pinned pool at once, also while a CPU save still writes from
+    the unpinned one (which then gets its buffer back, as its writer took it from it)."""
     rt = Runtime(workers=1, staging_bytes=4 * MiB)
     try:
         plain = rt.pool
         assert rt.staging_pool(frozenset()) is plain and not plain.pin_memory  # CPU state: as it is
-        buf = plain.acquire(1 * MiB)
-        assert rt.staging_pool(frozenset({0})) is plain  # lends a buffer: no swap under a save
-        plain.release(buf)
+        idle = plain.acquire(1 * MiB)
+        plain.release(idle)
+        buf = plain.acquire(1 * MiB)  # a save still being written holds this one
         pinned = rt.staging_pool(frozenset({0}))  # (no memory is allocated until acquire)
         assert pinned is not plain and pinned.pin_memory and rt.pool is pinned
         assert (plain.device, pinned.device) == (None, 0)  # the device it pins under
         assert pinned.capacity == rt.config.pinned_capacity == 4 * MiB
-        assert plain.held == 0  # the old pool was trimmed
+        assert plain.in_use == 1 * MiB  # the lent buffer stays lent ...
+        plain.release(buf)  # ... and comes back to the pool it came from
+        assert plain.in_use == 0 and pinned.in_use == 0
         assert rt.staging_pool(frozenset()) is pinned and rt.staging_pool(frozenset({1})) is pinned
     finally:
         rt.shutdown()

@@ -17,6 +17,7 @@ import fnmatch
 import functools
 import math
 import pickle
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -83,7 +84,11 @@ def snapshot(obj, writer: RankWriter, pool: StagingPool | Callable[[frozenset], 
                         lambda buf, goff=goff, sizes=sizes, write=write:
                         writer.submit_chunk(key, goff, sizes, itemsize, buf, scope, write))
 
+    hidden: set[int] = set()  # CUDA devices of storages only the pickling found
+
     def on_storage(ref: StorageRef) -> None:
+        if not devices and ref.storage.device.type == "cuda":
+            hidden.add(ref.storage.device.index)
         entry = (fmt.dtype_name(ref.dtype), ref.shape)
         zero = (0,) * len(ref.shape)
         if ref.scope == LOCAL:
@@ -145,8 +150,12 @@ def snapshot(obj, writer: RankWriter, pool: StagingPool | Callable[[frozenset], 
         devices = cuda_devices(*paths) if paths is not None else frozenset()
         if devices:  # pinning and the copies then run under a device the state is on
             stack.enter_context(torch.cuda.device(min(devices)))
-        if callable(pool):
-            pool = pool(devices)
+            if isinstance(stream, torch.cuda.Stream) and devices != {stream.device.index}:
+                raise ValueError(f"save: stream= is a stream of cuda:{stream.device.index}, but the state holds "
+                                 f"tensors on cuda:{sorted(devices)}: pass {{device index: stream}}")
+        pool_for = pool if callable(pool) else None
+        if pool_for is not None:
+            pool = pool_for(devices)
         if not devices and pool.pin_memory and pool.device is not None:
             # CPU tensors into a pinned pool (the process saved CUDA tensors before): a
             # slab it adds is page-locked under the pool's device, not under GPU 0.
@@ -169,7 +178,27 @@ def snapshot(obj, writer: RankWriter, pool: StagingPool | Callable[[frozenset], 
             frozen, n = captured.frozen, len(captured.storages)  # not the storages: the worker needs none
             skeleton = lambda: pickle_captured(frozen, n)  # noqa: E731 (a worker calls it)
     writer.submit_skeleton(skeleton)
+    if hidden and pool_for is not None and not pool.pin_memory:
+        _pin_for_next_saves(pool_for, frozenset(hidden))
     return out
+
+
+_warned_hidden = False
+
+
+def _pin_for_next_saves(pool_for, devices: frozenset) -> None:
+    """CUDA tensors that only pickling found (inside a custom object or a module) were
+    staged through pageable memory, by synchronous copies: get the pinned pool ready for
+    the next saves, and say so once."""
+    global _warned_hidden
+    with torch.cuda.device(min(devices)):
+        pool_for(devices)
+    if not _warned_hidden:
+        _warned_hidden = True
+        warnings.warn("ckptstore: this save's CUDA tensors sit inside objects that only pickling looks into (a "
+                      "module, a custom class), so it staged them through pageable memory, by synchronous "
+                      "copies; later saves use pinned memory. Saving state_dict()s finds them up front.",
+                      RuntimeWarning, stacklevel=4)
 
 
 def cuda_devices(found: dict, dtensors: dict) -> frozenset:
