@@ -300,4 +300,6 @@ def cuda_stage(device: int, stream_handle: int, src_ptrs: Sequence[int], dst_ptr
     if not cuda_available():
         raise RuntimeError(f"cuda_stage: the native CUDA path is unavailable ({cuda_off_reason()})")
     t = copy_timeout() if timeout is None else float(timeout)
-    return _C.cuda_stage(device, stream_handle, src_ptrs, dst_ptrs, sizes, small_bytes, gather, t)
+    if t:
+        return _C.cuda_stage(device, stream_handle, src_ptrs, dst_ptrs, sizes, small_bytes, gather, timeout=t)
+    return _C.cuda_stage(device, stream_handle, src_ptrs, dst_ptrs, sizes, small_bytes, gather)  # no deadline
