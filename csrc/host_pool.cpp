@@ -109,6 +109,13 @@ class Reclaimer {
         std::unique_lock<std::mutex> lk(m_);
         idle_.wait(lk, [&] { return q_.empty() && !busy_; });
     }
+    // At exit (atexit, before the driver's own teardown): free nothing more, and let
+    // a free in progress end first (bounded), so no driver call races its teardown.
+    void stop() {
+        std::unique_lock<std::mutex> lk(m_);
+        exiting_ = true;
+        idle_.wait_for(lk, std::chrono::seconds(5), [&] { return !busy_; });
+    }
 
   private:
     void run() {
@@ -117,19 +124,23 @@ class Reclaimer {
             cv_.wait(lk, [&] { return !q_.empty(); });
             Doomed d = std::move(q_.front());
             q_.pop_front();
+            if (exiting_) {  // the memory goes with the process
+                if (q_.empty()) idle_.notify_all();
+                continue;
+            }
             busy_ = true;
             lk.unlock();
             release_memory(d);
             d.reclaim.reset();
             lk.lock();
             busy_ = false;
-            if (q_.empty()) idle_.notify_all();
+            idle_.notify_all();
         }
     }
     std::mutex m_;
     std::condition_variable cv_, idle_;
     std::deque<Doomed> q_;
-    bool busy_ = false, started_ = false;
+    bool busy_ = false, started_ = false, exiting_ = false;
 };
 
 std::atomic<Reclaimer*> g_reclaimer{nullptr};
@@ -140,6 +151,7 @@ Reclaimer& reclaimer() {
         g_reclaimer = new Reclaimer;
         // A forked child has no reclaimer thread (and maybe a locked mutex): a fresh one.
         pthread_atfork(nullptr, nullptr, [] { g_reclaimer = new Reclaimer; });
+        std::atexit([] { g_reclaimer.load()->stop(); });
     });
     return *g_reclaimer.load();
 }
@@ -211,6 +223,10 @@ Slab::Slab(std::size_t size_, bool want_pinned, int device_) : size(size_), devi
 
 Slab::~Slab() {
     if (!base) return;
+    // A timed-out device copy may still land in a quarantined range: such memory is
+    // never freed, so it is never mapped again for anything else (and the registry's
+    // entries stay true).
+    if (is_quarantined(base, size)) return;
     Doomed d{base, map_len, size, pinned, device, std::move(reclaim)};
     try {
         reclaimer().push(d);
