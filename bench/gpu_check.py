@@ -427,7 +427,8 @@ def worker(name: str, args) -> int:
         except Exception as exc:
             result = {"status": "FAIL", "reason": f"{type(exc).__name__}: {exc}"[:1000]}
     print("RESULT " + json.dumps(result, default=str), flush=True)
-    return 0
+    sys.stderr.flush()
+    os._exit(0)  # no interpreter teardown: a broken CUDA context (check c) must not hang the exit
 
 
 # ---------------------------------------------------------------- the orchestration
@@ -445,9 +446,10 @@ def run_check(name: str, argv: list[str], left: float | None = None) -> dict:
         r = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", name, *argv],
                            capture_output=True, text=True, env=env, timeout=limit)
     except subprocess.TimeoutExpired as exc:
-        tail = (exc.stderr or b"")[-800:]
-        tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
-        return {"status": "FAIL", "reason": f"no result within {limit} s (hang?)", "stderr": tail,
+        def text(b):
+            return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
+        return {"status": "FAIL", "reason": f"no result within {limit:.0f} s (hang?)",
+                "stdout": text(exc.stdout)[-800:], "stderr": text(exc.stderr)[-800:],
                 "seconds": round(time.perf_counter() - t0, 1)}
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
     if not lines:
