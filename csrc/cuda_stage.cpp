@@ -10,6 +10,10 @@
 //   * every other copy: cuMemcpyDtoHAsync on the staging stream (copy engine);
 // and record a completion event (blocking-sync: waiters sleep, not spin).
 //
+// Every driver call is checked and its error text reported, except the few in
+// cleanup paths (event destruction, the drain after a failed enqueue, the host
+// free on the reclaimer thread) whose failure has no caller to go to.
+//
 // Context hygiene: every entry point makes `device`'s primary context current
 // and restores the caller's current context (possibly none) afterwards
 // (cu::CtxGuard), so no call creates a context on a device the process does not use.

@@ -505,6 +505,21 @@ def test_a_slab_a_stale_block_still_holds_is_not_counted_against_the_capacity():
 
 
 @needs_native
+def test_pinned_pool_prepares_cuda_only_where_a_context_is_current():
+    """Without a usable CUDA path (or with no context on this thread) the pinned pool's
+    preparation does nothing and creates nothing; on a GPU, test_gpu_native.py checks
+    what it loads."""
+    from ckptstore.staging import NativeStagingPool
+
+    if native.cuda_available():
+        pytest.skip("the CUDA case is tests/test_gpu_native.py's")
+    pool = NativeStagingPool(4 * MiB, pin_memory=True, slab_bytes=2 * MiB)
+    assert pool.cuda_devices == {} and pool.prepare_cuda() is None
+    assert pool.warm(2 * MiB) == 2 * MiB and pool.cuda_devices == {}
+    assert native._C.cuda_current_device() == -1
+
+
+@needs_native
 def test_trim_returns_once_the_slabs_are_freed():
     pool = native.HostPool(16 * MiB, slab_bytes=4 * MiB)
     _empty_slabs(pool, 3, 4 * MiB)
