@@ -24,3 +24,40 @@ static_assert(cu::kFuncAttrMaxThreadsPerBlock == CU_FUNC_ATTRIBUTE_MAX_THREADS_P
 static_assert(sizeof(cu::CUdeviceptr) == sizeof(CUdeviceptr));
 static_assert(sizeof(cu::CUdevice) == sizeof(CUdevice));
 static_assert(sizeof(cu::CUresult) == sizeof(CUresult));
+
+// The entry points cuda_driver.cpp looks up by name exist under those names (the
+// ABI names cuda.h maps its calls to) with the prototypes its Api struct assumes,
+// written here in cuda.h's own types.
+#include <type_traits>
+
+#define CKPT_EXPECT(name, ...) static_assert(std::is_same_v<decltype(&::name), CUresult (*)(__VA_ARGS__)>, #name)
+CKPT_EXPECT(cuGetErrorName, CUresult, const char**);
+CKPT_EXPECT(cuGetErrorString, CUresult, const char**);
+CKPT_EXPECT(cuInit, unsigned int);
+CKPT_EXPECT(cuDriverGetVersion, int*);
+CKPT_EXPECT(cuDeviceGetCount, int*);
+CKPT_EXPECT(cuDeviceGet, CUdevice*, int);
+CKPT_EXPECT(cuDeviceGetAttribute, int*, CUdevice_attribute, CUdevice);
+CKPT_EXPECT(cuDevicePrimaryCtxRetain, CUcontext*, CUdevice);
+CKPT_EXPECT(cuCtxGetCurrent, CUcontext*);
+CKPT_EXPECT(cuCtxSetCurrent, CUcontext);
+CKPT_EXPECT(cuCtxGetDevice, CUdevice*);
+CKPT_EXPECT(cuMemHostAlloc, void**, size_t, unsigned int);
+CKPT_EXPECT(cuMemFreeHost, void*);
+CKPT_EXPECT(cuMemHostGetDevicePointer_v2, CUdeviceptr*, void*, unsigned int);
+CKPT_EXPECT(cuMemcpyDtoHAsync_v2, void*, CUdeviceptr, size_t, CUstream);
+CKPT_EXPECT(cuStreamCreate, CUstream*, unsigned int);
+CKPT_EXPECT(cuStreamWaitEvent, CUstream, CUevent, unsigned int);
+CKPT_EXPECT(cuStreamSynchronize, CUstream);
+CKPT_EXPECT(cuEventCreate, CUevent*, unsigned int);
+CKPT_EXPECT(cuEventRecord, CUevent, CUstream);
+CKPT_EXPECT(cuEventQuery, CUevent);
+CKPT_EXPECT(cuEventSynchronize, CUevent);
+CKPT_EXPECT(cuEventDestroy_v2, CUevent);
+CKPT_EXPECT(cuModuleLoadData, CUmodule*, const void*);
+CKPT_EXPECT(cuModuleGetFunction, CUfunction*, CUmodule, const char*);
+CKPT_EXPECT(cuFuncGetAttribute, int*, CUfunction_attribute, CUfunction);
+CKPT_EXPECT(cuLaunchKernel, CUfunction, unsigned int, unsigned int, unsigned int, unsigned int, unsigned int,
+            unsigned int, unsigned int, CUstream, void**, void**);
+CKPT_EXPECT(cuFuncLoad, CUfunction);
+#undef CKPT_EXPECT

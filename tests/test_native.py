@@ -375,6 +375,19 @@ def test_gather_ptx_assembles_for_turing_and_hopper():
         assert r.returncode == 0, f"ptxas -arch={arch}: {r.stderr}"
 
 
+def test_every_driver_entry_point_is_checked_against_cuda_h():
+    """cuda_driver.cpp binds libcuda's entry points by name; cuda_driver_check.cpp
+    (compiled where a toolkit's cuda.h is found, as here) asserts each of those names
+    has the prototype the module assumes. Both lists must be the same."""
+    import re
+
+    src = open(os.path.join(REPO, "csrc", "cuda_driver.cpp")).read()
+    check = open(os.path.join(REPO, "csrc", "cuda_driver_check.cpp")).read()
+    bound = set(re.findall(r'bind\(lib, a\.\w+, "(\w+)"', src))
+    checked = set(re.findall(r"^CKPT_EXPECT\((\w+),", check, re.M))
+    assert len(bound) >= 25 and bound == checked
+
+
 @needs_cuda_build
 def test_embedded_kernel_is_the_checked_in_ptx():
     assert native._C.gather_ptx() == open(GATHER_PTX).read()
