@@ -56,15 +56,17 @@ class NativeStagingPool(StagingPool):
         nothing to prepare; an error is kept in ``cuda_devices``, not raised."""
         if not native.cuda_available():
             return None
-        if device is None:
-            device = native._C.cuda_current_device()
-            if device < 0:
-                return None
-        if device in self.cuda_devices:
-            return self.cuda_devices[device]
         try:
+            if device is None:
+                device = native._C.cuda_current_device()
+                if device < 0:
+                    return None
+            if device in self.cuda_devices:
+                return self.cuda_devices[device]
             found = native.cuda_prepare(device)
         except Exception as exc:  # the save reports it, with its context, if it recurs
+            if device is None:  # not even the current device could be told
+                return None
             found = {"device": device, "error": f"{type(exc).__name__}: {exc}"}
         self.cuda_devices[device] = found
         return found
