@@ -504,8 +504,10 @@ def doctor_report() -> dict:
             "runtime": torch.version.cuda,
             "devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else [],
             # the extension's own CUDA path (batched staging, pinned slabs): compiled in,
-            # and whether its runtime sees a device (else torch streams do the staging)
+            # and whether the driver (libcuda, loaded at run time) sees a device
             "native": native.cuda_info(),
+            # why that path is off (None: on); staging then runs on torch streams
+            "native_off": native.cuda_off_reason(),
         },
         "staging_pool": runtime().pool.stats(),
         "backends": backends,
@@ -534,6 +536,15 @@ def doctor(as_json: bool, health: bool, store_url: str | None, staging_dirs: tup
         return
     for k, v in report.items():
         click.echo(f"{k:<18} {v}")
+    cuda = report["cuda"]
+    if cuda["native_off"]:
+        # Said plainly: the path is off for a reason the user may fix (driver, build).
+        state = "GPU present, " if cuda["available"] else "no GPU for torch; "
+        click.echo(f"{'native CUDA path':<18} OFF ({state}{cuda['native_off']})")
+    else:
+        info = cuda["native"]
+        click.echo(f"{'native CUDA path':<18} on (driver API, driver {info['driver_version']}, "
+                   f"{info['devices']} device(s), kernel {info['kernel']})")
 
 
 from .supervisor.cli_run import run_command  # noqa: E402 (its own module: the supervisor)

@@ -14,6 +14,12 @@ ranges are rejected with ``ValueError`` on both paths (memcpy semantics).
 The native functions release the GIL while they work.
 
 ``HostPool`` is the extension's slab allocator (``None`` without the extension).
+
+The CUDA path uses the CUDA driver API through ``libcuda.so.1``, loaded at run time:
+no CUDA runtime, so it runs on every driver >= 450 that supports the GPU. When torch
+sees a GPU but this path is off, :func:`cuda_available` warns once per process with
+the reason (:func:`cuda_off_reason`). ``CKPTSTORE_CUDA_COPY_TIMEOUT`` (seconds, default
+none) is the deadline of each staging batch's ``wait()`` (:func:`copy_timeout`).
 Policy lives above, in :mod:`ckptstore.staging`: the pools that lend staging
 buffers, and the batched device-to-host copies (``stage_to_host``) built on
 :func:`cuda_stage`. See docs/native.md.
@@ -35,8 +41,11 @@ __all__ = [
     "HostPool",
     "copy_bytes",
     "copy_many",
+    "copy_timeout",
     "cuda_available",
     "cuda_info",
+    "cuda_off_reason",
+    "cuda_prepare",
     "cuda_stage",
     "hardware_threads",
     "shuffle",
@@ -204,30 +213,93 @@ def unshuffle(src: torch.Tensor, itemsize: int) -> torch.Tensor:
     return unshuffle_into(torch.empty_like(src), src, itemsize)
 
 
-# ---- CUDA: the runtime probe and the raw batch call ------------------------------
+# ---- CUDA: the driver probe and the raw batch call --------------------------------
+
+#: Environment variable: seconds a staging batch's ``wait()`` may take before the save
+#: fails (a hung producer stream, a lost GPU); unset, empty or 0: no limit.
+COPY_TIMEOUT_ENV = "CKPTSTORE_CUDA_COPY_TIMEOUT"
+
+_warned_cuda_off = False
+
+
+def copy_timeout() -> float:
+    """The deadline of native staging batches, from ``CKPTSTORE_CUDA_COPY_TIMEOUT``
+    (read at each call; 0.0 = none). ``ValueError`` if it is not a number >= 0."""
+    raw = os.environ.get(COPY_TIMEOUT_ENV, "").strip()
+    if not raw:
+        return 0.0
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or value == float("inf"):
+        raise ValueError(f"{COPY_TIMEOUT_ENV}={raw!r}: expected a number of seconds >= 0 (0: no limit)")
+    return value
 
 
 def cuda_info() -> dict:
-    """What the extension's CUDA runtime sees: compiled, available, devices,
-    runtime_version, driver_version, error. Never raises; probes once."""
+    """What the extension sees of the CUDA driver: compiled, available, devices,
+    driver_version, min_driver_version, api, library, kernel, error (and
+    runtime_version, always 0: no CUDA runtime is linked). Never raises; probes once."""
     if not NATIVE:
         return {"compiled": False, "available": False, "devices": 0, "runtime_version": 0,
-                "driver_version": 0, "error": WHY_NOT}
+                "driver_version": 0, "min_driver_version": 0, "api": "", "library": "", "kernel": "",
+                "error": WHY_NOT}
     return _C.cuda_info()
 
 
+def cuda_off_reason() -> str | None:
+    """Why the native CUDA path is off, in words, or None when it is on."""
+    info = cuda_info()
+    if info["available"]:
+        return None
+    if not NATIVE:
+        return f"the extension is not loaded: {WHY_NOT}"
+    if not info["compiled"]:
+        return f"the extension was built without its CUDA path: {info['error']}"
+    return info["error"] or "unknown"
+
+
 def cuda_available() -> bool:
-    """True when the extension's CUDA path can run (compiled, driver, >= 1 device)."""
-    return NATIVE and bool(_C.cuda_info()["available"])
+    """True when the extension's CUDA path can run (built with it, driver, >= 1 device).
+
+    False while torch sees a GPU: one ``RuntimeWarning`` per process says why (staging
+    then runs on torch streams)."""
+    if NATIVE and _C.cuda_info()["available"]:
+        return True
+    global _warned_cuda_off
+    if not _warned_cuda_off and torch.cuda.is_available():
+        _warned_cuda_off = True
+        warnings.warn(f"ckptstore: the native CUDA staging path is off ({cuda_off_reason()}); "
+                      "device-to-host staging uses torch streams instead (slower for many small "
+                      "tensors). `ckptstore doctor` shows the details.", RuntimeWarning, stacklevel=2)
+    return False
+
+
+def cuda_prepare(device: int) -> dict:
+    """Create ``device``'s staging state now: its stream and events, and the gather
+    kernel loaded (JIT-compiled once per process; a lazy load could synchronise the
+    device in the middle of a save). ``cuda_stage`` does this on a device's first use;
+    call it ahead of the first save to keep that out of the save. Retains the device's
+    primary context (the one torch uses): call it for devices the process uses only.
+    Returns ``{device, compute_capability, gather, gather_error}``."""
+    if not cuda_available():
+        raise RuntimeError(f"cuda_prepare: the native CUDA path is unavailable ({cuda_off_reason()})")
+    return _C.cuda_prepare(int(device))
 
 
 def cuda_stage(device: int, stream_handle: int, src_ptrs: Sequence[int], dst_ptrs: Sequence[int],
-               sizes: Sequence[int], small_bytes: int, gather: bool):
+               sizes: Sequence[int], small_bytes: int, gather: bool, timeout: float | None = None):
     """One batch of device-to-host copies on ``device``'s staging stream, ordered after
     the producer stream ``stream_handle`` (a ``cudaStream_t`` as int); returns the
-    extension's ``CudaBatch`` (``wait()``, ``query()``, ``gathered``). The raw binding:
-    pointers are not checked here. Use :func:`ckptstore.staging.stage_to_host`, which
-    checks every range, keeps the tensors alive and falls back to torch streams."""
+    extension's ``CudaBatch`` (``wait()``, ``query()``, ``gathered``). ``timeout``: the
+    seconds its ``wait()`` may take before it raises (None: :func:`copy_timeout`; 0: no
+    limit). The raw binding: pointers are not checked here. Use
+    :func:`ckptstore.staging.stage_to_host`, which checks every range, keeps the tensors
+    alive and falls back to torch streams."""
     if not cuda_available():
-        raise RuntimeError(f"cuda_stage: the native CUDA path is unavailable ({cuda_info()['error']})")
-    return _C.cuda_stage(device, stream_handle, src_ptrs, dst_ptrs, sizes, small_bytes, gather)
+        raise RuntimeError(f"cuda_stage: the native CUDA path is unavailable ({cuda_off_reason()})")
+    t = copy_timeout() if timeout is None else float(timeout)
+    if t:
+        return _C.cuda_stage(device, stream_handle, src_ptrs, dst_ptrs, sizes, small_bytes, gather, timeout=t)
+    return _C.cuda_stage(device, stream_handle, src_ptrs, dst_ptrs, sizes, small_bytes, gather)  # no deadline

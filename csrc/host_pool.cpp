@@ -4,16 +4,23 @@
 // one index of all free regions ordered by (length, slab id, offset): best fit
 // is one lower_bound, ties go to the oldest slab and the lowest address, which
 // keeps newer slabs empty so that trim() and capacity pressure can free them.
+//
+// Slab memory is freed by one reclaimer thread per process, never by the thread
+// that drops a slab's last reference (see host_pool.h).
 #include "host_pool.h"
 
+#include <pthread.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdlib>
+#include <deque>
 #include <new>
 #include <stdexcept>
+#include <thread>
 
 #include "cuda_ops.h"
 
@@ -59,7 +66,123 @@ void* map_ordinary(std::size_t len) {
 std::mutex g_reg_m;
 std::map<std::uintptr_t, std::size_t> g_reg;  // base -> size of pinned, mapped slabs
 
+std::mutex g_quar_m;
+std::map<std::uintptr_t, std::size_t> g_quar;  // base -> size of quarantined host ranges
+std::atomic<bool> g_any_quar{false};
+
+// ---- the reclaimer -------------------------------------------------------------
+
+struct Doomed {  // a slab's memory, to be freed
+    std::uintptr_t base;
+    std::size_t map_len, size;
+    bool pinned;
+    int device;
+    std::shared_ptr<Reclaim> reclaim;  // the pool counting it as pending, if any
+};
+
+void release_memory(const Doomed& d) {
+    if (d.pinned) {
+        unregister_pinned(d.base);
+        cuda_host_free(reinterpret_cast<void*>(d.base), d.device);
+    } else {
+        munmap(reinterpret_cast<void*>(d.base), d.map_len);
+    }
+    if (d.reclaim) d.reclaim->done(d.size);
+}
+
+// One thread frees what the pools drop: cuMemFreeHost synchronises the device,
+// so it must not run on a saving thread or with the GIL held. Leaked on purpose
+// (its thread is detached and may outlive static destructors).
+class Reclaimer {
+  public:
+    // Throws (no thread, no memory) before anything is queued: the caller frees.
+    void push(const Doomed& d) {
+        std::lock_guard<std::mutex> lk(m_);
+        if (!started_) {
+            std::thread([this] { run(); }).detach();
+            started_ = true;
+        }
+        q_.push_back(d);
+        cv_.notify_one();
+    }
+    void flush() {
+        std::unique_lock<std::mutex> lk(m_);
+        idle_.wait(lk, [&] { return q_.empty() && !busy_; });
+    }
+    // At exit (atexit, before the driver's own teardown): free nothing more, and let
+    // a free in progress end first (bounded), so no driver call races its teardown.
+    void stop() {
+        std::unique_lock<std::mutex> lk(m_);
+        exiting_ = true;
+        idle_.wait_for(lk, std::chrono::seconds(5), [&] { return !busy_; });
+    }
+
+  private:
+    void run() {
+        std::unique_lock<std::mutex> lk(m_);
+        while (true) {
+            cv_.wait(lk, [&] { return !q_.empty(); });
+            Doomed d = std::move(q_.front());
+            q_.pop_front();
+            if (exiting_) {  // the memory goes with the process
+                if (q_.empty()) idle_.notify_all();
+                continue;
+            }
+            busy_ = true;
+            lk.unlock();
+            release_memory(d);
+            d.reclaim.reset();
+            lk.lock();
+            busy_ = false;
+            idle_.notify_all();
+        }
+    }
+    std::mutex m_;
+    std::condition_variable cv_, idle_;
+    std::deque<Doomed> q_;
+    bool busy_ = false, started_ = false, exiting_ = false;
+};
+
+std::atomic<Reclaimer*> g_reclaimer{nullptr};
+std::once_flag g_reclaimer_once;
+
+Reclaimer& reclaimer() {
+    std::call_once(g_reclaimer_once, [] {
+        g_reclaimer = new Reclaimer;
+        // A forked child has no reclaimer thread (and maybe a locked mutex): a fresh one.
+        pthread_atfork(nullptr, nullptr, [] { g_reclaimer = new Reclaimer; });
+        std::atexit([] { g_reclaimer.load()->stop(); });
+    });
+    return *g_reclaimer.load();
+}
+
 }  // namespace
+
+void Reclaim::done(std::size_t n) {
+    std::lock_guard<std::mutex> lk(m);
+    pending -= n;
+    cv.notify_all();
+}
+
+void flush_reclaims() { reclaimer().flush(); }
+
+// ---- quarantine ----------------------------------------------------------------
+
+void quarantine_host_range(std::uintptr_t ptr, std::size_t nbytes) {
+    if (!nbytes) return;
+    std::lock_guard<std::mutex> lk(g_quar_m);
+    std::size_t& n = g_quar[ptr];
+    n = std::max(n, nbytes);
+    g_any_quar = true;
+}
+
+bool is_quarantined(std::uintptr_t ptr, std::size_t nbytes) {
+    if (!g_any_quar.load() || !nbytes) return false;
+    std::lock_guard<std::mutex> lk(g_quar_m);
+    for (auto& [p, n] : g_quar)  // few: only batches that timed out
+        if (p < ptr + nbytes && ptr < p + n) return true;
+    return false;
+}
 
 // ---- registry ------------------------------------------------------------------
 
@@ -99,11 +222,16 @@ Slab::Slab(std::size_t size_, bool want_pinned, int device_) : size(size_), devi
 }
 
 Slab::~Slab() {
-    if (pinned) {
-        unregister_pinned(base);
-        cuda_host_free(reinterpret_cast<void*>(base), device);
-    } else if (base) {
-        munmap(reinterpret_cast<void*>(base), map_len);
+    if (!base) return;
+    // A timed-out device copy may still land in a quarantined range: such memory is
+    // never freed, so it is never mapped again for anything else (and the registry's
+    // entries stay true).
+    if (is_quarantined(base, size)) return;
+    Doomed d{base, map_len, size, pinned, device, std::move(reclaim)};
+    try {
+        reclaimer().push(d);
+    } catch (...) {  // no memory for the queue, or no thread: free here
+        release_memory(d);
     }
 }
 
@@ -146,7 +274,8 @@ HostPool::HostPool(std::size_t capacity, bool want_pinned, int device, std::size
       limit_(alignment && !(alignment & (alignment - 1)) ? round_up(capacity, alignment) : capacity),
       pinning_(want_pinned && cuda_info().available),
       device_(device),
-      id_(g_pool_ids.fetch_add(1)) {
+      id_(g_pool_ids.fetch_add(1)),
+      reclaim_(std::make_shared<Reclaim>()) {
     if (capacity == 0) throw std::invalid_argument("HostPool: capacity must be positive");
     if (alignment < 16 || (alignment & (alignment - 1)))
         throw std::invalid_argument("HostPool: alignment must be a power of two >= 16");
@@ -156,8 +285,22 @@ HostPool::HostPool(std::size_t capacity, bool want_pinned, int device, std::size
 
 HostPool::~HostPool() = default;  // slabs go when their last Block does
 
+std::size_t HostPool::room() const {
+    std::size_t pending;
+    {
+        std::lock_guard<std::mutex> lk(reclaim_->m);
+        pending = reclaim_->pending;
+    }
+    return limit_ > held_ + pending ? limit_ - held_ - pending : 0;
+}
+
 void HostPool::note_peak() {
-    peak_ = std::max(peak_, held_ + overflow_bytes_);
+    std::size_t pending;
+    {
+        std::lock_guard<std::mutex> lk(reclaim_->m);
+        pending = reclaim_->pending;
+    }
+    peak_ = std::max(peak_, held_ + pending + overflow_bytes_);
     peak_in_use_ = std::max(peak_in_use_, in_use_);
 }
 
@@ -208,6 +351,14 @@ void HostPool::drop_slab(std::uint64_t id, std::vector<std::shared_ptr<Slab>>& o
     for (auto& [o, len] : s.free) by_size_.erase(FreeKey{len, s.id, o});
     held_ -= s.size;
     ++slab_frees_;
+    // Still counted against the capacity until the reclaimer has freed it, unless
+    // a Block object still holds it: then it lives as long as that object, and
+    // counting it could keep the capacity taken for good.
+    if (it->second.use_count() == 1) {
+        std::lock_guard<std::mutex> lk(reclaim_->m);
+        reclaim_->pending += s.size;
+        s.reclaim = reclaim_;
+    }
     out.push_back(std::move(it->second));
     slabs_.erase(it);
 }
@@ -236,17 +387,29 @@ bool HostPool::try_alloc(std::size_t nbytes, Block& out, bool overflow) {
     std::shared_ptr<Slab> slab;
     std::size_t off = 0;
     if (!fit(span, slab, off)) {
-        std::size_t room = limit_ > held_ ? limit_ - held_ : 0;
+        std::size_t room = this->room();
         if (room < span) {
-            // Free empty slabs, largest first, until a slab for this request fits.
+            // Drop empty slabs, largest first, until a slab for this request fits
+            // once they are freed. The reclaimer frees them (after the lock is
+            // released, below); until then their bytes count as pending.
+            auto after_reclaim = [&] { return limit_ > held_ ? limit_ - held_ : 0; };
             std::vector<std::pair<std::size_t, std::uint64_t>> empty;
             for (auto& [id, s] : slabs_)
                 if (s->used == 0) empty.emplace_back(s->size, id);
             std::sort(empty.rbegin(), empty.rend());
             for (auto& [size, id] : empty) {
-                if (room >= span) break;
+                if (after_reclaim() >= span) break;
                 drop_slab(id, dropped);
-                room = limit_ > held_ ? limit_ - held_ : 0;
+            }
+            room = this->room();
+            if (room < span && after_reclaim() >= span) {
+                // Room comes once the reclaimer has freed the dropped slabs: the
+                // caller waits (wait_reclaimed) and tries again.
+                undo();
+                ++reclaim_fails_;
+                lk.unlock();
+                dropped.clear();  // hands them to the reclaimer
+                return false;
             }
         }
         if (room >= span) {
@@ -342,7 +505,7 @@ std::size_t HostPool::warm(std::size_t nbytes) {
             std::lock_guard<std::mutex> lk(m_);
             const std::size_t target = std::min(round_up(nbytes, align_), limit_);
             if (held_ >= target) break;
-            const std::size_t room = (limit_ - held_) / align_ * align_;
+            const std::size_t room = this->room() / align_ * align_;
             want = std::min(std::max(slab_bytes_, kHuge), room);
             if (want == 0) break;
             held_ += want;  // reserved while the slab is made and faulted without the lock
@@ -371,7 +534,10 @@ void HostPool::free(Block& b) {
     b.live = false;
     in_use_ -= b.nbytes;
     --live_;
-    if (b.slab) {
+    if (b.slab && is_quarantined(b.ptr, b.span)) {
+        // A timed-out device copy may still write here: never lend it again.
+        quarantined_ += b.span;
+    } else if (b.slab) {
         add_free(*b.slab, b.offset, b.span);
         b.slab->used -= b.span;
         used_ -= b.span;
@@ -383,17 +549,36 @@ void HostPool::free(Block& b) {
 }
 
 std::size_t HostPool::trim() {
-    std::vector<std::shared_ptr<Slab>> dropped;  // destroyed after the lock is released
-    std::lock_guard<std::mutex> lk(m_);
-    std::vector<std::uint64_t> ids;
-    for (auto& [id, s] : slabs_)
-        if (s->used == 0) ids.push_back(id);
     std::size_t freed = 0;
-    for (auto id : ids) {
-        freed += slabs_[id]->size;
-        drop_slab(id, dropped);
+    std::vector<std::shared_ptr<Slab>> dropped;
+    {
+        std::lock_guard<std::mutex> lk(m_);
+        std::vector<std::uint64_t> ids;
+        for (auto& [id, s] : slabs_)
+            if (s->used == 0) ids.push_back(id);
+        for (auto id : ids) {
+            freed += slabs_[id]->size;
+            drop_slab(id, dropped);
+        }
     }
+    dropped.clear();  // to the reclaimer, outside the lock
+    flush_reclaims();  // freed when trim returns, as callers expect
     return freed;
+}
+
+bool HostPool::wait_reclaimed(double timeout) {
+    std::unique_lock<std::mutex> lk(reclaim_->m);
+    auto none = [&] { return reclaim_->pending == 0; };
+    if (timeout < 0) {
+        reclaim_->cv.wait(lk, none);
+        return true;
+    }
+    return reclaim_->cv.wait_for(lk, std::chrono::duration<double>(timeout), none);
+}
+
+std::size_t HostPool::reclaim_fails() const {
+    std::lock_guard<std::mutex> lk(m_);
+    return reclaim_fails_;
 }
 
 std::size_t HostPool::in_use() const {
@@ -424,6 +609,12 @@ PoolStats HostPool::stats() const {
     st.overflow_allocs = overflow_allocs_;
     st.pin_failures = pin_failures_;
     st.fragmentation_fails = frag_fails_;
+    st.reclaim_fails = reclaim_fails_;
+    st.quarantined = quarantined_;
+    {
+        std::lock_guard<std::mutex> rl(reclaim_->m);
+        st.reclaiming = reclaim_->pending;
+    }
     st.pinned = pinning_;
     st.pin_error = pin_error_;
     return st;

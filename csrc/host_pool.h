@@ -3,6 +3,7 @@
 // Plain C++17, no Python; module.cpp binds it as ckptstore._C.HostPool.
 #pragma once
 
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <map>
@@ -15,9 +16,21 @@
 
 namespace ckpt {
 
+// Bytes a pool has dropped and the reclaimer thread has not freed yet: they still
+// count against the pool's capacity, and waiters learn when they are gone.
+struct Reclaim {
+    std::mutex m;
+    std::condition_variable cv;
+    std::size_t pending = 0;  // guarded by m
+    void done(std::size_t n);
+};
+
 // One contiguous region of host memory. Its memory is released when the last
 // reference (the pool's, or a Block's) goes away, so a stale buffer object that
 // outlives its slab's removal from the pool never points at unmapped memory.
+// The memory is then freed by the reclaimer thread, never by the thread that
+// drops the last reference: cuMemFreeHost synchronises the device, and the last
+// reference may be dropped on a saving thread or with the GIL held.
 struct Slab {
     Slab(std::size_t size, bool want_pinned, int device);  // throws std::bad_alloc
     ~Slab();
@@ -42,7 +55,11 @@ struct Slab {
     std::map<std::size_t, std::size_t> free;  // offset -> length, coalesced
     std::size_t used = 0;                     // bytes lent (spans)
     std::size_t populated = 0;                // bytes from the start whose pages were populated
+    std::shared_ptr<Reclaim> reclaim;         // set when the pool dropped it and counts it as pending
 };
+
+// Waits until the reclaimer has freed every slab handed to it so far.
+void flush_reclaims();
 
 // Ordinary memory lent when no slab has room (fragmentation); freed with the Block.
 struct OverflowMem {
@@ -67,8 +84,9 @@ struct Block {
 struct PoolStats {
     std::size_t capacity, held, in_use, used, cached, peak, peak_in_use, overflow_bytes,
         largest_free, slab_bytes, alignment;
+    std::size_t reclaiming, quarantined;
     std::size_t slabs, pinned_slabs, live_blocks, allocs, slab_allocs, slab_frees,
-        overflow_allocs, pin_failures, fragmentation_fails;
+        overflow_allocs, pin_failures, fragmentation_fails, reclaim_fails;
     bool pinned;
     std::string pin_error;
 };
@@ -98,8 +116,14 @@ class HostPool {
     bool try_alloc(std::size_t nbytes, Block& out, bool overflow = false);
     // Returns a block; throws std::invalid_argument for a block not live in this pool.
     void free(Block& b);
-    // Frees every slab that lends nothing; returns the bytes freed.
+    // Frees every slab that lends nothing (and waits until the reclaimer has
+    // freed them); returns the bytes freed. The only place besides capacity
+    // pressure that frees slabs.
     std::size_t trim();
+    // Waits up to `timeout` seconds (< 0: no limit) until no dropped slab is
+    // waiting to be freed; true when none is. For a caller whose try_alloc failed
+    // while stats().reclaiming > 0: room appears once they are freed.
+    bool wait_reclaimed(double timeout);
     // Makes new slabs, their pages faulted in, until the pool holds at least
     // min(nbytes, capacity) bytes; lends nothing. For a caller that knows how much
     // the next save will stage: its copies then take no page faults. Returns the
@@ -107,6 +131,7 @@ class HostPool {
     std::size_t warm(std::size_t nbytes);
     PoolStats stats() const;
     std::size_t in_use() const;
+    std::size_t reclaim_fails() const;  // try_allocs that failed until dropped slabs are freed
 
     std::size_t capacity() const { return capacity_; }
     bool pinning() const { return pinning_; }
@@ -118,12 +143,14 @@ class HostPool {
     bool fit(std::size_t span, std::shared_ptr<Slab>& slab, std::size_t& off);
     void drop_slab(std::uint64_t id, std::vector<std::shared_ptr<Slab>>& out);
     void note_peak();
+    std::size_t room() const;  // slab bytes that may still be made (held and pending count)
     void adopt(const std::shared_ptr<Slab>& s);  // a new slab joins the pool (its bytes already in held_)
 
     const std::size_t capacity_, slab_bytes_, align_, limit_;  // limit_: slab bytes bound
     const bool pinning_;
     const int device_;
     const std::uint64_t id_;
+    const std::shared_ptr<Reclaim> reclaim_;
     mutable std::mutex m_;
     std::map<std::uint64_t, std::shared_ptr<Slab>> slabs_;
     std::set<FreeKey> by_size_;  // best fit: smallest length, then oldest slab, lowest offset
@@ -131,7 +158,7 @@ class HostPool {
     std::size_t held_ = 0, in_use_ = 0, used_ = 0, overflow_bytes_ = 0, peak_ = 0,
                 peak_in_use_ = 0, live_ = 0;
     std::size_t allocs_ = 0, slab_allocs_ = 0, slab_frees_ = 0, overflow_allocs_ = 0,
-                pin_failures_ = 0, frag_fails_ = 0;
+                pin_failures_ = 0, frag_fails_ = 0, reclaim_fails_ = 0, quarantined_ = 0;
     std::string pin_error_;
 };
 
@@ -140,5 +167,11 @@ class HostPool {
 void register_pinned(std::uintptr_t base, std::size_t size);
 void unregister_pinned(std::uintptr_t base);
 bool is_registered_pinned(std::uintptr_t ptr, std::size_t nbytes);
+
+// Host ranges that a device may still write into after its copy timed out
+// (cuda_stage.cpp): a block overlapping one is never lent again once freed
+// (stats: quarantined). Thread-safe.
+void quarantine_host_range(std::uintptr_t ptr, std::size_t nbytes);
+bool is_quarantined(std::uintptr_t ptr, std::size_t nbytes);
 
 }  // namespace ckpt

@@ -72,6 +72,9 @@ nb::dict pool_stats_dict(const ckpt::PoolStats& s) {
     d["overflow_allocs"] = s.overflow_allocs;
     d["pin_failures"] = s.pin_failures;
     d["fragmentation_fails"] = s.fragmentation_fails;
+    d["reclaim_fails"] = s.reclaim_fails;
+    d["reclaiming"] = s.reclaiming;
+    d["quarantined"] = s.quarantined;
     d["pinned"] = s.pinned;
     d["pin_error"] = s.pin_error;
     return d;
@@ -178,7 +181,15 @@ NB_MODULE(_C, m) {
         .def("free", &ckpt::HostPool::free, nb::arg("block"),
              "Return a block (ValueError if freed twice or not from this pool).")
         .def("trim", &ckpt::HostPool::trim, nb::call_guard<nb::gil_scoped_release>(),
-             "Free every slab that lends nothing; returns the bytes freed.")
+             "Free every slab that lends nothing (waits until they are freed); returns the bytes freed.")
+        .def("wait_reclaimed", &ckpt::HostPool::wait_reclaimed, nb::arg("timeout") = -1.0,
+             nb::call_guard<nb::gil_scoped_release>(),
+             "Wait (GIL released) until no slab this pool dropped is waiting for the reclaimer "
+             "thread to free it; timeout in seconds (< 0: none). True when none is.")
+        .def_prop_ro("reclaiming", [](const ckpt::HostPool& p) { return p.stats().reclaiming; },
+                     "bytes of dropped slabs not freed yet (still counted against the capacity)")
+        .def_prop_ro("reclaim_fails", &ckpt::HostPool::reclaim_fails,
+                     "try_allocs that failed only until dropped slabs are freed (then wait_reclaimed)")
         .def("warm", &ckpt::HostPool::warm, nb::arg("nbytes"), nb::call_guard<nb::gil_scoped_release>(),
              "Make new slabs, their pages faulted in, until the pool holds at least "
              "min(nbytes, capacity) bytes; returns the bytes of the new slabs.")
@@ -199,14 +210,53 @@ NB_MODULE(_C, m) {
             d["devices"] = i.devices;
             d["runtime_version"] = i.runtime_version;
             d["driver_version"] = i.driver_version;
+            d["min_driver_version"] = i.min_driver_version;
+            d["api"] = i.api;
+            d["library"] = i.library;
+            d["kernel"] = i.kernel;
             d["error"] = i.error;
             return d;
         },
-        "What the extension's CUDA runtime sees (probed once; never raises).");
+        "What the extension sees of the CUDA driver (probed once; never raises).");
+
+    m.def(
+        "cuda_prepare",
+        [](int device) {
+            ckpt::CudaDeviceInfo i;
+            {
+                nb::gil_scoped_release nogil;  // may retain a context and JIT the kernel
+                i = ckpt::cuda_prepare(device);
+            }
+            nb::dict d;
+            d["device"] = i.device;
+            d["compute_capability"] = std::to_string(i.cc_major) + "." + std::to_string(i.cc_minor);
+            d["gather"] = i.gather;
+            d["gather_error"] = i.gather_error;
+            return d;
+        },
+        nb::arg("device"),
+        "Create the device's staging state now (stream, events, the gather kernel loaded): "
+        "what cuda_stage does on a device's first use, outside a save.");
+
+    m.def("cuda_current_device", &ckpt::cuda_current_device,
+          "The device of the calling thread's current CUDA context, or -1 when it has none "
+          "(creates nothing).");
+
+    m.def("gather_ptx", [] { return std::string(ckpt::gather_ptx()); },
+          "The gather kernel's PTX as embedded (from csrc/gather.ptx; empty without the CUDA path).");
+
+    m.def("quarantine_host_range", &ckpt::quarantine_host_range, nb::arg("ptr"), nb::arg("nbytes"),
+          "Withhold host memory from reuse by every HostPool (what a timed-out CUDA copy does "
+          "to its destinations); for tests.");
+
+    m.def(
+        "flush_reclaims", [] { ckpt::flush_reclaims(); }, nb::call_guard<nb::gil_scoped_release>(),
+        "Wait until the reclaimer thread has freed every slab handed to it so far.");
 
     nb::class_<ckpt::CudaBatch>(m, "CudaBatch", "A batch of device-to-host copies in flight.")
         .def("wait", &ckpt::CudaBatch::wait, nb::call_guard<nb::gil_scoped_release>(),
-             "Block until every copy has landed (GIL released); raises RuntimeError on a CUDA error.")
+             "Block until every copy has landed (GIL released); raises RuntimeError on a CUDA error "
+             "or when the batch's timeout passes first.")
         .def("query", &ckpt::CudaBatch::query, nb::call_guard<nb::gil_scoped_release>(),
              "True once every copy has landed.")
         .def_ro("device", &ckpt::CudaBatch::device)
@@ -214,23 +264,26 @@ NB_MODULE(_C, m) {
         .def_ro("nbytes", &ckpt::CudaBatch::nbytes)
         .def_ro("gathered", &ckpt::CudaBatch::gathered)
         .def_ro("gathered_bytes", &ckpt::CudaBatch::gathered_bytes)
+        .def_ro("timeout", &ckpt::CudaBatch::timeout)
         .def_prop_ro("finished", [](const ckpt::CudaBatch& b) { return b.finished.load(); });
 
     m.def(
         "cuda_stage",
         [](int device, uintptr_t stream, const std::vector<uintptr_t>& srcs,
            const std::vector<uintptr_t>& dsts, const std::vector<size_t>& sizes, size_t small_bytes,
-           bool gather) {
+           bool gather, double timeout) {
             if (srcs.size() != dsts.size() || srcs.size() != sizes.size())
                 throw std::invalid_argument("cuda_stage: srcs, dsts and sizes differ in length");
             std::vector<ckpt::CopySpec> copies(srcs.size());
             for (size_t k = 0; k < srcs.size(); ++k) copies[k] = {srcs[k], dsts[k], sizes[k]};
             nb::gil_scoped_release nogil;
-            return ckpt::cuda_stage(device, stream, copies.data(), copies.size(), small_bytes, gather);
+            return ckpt::cuda_stage(device, stream, copies.data(), copies.size(), small_bytes, gather,
+                                    timeout);
         },
         nb::arg("device"), nb::arg("stream"), nb::arg("srcs"), nb::arg("dsts"), nb::arg("sizes"),
-        nb::arg("small_bytes") = size_t(64) << 10, nb::arg("gather") = true,
+        nb::arg("small_bytes") = size_t(64) << 10, nb::arg("gather") = true, nb::arg("timeout") = 0.0,
         "Enqueue copies srcs[k] (device memory of `device`) -> dsts[k] (host) of sizes[k] bytes on "
         "the device's staging stream, ordered after the work enqueued so far on `stream` (a "
-        "cudaStream_t as int); returns a CudaBatch at once.");
+        "cudaStream_t as int); returns a CudaBatch at once. timeout > 0: its wait() fails after "
+        "that many seconds instead of blocking for ever.");
 }

@@ -8,6 +8,11 @@
   other tests left in flight and observes failures they left unobserved, which would
   otherwise surface on this test's first ``save`` (ckptstore reports them there).
 
+On a machine where torch sees a GPU but ckptstore's native CUDA path is off, tests that
+skip for that reason ("native CUDA path off: ...") FAIL instead: a GPU node must not pass
+on the fallback unnoticed. ``CKPTSTORE_TEST_NATIVE_CUDA_OPTIONAL=1`` lets them skip (a
+build made with ``CKPTSTORE_CUDA=OFF`` on purpose).
+
 Adding a backend (e.g. S3 on a moto server) is one entry in ``STORAGE_BACKENDS``: a
 factory ``(request, tmp_path) -> Storage`` that calls ``pytest.skip(reason)`` when the
 backend cannot run here and registers its own teardown with ``request.addfinalizer``.
@@ -15,6 +20,7 @@ backend cannot run here and registers its own teardown with ``request.addfinaliz
 
 from __future__ import annotations
 
+import os
 import uuid
 import warnings
 
@@ -26,6 +32,31 @@ warnings.filterwarnings("ignore", message=r"ckptstore\.native", category=Runtime
 import ckptstore  # noqa: E402
 from ckptstore.errors import CkptStoreError  # noqa: E402
 from ckptstore.storage import LocalStorage, MemoryStorage  # noqa: E402
+
+
+NATIVE_CUDA_OPTIONAL_ENV = "CKPTSTORE_TEST_NATIVE_CUDA_OPTIONAL"
+_NATIVE_CUDA_OFF = "native CUDA path off"  # the skip reason the GPU tests give
+
+
+def _native_cuda_missing() -> str | None:
+    """Why the native CUDA path is off on a machine with a GPU (None: fine here)."""
+    import torch
+
+    if os.environ.get(NATIVE_CUDA_OPTIONAL_ENV) == "1" or not torch.cuda.is_available():
+        return None
+    return ckptstore.native.cuda_off_reason()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    rep = outcome.get_result()
+    if rep.skipped and _NATIVE_CUDA_OFF in str(rep.longrepr):
+        why = _native_cuda_missing()
+        if why is not None:
+            rep.outcome = "failed"
+            rep.longrepr = (f"a GPU is present but ckptstore's native CUDA path is off ({why}); "
+                            f"set {NATIVE_CUDA_OPTIONAL_ENV}=1 to allow that")
 
 
 def _local_storage(request, tmp_path):

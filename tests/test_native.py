@@ -318,14 +318,249 @@ def test_block_buffer_protocol_shares_memory_with_tensor():
 
 def test_cuda_info_reports_without_raising():
     info = native.cuda_info()
-    assert set(info) == {"compiled", "available", "devices", "runtime_version", "driver_version", "error"}
+    assert set(info) == {"compiled", "available", "devices", "runtime_version", "driver_version",
+                         "min_driver_version", "api", "library", "kernel", "error"}
     assert native.cuda_available() is bool(info["available"])
+    assert info["runtime_version"] == 0  # no CUDA runtime is linked: the driver API only
     if info["available"]:
         assert info["compiled"] and info["devices"] >= 1 and info["error"] == ""
+        assert info["driver_version"] >= info["min_driver_version"] == 11000
+        assert native.cuda_off_reason() is None
     else:
         assert info["devices"] == 0 and info["error"] != ""
+        assert info["error"] in native.cuda_off_reason()
     if not torch.cuda.is_available():
         assert info["available"] is False
+    if native.NATIVE and info["compiled"]:
+        assert (info["api"], info["min_driver_version"]) == ("driver", 11000)
+        assert info["kernel"].startswith("PTX 7.0 sm_50")
+
+
+# ---- the CUDA path without a GPU: the driver loader, the kernel image, the warning ----
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GATHER_PTX = os.path.join(REPO, "csrc", "gather.ptx")
+needs_cuda_build = pytest.mark.skipif(not (native.NATIVE and native.cuda_info()["compiled"]),
+                                      reason="extension built without its CUDA path")
+
+
+def test_gather_ptx_is_old_enough_for_every_supported_driver():
+    """The kernel is JIT-compiled by the driver: its PTX ISA version decides the oldest
+    driver that loads it (7.0: CUDA 11.0, driver 450), its target the oldest GPU."""
+    text = open(GATHER_PTX).read()
+    code = [ln.split("//")[0].strip() for ln in text.splitlines()]
+    code = [ln for ln in code if ln]
+    assert code[:3] == [".version 7.0", ".target sm_50", ".address_size 64"]
+    assert ".visible .entry ckpt_gather(" in code
+    entry = text.index(".visible .entry ckpt_gather(")
+    head = text[entry:text.index("{", entry)]
+    assert head.count(".param .u64") == 2  # (descs, count): what cuda_stage.cpp passes
+    # Every branch target is a label of the kernel.
+    labels = {ln[:-1] for ln in code if ln.endswith(":")}
+    targets = {ln.split()[-1].rstrip(";") for ln in code if " bra" in f" {ln}"}
+    assert targets and targets <= labels
+
+
+def test_gather_ptx_assembles_for_turing_and_hopper():
+    """ptxas (from any CUDA toolkit, when one is installed) accepts the kernel as PTX 7.0
+    and compiles it for sm_75 and sm_90: no instruction newer than its declared ISA."""
+    import shutil
+
+    ptxas = shutil.which("ptxas")
+    if ptxas is None:
+        pytest.skip("no ptxas (CUDA toolkit) on this machine")
+    for arch in ("sm_75", "sm_90"):
+        r = subprocess.run([ptxas, f"-arch={arch}", GATHER_PTX, "-o", os.devnull],
+                           capture_output=True, text=True)
+        assert r.returncode == 0, f"ptxas -arch={arch}: {r.stderr}"
+
+
+def test_every_driver_entry_point_is_checked_against_cuda_h():
+    """cuda_driver.cpp binds libcuda's entry points by name; cuda_driver_check.cpp
+    (compiled where a toolkit's cuda.h is found, as here) asserts each of those names
+    has the prototype the module assumes. Both lists must be the same."""
+    import re
+
+    src = open(os.path.join(REPO, "csrc", "cuda_driver.cpp")).read()
+    check = open(os.path.join(REPO, "csrc", "cuda_driver_check.cpp")).read()
+    bound = set(re.findall(r'bind\(lib, a\.\w+, "(\w+)"', src))
+    checked = set(re.findall(r"^CKPT_EXPECT\((\w+),", check, re.M))
+    assert len(bound) >= 25 and bound == checked
+
+
+@needs_cuda_build
+def test_embedded_kernel_is_the_checked_in_ptx():
+    assert native._C.gather_ptx() == open(GATHER_PTX).read()
+
+
+@needs_cuda_build
+def test_no_driver_library_is_reported_with_the_reason():
+    """Without libcuda.so.1 on the library path (as here, or on a CPU node) the module
+    imports, reports why, and the raw calls fail with that reason."""
+    out = _run("""
+        import json, os
+        from ckptstore import native
+        info = native.cuda_info()
+        try:
+            native._C.cuda_stage(0, 0, [1], [2], [3], 64, True, 0.0)
+            raised = ""
+        except RuntimeError as exc:
+            raised = str(exc)
+        print(json.dumps({"info": info, "raised": raised, "current": native._C.cuda_current_device()}))
+    """, {"LD_LIBRARY_PATH": "/nonexistent", "CUDA_VISIBLE_DEVICES": ""})
+    r = json.loads(out)
+    assert r["info"]["available"] is False and r["info"]["error"]
+    assert r["raised"] == "CUDA staging unavailable: " + r["info"]["error"]
+    assert r["current"] == -1
+    if not torch.cuda.is_available():  # this machine has no driver at all
+        assert "libcuda.so.1" in r["info"]["error"] or "cuInit" in r["info"]["error"]
+
+
+def test_cuda_off_warns_once_per_process_when_torch_sees_a_gpu(monkeypatch):
+    if native.cuda_available():
+        pytest.skip("the native CUDA path is on here")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # torch's view only
+    monkeypatch.setattr(native, "_warned_cuda_off", False)
+    with pytest.warns(RuntimeWarning, match="native CUDA staging path is off") as caught:
+        assert native.cuda_available() is False
+        assert native.cuda_available() is False
+    ours = [w for w in caught if "native CUDA staging path" in str(w.message)]
+    assert len(ours) == 1 and native.cuda_off_reason() in str(ours[0].message)
+
+
+def test_doctor_says_why_the_native_cuda_path_is_off():
+    from ckptstore.cli import doctor_report
+
+    rep = doctor_report()
+    assert rep["cuda"]["native_off"] == native.cuda_off_reason()
+    assert (rep["cuda"]["native_off"] is None) == native.cuda_available()
+
+
+@pytest.mark.parametrize("raw,expected", [("", 0.0), ("0", 0.0), ("2.5", 2.5), (" 30 ", 30.0)])
+def test_copy_timeout_from_the_environment(monkeypatch, raw, expected):
+    monkeypatch.setenv(native.COPY_TIMEOUT_ENV, raw)
+    assert native.copy_timeout() == expected
+
+
+@pytest.mark.parametrize("raw", ["-1", "soon", "nan", "inf"])
+def test_copy_timeout_rejects_nonsense(monkeypatch, raw):
+    monkeypatch.setenv(native.COPY_TIMEOUT_ENV, raw)
+    with pytest.raises(ValueError, match="CKPTSTORE_CUDA_COPY_TIMEOUT"):
+        native.copy_timeout()
+
+
+# ---- slab frees: deferred to the reclaimer thread, counted until done -------------
+
+MiB = 1 << 20
+
+
+def _empty_slabs(pool, count: int, size: int) -> None:
+    """Make `count` slabs of `size` bytes, all empty, with no Block object left."""
+    blocks = [pool.try_alloc(size) for _ in range(count)]
+    assert all(b is not None for b in blocks) and pool.stats()["slabs"] == count
+    for b in blocks:
+        pool.free(b)
+
+
+@needs_native
+def test_pressure_hands_empty_slabs_to_the_reclaimer_and_counts_them_until_freed():
+    pool = native.HostPool(8 * MiB, slab_bytes=2 * MiB)
+    _empty_slabs(pool, 4, 2 * MiB)
+    native._C.flush_reclaims()
+    before = pool.stats()
+    big = pool.try_alloc(6 * MiB)  # no hole fits; three empty slabs must go first
+    st = pool.stats()
+    if big is None:  # the reclaimer has not freed them yet: their bytes still count
+        assert st["reclaim_fails"] == before["reclaim_fails"] + 1
+        assert st["held"] + st["reclaiming"] <= 8 * MiB and st["in_use"] == 0
+        assert pool.wait_reclaimed(60)
+        big = pool.try_alloc(6 * MiB)
+    st = pool.stats()
+    assert big is not None and not big.overflow and len(big) == 6 * MiB
+    assert st["reclaiming"] == 0 and st["slab_frees"] == before["slab_frees"] + 3
+    assert st["held"] == 8 * MiB and st["peak"] <= 8 * MiB and st["overflow_allocs"] == 0
+    pool.free(big)
+
+
+@needs_native
+def test_the_pool_acquire_waits_for_the_reclaimer_not_for_a_release():
+    """A strict acquire (the copier's) that needs dropped slabs freed gets its buffer
+    without any release: it waits for the reclaimer, GIL released."""
+    from ckptstore.staging import NativeStagingPool
+
+    pool = NativeStagingPool(8 * MiB, pin_memory=False, slab_bytes=2 * MiB)
+    bufs = [pool.acquire(2 * MiB, overflow_after=None) for _ in range(4)]
+    for b in bufs:
+        pool.release(b)
+    del bufs, b
+    done = []
+    t = threading.Thread(target=lambda: done.append(pool.acquire(6 * MiB, overflow_after=None)))
+    t.start()
+    t.join(60)
+    assert not t.is_alive() and done[0].nbytes == 6 * MiB
+    st = pool.stats()
+    assert st["reclaiming"] == 0 and st["held"] <= 8 * MiB and st["overflow_allocs"] == 0
+    pool.release(done[0])
+
+
+@needs_native
+def test_a_slab_a_stale_block_still_holds_is_not_counted_against_the_capacity():
+    """A Block object kept after its free keeps its slab mapped; counting that slab
+    until the object dies could keep the capacity taken for good, so it is not."""
+    pool = native.HostPool(8 * MiB, slab_bytes=2 * MiB)
+    stale = [pool.try_alloc(2 * MiB) for _ in range(4)]
+    for b in stale:
+        pool.free(b)
+    big = pool.try_alloc(6 * MiB)
+    assert big is not None and pool.stats()["reclaiming"] == 0
+    pool.free(big)
+    del stale
+
+
+@needs_native
+def test_pinned_pool_prepares_cuda_only_where_a_context_is_current():
+    """Without a usable CUDA path (or with no context on this thread) the pinned pool's
+    preparation does nothing and creates nothing; on a GPU, test_gpu_native.py checks
+    what it loads."""
+    from ckptstore.staging import NativeStagingPool
+
+    if native.cuda_available():
+        pytest.skip("the CUDA case is tests/test_gpu_native.py's")
+    pool = NativeStagingPool(4 * MiB, pin_memory=True, slab_bytes=2 * MiB)
+    assert pool.cuda_devices == {} and pool.prepare_cuda() is None
+    assert pool.warm(2 * MiB) == 2 * MiB and pool.cuda_devices == {}
+    assert native._C.cuda_current_device() == -1
+
+
+@needs_native
+def test_trim_returns_once_the_slabs_are_freed():
+    pool = native.HostPool(16 * MiB, slab_bytes=4 * MiB)
+    _empty_slabs(pool, 3, 4 * MiB)
+    assert pool.trim() == 12 * MiB
+    st = pool.stats()
+    assert (st["held"], st["reclaiming"], st["slabs"], st["slab_frees"]) == (0, 0, 0, 3)
+    assert pool.wait_reclaimed(0)  # nothing left to wait for
+
+
+@needs_native
+def test_quarantined_memory_is_never_lent_again():
+    """What a timed-out device copy does to its destinations: freed blocks there are
+    withheld (the copy may still land), the rest of the pool works on."""
+    pool = native.HostPool(4 * MiB, slab_bytes=4 * MiB)
+    a = pool.try_alloc(MiB)
+    b = pool.try_alloc(MiB)
+    native._C.quarantine_host_range(a.ptr + 100, 10)
+    pool.free(a)
+    pool.free(b)
+    st = pool.stats()
+    assert st["quarantined"] == MiB and st["in_use"] == 0 and st["used"] == MiB
+    got = [pool.try_alloc(MiB) for _ in range(3)]  # only 3 MiB of the slab are lendable
+    assert all(g is not None for g in got)
+    assert all(not (g.ptr < a.ptr + MiB and a.ptr < g.ptr + MiB) for g in got)
+    for g in got:
+        pool.free(g)
+    assert pool.trim() == 0  # the slab is never empty again (nor freed: it is leaked, so
+    # its addresses never come back to another pool, where the quarantine would hold)
 
 
 @needs_native

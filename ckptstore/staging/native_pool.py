@@ -1,8 +1,11 @@
 """The native staging pool: slabs of host memory from the extension's ``HostPool``.
 
-Slabs are page-locked with ``cudaHostAlloc`` when CUDA is used, sub-allocated at exact
+Slabs are page-locked with ``cuMemHostAlloc`` when CUDA is used, sub-allocated at exact
 sizes (64-byte aligned) with a best-fit, coalescing free list, ``max(request, 64 MiB)``
-each, capped by the capacity, and kept until :meth:`NativeStagingPool.trim`.
+each, capped by the capacity, and kept until :meth:`NativeStagingPool.trim`. A slab is
+freed by the extension's reclaimer thread, never by the thread that drops it (freeing
+page-locked memory synchronises the device); under capacity pressure an ``acquire`` that
+needs the room waits for it with the GIL released.
 
 Its capacity is a soft limit. Slab bytes never exceed it, and a request that fits by
 count but in no free hole (fragmentation) waits for releases too; but if none comes
@@ -40,6 +43,33 @@ class NativeStagingPool(StagingPool):
         self._slabs = native.HostPool(self.capacity, pinned=self.pin_memory, device=0, slab_bytes=slab_bytes)
         self._cond = threading.Condition()
         self._releases = 0  # bumped (under _cond) by every release: wakes waiters
+        #: what :meth:`prepare_cuda` found ({device: cuda_prepare's dict, or {"error": ...}})
+        self.cuda_devices: dict[int, dict] = {}
+        if self.pin_memory:
+            self.prepare_cuda()
+
+    def prepare_cuda(self, device: int | None = None) -> dict | None:
+        """Load the native CUDA path's per-device state (staging stream, gather kernel)
+        now, outside any save: for ``device``, or (None) the device of the calling
+        thread's current CUDA context if it has one; never creates a context on a device
+        the process does not use. Best effort: returns what it found, None when there was
+        nothing to prepare; an error is kept in ``cuda_devices``, not raised."""
+        if not native.cuda_available():
+            return None
+        try:
+            if device is None:
+                device = native._C.cuda_current_device()
+                if device < 0:
+                    return None
+            if device in self.cuda_devices:
+                return self.cuda_devices[device]
+            found = native.cuda_prepare(device)
+        except Exception as exc:  # the save reports it, with its context, if it recurs
+            if device is None:  # not even the current device could be told
+                return None
+            found = {"device": device, "error": f"{type(exc).__name__}: {exc}"}
+        self.cuda_devices[device] = found
+        return found
 
     # -- reporting
     @property
@@ -76,9 +106,15 @@ class NativeStagingPool(StagingPool):
         slabs = self._slabs
         while True:
             seen = self._releases
+            reclaims = slabs.reclaim_fails
             block = slabs.try_alloc(nbytes)
             if block is not None:
                 return _buffer(block)
+            if slabs.reclaim_fails != reclaims:
+                # Empty slabs were dropped to make room: it comes once the reclaimer
+                # thread has freed them (off this thread; the GIL is released meanwhile).
+                slabs.wait_reclaimed()
+                continue
             fragmented = slabs.in_use + nbytes <= self.capacity
             with self._cond:
                 if fragmented and overflow_after is not None:
@@ -103,12 +139,16 @@ class NativeStagingPool(StagingPool):
             self._cond.notify_all()
 
     def trim(self) -> None:
-        """Free every slab that lends nothing."""
+        """Free every slab that lends nothing (the only call besides capacity pressure
+        that frees slabs; it returns once they are freed)."""
         self._slabs.trim()
 
     def warm(self, nbytes: int) -> int:
         """New slabs, populated (MADV_POPULATE_WRITE), until the pool holds
-        ``min(nbytes, capacity)``; the GIL is released meanwhile."""
+        ``min(nbytes, capacity)``; the GIL is released meanwhile. Also prepares the
+        current device's CUDA staging state (:meth:`prepare_cuda`)."""
+        if self.pin_memory:
+            self.prepare_cuda()
         try:
             return self._slabs.warm(self.check_size(min(int(nbytes), self.capacity)))
         finally:
