@@ -72,8 +72,8 @@ class Runtime:
             pool = self._pool
             if pool.pin_memory:
                 return pool
-            pinned = StagingPool(self.config.pinned_capacity, pin_memory=True, backend=self.config.staging_pool)
-            pinned.device = min(cuda_devices)
+            pinned = StagingPool(self.config.pinned_capacity, pin_memory=True, backend=self.config.staging_pool,
+                                 device=min(cuda_devices))
             pool.trim()
             self._pool = pinned
             return pinned

@@ -372,3 +372,11 @@ def test_dtensor_with_a_non_contiguous_local_tensor_saves_and_loads_exactly(tmp_
     assert result["pre"] == {"t": False, "cols": False}
     assert result["equal"] == {"t": True, "cols": True}
     assert result["pieces"] > 2  # chunked: more than one strided copy per tensor
+
+
+def test_a_pool_made_for_a_device_keeps_it():
+    """Runtime.staging_pool makes the pinned pool for the state's device: the native
+    slabs pin under it from a thread without a context, not under GPU 0."""
+    pool = StagingPool(1 * MiB, pin_memory=False, device=1)
+    assert pool.device == 1
+    assert StagingPool(1 * MiB, pin_memory=False).device is None

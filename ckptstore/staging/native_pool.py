@@ -37,10 +37,11 @@ class NativeStagingPool(StagingPool):
         if not native.NATIVE:
             raise RuntimeError(f"StagingPool: the native backend is unavailable ({native.WHY_NOT})")
         # Pinned slabs are portable and allocated under the allocating thread's current
-        # CUDA context; ``device`` is used only by a thread that has none. (No
-        # torch.cuda.current_device() here: it would initialise CUDA in every process
-        # that merely loads, and fix the device before set_device runs.)
-        self._slabs = native.HostPool(self.capacity, pinned=self.pin_memory, device=0, slab_bytes=slab_bytes)
+        # CUDA context; ``device`` (the pool's, else 0) is used only by a thread that has
+        # none. (No torch.cuda.current_device() here: it would initialise CUDA in every
+        # process that merely loads, and fix the device before set_device runs.)
+        self._slabs = native.HostPool(self.capacity, pinned=self.pin_memory, device=self.device or 0,
+                                      slab_bytes=slab_bytes)
         self._cond = threading.Condition()
         self._releases = 0  # bumped (under _cond) by every release: wakes waiters
         #: what :meth:`prepare_cuda` found ({device: cuda_prepare's dict, or {"error": ...}})

@@ -118,16 +118,18 @@ class StagingPool(ABC):
             StagingPool._implementations[cls.backend] = cls
 
     def __new__(cls, capacity: int | None = None, pin_memory: bool | None = None, *,
-                backend: str | None = None, slab_bytes: int = DEFAULT_SLAB_BYTES):
+                backend: str | None = None, slab_bytes: int = DEFAULT_SLAB_BYTES, device: int | None = None):
         if cls is StagingPool:
             cls = StagingPool._implementations[choose_backend(backend, _pin(pin_memory))]
         return super().__new__(cls)
 
     def __init__(self, capacity: int | None = None, pin_memory: bool | None = None, *,
-                 backend: str | None = None, slab_bytes: int = DEFAULT_SLAB_BYTES):
+                 backend: str | None = None, slab_bytes: int = DEFAULT_SLAB_BYTES, device: int | None = None):
         if backend not in (None, "auto", self.backend):
             raise ValueError(f"{type(self).__name__} is the {self.backend!r} backend, not {backend!r}")
         self.pin_memory = _pin(pin_memory)
+        if device is not None:
+            self.device = int(device)
         self.capacity = default_capacity(self.pin_memory) if capacity is None else int(capacity)
         if self.capacity <= 0:
             raise ValueError(f"staging capacity must be positive, got {self.capacity}")
