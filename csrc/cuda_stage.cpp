@@ -252,7 +252,10 @@ CUresult poll(CudaBatch& b, bool& timed_out) {
 // withheld from their pool (the copies may still land in them later).
 void fail_timed_out(CudaBatch& b) {
     b.timed_out = true;
-    for (auto& [p, n] : b.dsts) quarantine_host_range(p, n);
+    // Only pool slabs: a copy into pageable memory returned when it was done, and
+    // other memory is not ours to withhold (its address could later be a new slab's).
+    for (auto& [p, n] : b.dsts)
+        if (is_registered_pinned(p, n)) quarantine_host_range(p, n);
     b.error = "CUDA staging batch on cuda:" + std::to_string(b.device) + " (" + std::to_string(b.count) +
               " copies, " + std::to_string(b.nbytes) + " bytes) did not complete within " +
               std::to_string(b.timeout) +

@@ -226,7 +226,10 @@ Slab::~Slab() {
     // A timed-out device copy may still land in a quarantined range: such memory is
     // never freed, so it is never mapped again for anything else (and the registry's
     // entries stay true).
-    if (is_quarantined(base, size)) return;
+    if (is_quarantined(base, size)) {
+        if (reclaim) reclaim->done(size);  // never freed, but no longer pending: room stays right
+        return;
+    }
     Doomed d{base, map_len, size, pinned, device, std::move(reclaim)};
     try {
         reclaimer().push(d);

@@ -564,6 +564,26 @@ def test_quarantined_memory_is_never_lent_again():
 
 
 @needs_native
+def test_a_pool_filled_by_quarantined_memory_lends_beyond_it_instead_of_waiting():
+    """Memory withheld after a timed-out copy can fill a pool that lends nothing: no
+    release will come, so a waiting acquire lends ordinary memory beyond the capacity."""
+    from ckptstore.staging import NativeStagingPool
+
+    pool = NativeStagingPool(2 * MiB, pin_memory=False, slab_bytes=2 * MiB)
+    whole = pool.acquire(2 * MiB)
+    native._C.quarantine_host_range(whole.tensor.data_ptr(), 2 * MiB)
+    pool.release(whole)
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(pool.acquire(MiB, overflow_after=None)), daemon=True)
+    waiter.start()
+    waiter.join(120)  # a hang guard, not a timing: the acquire returns at once or never
+    assert got, "acquire waited for a release that cannot come"
+    assert pool._slabs.stats()["quarantined"] == 2 * MiB
+    got[0].tensor.fill_(7)  # usable memory
+    pool.release(got[0])
+
+
+@needs_native
 def test_extension_imports_without_a_visible_gpu():
     """With no device visible (or no driver at all) the module imports, reports why, and
     its host pool still works in ordinary memory."""

@@ -114,9 +114,23 @@ class NativeStagingPool(StagingPool):
             if slabs.reclaim_fails != reclaims:
                 # Empty slabs were dropped to make room: it comes once the reclaimer
                 # thread has freed them (off this thread; the GIL is released meanwhile).
-                slabs.wait_reclaimed()
+                # A page-locked free waits for the device to be idle: a hung producer
+                # stream would hold it, so CKPTSTORE_CUDA_COPY_TIMEOUT bounds this wait too.
+                timeout = native.copy_timeout() if self.pin_memory else 0.0
+                if not slabs.wait_reclaimed(timeout if timeout > 0 else -1.0):
+                    raise RuntimeError(f"staging pool: freeing page-locked memory to make room for {nbytes} bytes "
+                                       f"did not finish within {timeout} s (CKPTSTORE_CUDA_COPY_TIMEOUT): a "
+                                       "free waits for the GPU to be idle (a hung kernel?)")
                 continue
-            fragmented = slabs.in_use + nbytes <= self.capacity
+            in_use = slabs.in_use
+            if in_use == 0:
+                # Nothing is lent, yet there is no room: slab memory withheld after a
+                # timed-out CUDA copy (stats()["quarantined"]) fills it, and no release
+                # will come. Lend ordinary memory beyond the capacity instead of waiting.
+                block = slabs.try_alloc(nbytes, overflow=True)
+                if block is not None:
+                    return _buffer(block)
+            fragmented = in_use + nbytes <= self.capacity
             with self._cond:
                 if fragmented and overflow_after is not None:
                     if self._cond.wait_for(lambda: self._releases != seen, overflow_after):
