@@ -48,7 +48,7 @@ needs_native_cuda = pytest.mark.skipif(not native.cuda_available(),
 
 def _run(code: str, env: dict[str, str] | None = None, timeout: float = 120) -> str:
     r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                       env={**os.environ, **(env or {})}, timeout=timeout)
+                       env={**os.environ, **(env or {})}, timeout=timeout, cwd="/")  # the installed package
     assert r.returncode == 0, r.stderr
     return r.stdout
 

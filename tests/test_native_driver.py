@@ -44,7 +44,10 @@ def fake_driver(tmp_path_factory):
 
 
 def run(fake_driver, code: str, **env) -> dict:
+    # cwd "/": from the repository root, "-c" would import the source tree, which holds
+    # no built extension when the package is installed (not editable), as in CI.
     r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120,
+                       cwd="/",
                        env={**os.environ, "LD_LIBRARY_PATH": fake_driver, "CUDA_VISIBLE_DEVICES": "0", **env})
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout.strip().splitlines()[-1])
