@@ -205,7 +205,7 @@ def cuda_devices(found: dict, dtensors: dict) -> frozenset:
     """The CUDA device indexes of ``tensor_paths``' tensors and DTensors' local tensors."""
     devices = {t.device.index for _path, t in found.values() if t.device.type == "cuda"}
     for _path, dt in dtensors.values():
-        device = getattr(dt, "_local_tensor", dt).device
+        device = local_tensor(dt).device
         if device.type == "cuda":
             devices.add(device.index)
     return frozenset(devices)
