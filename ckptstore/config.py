@@ -111,6 +111,12 @@ def _default_workers() -> int:
 #: starves the node).
 NODE_STAGING_SHARE = 0.5
 
+#: The least staging memory a rank's share comes to, however many ranks the launcher
+#: says share the node: below it a save crawls in tiny pieces instead of failing, and
+#: a count that large (e.g. a stray SLURM_NTASKS_PER_NODE) is far more likely wrong
+#: than real. 64 MiB is four 16 MiB chunks.
+MIN_RANK_SHARE = 64 << 20
+
 
 def host_memory_bytes() -> int:
     """The node's physical RAM in bytes (16 GiB where the OS cannot tell)."""
@@ -122,9 +128,9 @@ def host_memory_bytes() -> int:
 
 def rank_share_of_node(local_world_size: int, ram: int | None = None) -> int:
     """One rank's part of the node's staging share: NODE_STAGING_SHARE of ``ram``
-    (default: this node's) divided by the ranks on the node, at least 1 byte."""
+    (default: this node's) divided by the ranks on the node, at least MIN_RANK_SHARE."""
     ram = host_memory_bytes() if ram is None else ram
-    return max(1, int(ram * NODE_STAGING_SHARE) // local_world_size)
+    return max(MIN_RANK_SHARE, int(ram * NODE_STAGING_SHARE) // local_world_size)
 
 
 def _launcher_local_size(environ: Mapping[str, str]) -> int:

@@ -117,6 +117,40 @@ def _check_shuffle_args(dst: torch.Tensor, src: torch.Tensor, itemsize: int, wha
 # ---- fallback implementations (arguments already checked) -------------------
 
 
+class _FallbackBytesPart:
+    """``_C.BytesPart`` without the extension: a bytearray, copied out whole by take()
+    (one copy more, with the GIL held)."""
+
+    def __init__(self, capacity: int):
+        self._buf: bytearray | None = bytearray(capacity)
+        self.capacity = capacity
+        self.size = 0
+
+    def write(self, src, start: int = 0) -> int:
+        if self._buf is None:
+            raise RuntimeError("BytesPart.write: the part was taken")
+        src = memoryview(src).cast("B")
+        if start > len(src):
+            raise ValueError("BytesPart.write: start beyond the source's end")
+        n = min(len(src) - start, self.capacity - self.size)
+        self._buf[self.size:self.size + n] = src[start:start + n]
+        self.size += n
+        return n
+
+    def take(self) -> bytes:
+        if self._buf is None:
+            raise RuntimeError("BytesPart.take: the part was taken")
+        buf, self._buf = self._buf, None
+        return bytes(memoryview(buf)[:self.size])
+
+
+#: A bytes object of ``capacity`` bytes filled in place by ``write(src, start=0)`` (as
+#: much of ``src[start:]`` as fits; returns the count), then handed out by ``take()``
+#: (once; a copy of the filled prefix unless full). The S3 writer builds its upload
+#: parts in them. Callers serialise their calls.
+BytesPart = _C.BytesPart if NATIVE else _FallbackBytesPart
+
+
 def _fallback_copy_bytes(dst_ptr: int, src_ptr: int, nbytes: int) -> None:
     if nbytes:
         ctypes.memmove(dst_ptr, src_ptr, nbytes)

@@ -96,6 +96,8 @@ class RankWriter:
         self.size_hint: int | Callable[[], int] | None = None
         self.writers = writers
         self._out: AppendWriter | None = None
+        self._appended = False  # anything written to _out (an early-opened file may get nothing)
+        self._opening = False  # open_soon called
         self._open_lock = threading.Lock()
         self._futures: list[Future] = []
         self._pending: list[tuple] = []
@@ -156,11 +158,34 @@ class RankWriter:
         """Make the data file durable (after :meth:`store_blob`; raises its errors)."""
         wait_futures(self._futures)
         if self._out is not None:
-            self._out.close()
+            self._close_out()
 
     @property
     def failed(self) -> BaseException | None:
         return self._error
+
+    def open_soon(self) -> None:
+        """Open the data file on an I/O thread now, while the caller stages: on a remote
+        store its round trips (S3: a HEAD and CreateMultipartUpload) then overlap the
+        staging instead of delaying the first part. Errors are left for the first append,
+        which opens again and raises them. Call once ``size_hint`` is set. Only for stores
+        whose opens are round trips: a local file opens in microseconds, and counting a
+        size hint while the caller stages would take the GIL from it."""
+        if self._opening or not self.storage.opens_remotely:
+            return
+        self._opening = True
+
+        def open_quietly() -> None:
+            try:
+                self._writer()
+            except Exception:
+                pass
+        self._futures.append(self.rt.readers.submit(open_quietly))
+
+    def _append(self, data) -> int:
+        offset = self._writer().append(data)
+        self._appended = True
+        return offset
 
     # -- workers
     def _writer(self) -> AppendWriter:
@@ -192,7 +217,7 @@ class RankWriter:
             release()  # the encoded copy is all we still need
             release = None
         try:
-            offset = self._writer().append(stored) if len(stored) else 0
+            offset = self._append(stored) if len(stored) else 0
         finally:
             if release is not None:
                 release()
@@ -259,7 +284,7 @@ class RankWriter:
                 data = view[entries[0][1]:end]
             else:
                 data = b"".join(stored_parts)
-            at = self._writer().append(data) if len(data) else 0
+            at = self._append(data) if len(data) else 0
             chunks = []
             for key, offsets, shape, length, nbytes, chain, raw_hash in records:
                 chunks.append((key, fmt.Chunk(offsets, shape, fmt.Blob(self.file, at if length else 0, length,
@@ -315,7 +340,7 @@ class RankWriter:
                     self._fail(e, "index")
         if self._error is None and self._out is not None:
             try:
-                self._out.close()
+                self._close_out()
             except BaseException as e:
                 self._fail(e, "data file")
         if self._error is not None:
@@ -323,11 +348,20 @@ class RankWriter:
             raise self._error
         return out
 
+    def _close_out(self) -> None:
+        """Make the data file durable; one opened early that got nothing (every chunk a
+        reference) is dropped instead, as if never opened: no blob names it."""
+        if self._appended:
+            self._out.close()
+        else:
+            out, self._out = self._out, None
+            out.abort()
+
     def store_metadata(self, raw: bytes) -> fmt.Blob:
         """Append a metadata document (a version 4 index or table) now, hashed and
         compressed like a blob, on the caller's thread; never a reference."""
         chain, stored = zstd_frame(raw, METADATA_ZSTD_LEVEL)
-        offset = self._writer().append(stored)
+        offset = self._append(stored)
         return fmt.Blob(self.file, offset, len(stored), len(raw), tuple(chain), digest(memoryview(raw)))
 
     def abort(self) -> None:

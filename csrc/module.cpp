@@ -7,7 +7,9 @@
 #include <nanobind/stl/unique_ptr.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -80,6 +82,65 @@ nb::dict pool_stats_dict(const ckpt::PoolStats& s) {
     return d;
 }
 
+// A bytes object filled in place, then handed out whole. The S3 writer copies appended
+// bytes straight into the part it will upload (one copy, the GIL released), where
+// queueing a copy of each append and joining a part made two. The object stays
+// private until take(): nothing can see it change. Not thread-safe: the caller
+// serialises its calls (the writer holds its lock).
+class BytesPart {
+public:
+    explicit BytesPart(size_t capacity) : capacity_(capacity) {
+        if (capacity > static_cast<size_t>(PY_SSIZE_T_MAX))
+            throw std::invalid_argument("BytesPart: capacity too large");
+        obj_ = PyBytes_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(capacity));
+        if (!obj_) throw nb::python_error();
+    }
+    BytesPart(const BytesPart&) = delete;
+    BytesPart& operator=(const BytesPart&) = delete;
+    ~BytesPart() { Py_XDECREF(obj_); }  // (nanobind destroys instances with the GIL held)
+
+    // Copies src[start:] into the free room, as much as fits; returns the bytes copied.
+    size_t write(nb::handle src, size_t start) {
+        if (!obj_) throw std::runtime_error("BytesPart.write: the part was taken");
+        Py_buffer view;
+        if (PyObject_GetBuffer(src.ptr(), &view, PyBUF_SIMPLE) != 0) throw nb::python_error();
+        const size_t len = static_cast<size_t>(view.len);
+        if (start > len) {
+            PyBuffer_Release(&view);
+            throw std::invalid_argument("BytesPart.write: start beyond the source's end");
+        }
+        const size_t n = std::min(len - start, capacity_ - size_);
+        char* dst = PyBytes_AS_STRING(obj_) + size_;
+        const char* from = static_cast<const char*>(view.buf) + start;
+        {
+            nb::gil_scoped_release nogil;
+            std::memcpy(dst, from, n);
+        }
+        PyBuffer_Release(&view);
+        size_ += n;
+        return n;
+    }
+
+    // The bytes written: the object itself when full, else a copy of what was filled.
+    nb::bytes take() {
+        if (!obj_) throw std::runtime_error("BytesPart.take: the part was taken");
+        PyObject* out = obj_;
+        obj_ = nullptr;
+        if (size_ == capacity_) return nb::steal<nb::bytes>(out);
+        nb::bytes part(PyBytes_AS_STRING(out), size_);
+        Py_DECREF(out);
+        return part;
+    }
+
+    size_t size() const { return size_; }
+    size_t capacity() const { return capacity_; }
+
+private:
+    PyObject* obj_ = nullptr;
+    size_t capacity_ = 0;
+    size_t size_ = 0;
+};
+
 }  // namespace
 
 NB_MODULE(_C, m) {
@@ -138,6 +199,19 @@ NB_MODULE(_C, m) {
     shuffle_like("unshuffle", &ckpt::unshuffle, "Exact inverse of shuffle.");
 
     // ---- host staging pool ------------------------------------------------------
+
+    nb::class_<BytesPart>(m, "BytesPart",
+                          "A bytes object of `capacity` bytes filled in place by write(), then "
+                          "handed out by take() (private until then; callers serialise)")
+        .def(nb::init<size_t>(), nb::arg("capacity"))
+        .def("write", &BytesPart::write, nb::arg("src"), nb::arg("start") = 0,
+             "Copy src[start:] (a C-contiguous buffer) into the free room, as much as fits, "
+             "the GIL released; returns the bytes copied.")
+        .def("take", &BytesPart::take,
+             "The bytes written: the object itself when full, else a copy of the filled "
+             "prefix. Once only.")
+        .def_prop_ro("size", &BytesPart::size)
+        .def_prop_ro("capacity", &BytesPart::capacity);
 
     nb::class_<ckpt::Block>(m, "Block", nb::type_slots(g_block_slots),
                             "Memory lent by a HostPool (buffer protocol: writable bytes). "

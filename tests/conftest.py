@@ -82,6 +82,21 @@ STORAGE_BACKENDS = {
 }
 
 
+@pytest.fixture(scope="session")
+def supervised_reference(tmp_path_factory) -> dict:
+    """The final state of an uninterrupted supervised training run (tests/test_supervisor.py's
+    job, checkpoints on local disk), which every interrupted run of test_supervisor and
+    test_supervisor_s3 must end bit-identical to: made once per session, not per module
+    (a 2-rank torchrun job: about 15 s on 2 cores)."""
+    import torch
+    from test_supervisor import Supervised
+
+    tmp = tmp_path_factory.mktemp("reference")
+    job = Supervised(tmp / "store", tmp)
+    assert job.finish() == 0, job.output()[-3000:]
+    return torch.load(job.final)
+
+
 @pytest.fixture(params=sorted(STORAGE_BACKENDS))
 def storage(request, tmp_path):
     """A fresh, empty store of each registered backend."""

@@ -599,3 +599,40 @@ def test_extension_imports_without_a_visible_gpu():
     assert result["info"]["available"] is False and result["info"]["devices"] == 0
     assert result["info"]["error"] != ""
     assert (result["pinned"], result["block_pinned"]) == (False, False)
+
+
+# ---------------------------------------------------------------------------- BytesPart
+BYTES_PARTS = [pytest.param(native._FallbackBytesPart, id="fallback")]
+if native.NATIVE:
+    BYTES_PARTS.append(pytest.param(native._C.BytesPart, id="native"))
+
+
+@pytest.mark.parametrize("cls", BYTES_PARTS)
+def test_bytes_part_fills_in_order_and_hands_out_exact_bytes_once(cls):
+    """The S3 writer's upload parts: writes land back to back, as much as fits; take()
+    gives exactly what was written (the whole object when full, else the prefix), once."""
+    rng = random.Random(3)
+    pieces = [rng.randbytes(rng.randrange(0, 5000)) for _ in range(20)]
+    stream = b"".join(pieces)
+    capacity = len(stream) // 2
+    part, rest = cls(capacity), b""
+    for p in pieces:
+        src = memoryview(bytearray(p))  # any C-contiguous buffer, writable or not
+        n = part.write(src)
+        assert n == min(len(p), capacity - (part.size - n))
+        rest += p[n:]
+    assert (part.size, part.capacity) == (capacity, capacity)
+    assert part.write(b"more") == 0  # full: nothing fits
+    out = part.take()
+    assert type(out) is bytes and out == stream[:capacity]
+    with pytest.raises(RuntimeError, match="taken"):
+        part.take()
+    with pytest.raises(RuntimeError, match="taken"):
+        part.write(b"x")
+    # start= copies from inside the source; a part not full gives its prefix.
+    part = cls(10)
+    assert part.write(b"0123456789abcdef", 12) == 4 and part.write(memoryview(b"xyz"), 1) == 2
+    assert part.take() == b"cdefyz"
+    with pytest.raises(ValueError, match="beyond"):
+        cls(4).write(b"ab", 3)
+    assert cls(0).take() == b""

@@ -117,10 +117,19 @@ def uploads(admin, bucket: str) -> list[str]:
     return sorted(u["Key"] for u in admin.list_multipart_uploads(Bucket=bucket).get("Uploads", ()))
 
 
-def run_cli(endpoint: str, *args: str) -> subprocess.CompletedProcess:
+def start_cli(endpoint: str, *args: str) -> subprocess.Popen:
     env = s3util.subprocess_env(endpoint, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    return subprocess.run([sys.executable, "-m", "ckptstore.cli", *args], env=env, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.Popen([sys.executable, "-m", "ckptstore.cli", *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def cli_result(proc: subprocess.Popen) -> subprocess.CompletedProcess:
+    out, err = proc.communicate(timeout=300)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def run_cli(endpoint: str, *args: str) -> subprocess.CompletedProcess:
+    return cli_result(start_cli(endpoint, *args))
 
 
 # ---------------------------------------------------------------------------- configuration
@@ -375,6 +384,66 @@ def test_open_append_empty_object_and_existing_key(bucket):
     assert st.read("empty.bin") == b"" and st.stat("empty.bin").size == 0
     with pytest.raises(AlreadyExistsError):
         st.open_append("empty.bin")
+
+
+def test_a_hint_of_a_part_or_more_starts_the_multipart_upload_before_any_append(bucket, proxy, admin):
+    """With a size hint of at least a part, CreateMultipartUpload goes out at open, not
+    after a whole part was read: its round trip overlaps the first part's encoding. A
+    hint that overestimates still gives the exact object, one part or none."""
+    st = s3util.s3_storage(bucket, "early", proxy.url)  # 5 MiB parts
+    w = st.open_append("h.bin", size_hint=12 * MiB)
+    assert proxy.wait_for(lambda p: any(r.op == "CreateMultipartUpload" and r.status == 200 for r in p.log))
+    assert uploads(admin, bucket) == ["early/h.bin"]  # and not a byte appended yet
+    data = random.Random(8).randbytes(12 * MiB)
+    for i in range(0, len(data), MiB):
+        w.append(data[i:i + MiB])
+    assert w.close() == len(data)
+    assert st.read("h.bin") == data
+    # Less than a part after all: a multipart upload of one part.
+    proxy.clear()
+    w = st.open_append("small.bin", size_hint=12 * MiB)
+    w.append(b"abc")
+    assert w.close() == 3
+    ops = [r.op for r in proxy.requests()]
+    assert (ops.count("UploadPart"), ops[-1]) == (1, "CompleteMultipartUpload")
+    assert st.read("small.bin") == b"abc"
+    # Nothing at all: the multipart upload (which cannot complete without a part) is
+    # aborted, and the empty object stored with one PutObject.
+    proxy.clear()
+    w = st.open_append("none.bin", size_hint=12 * MiB)
+    assert w.close() == 0
+    assert st.read("none.bin") == b"" and uploads(admin, bucket) == []
+    assert "CompleteMultipartUpload" not in [r.op for r in proxy.requests()]
+    # Under a part: s3transfer still reads the first part to choose, as before.
+    proxy.clear()
+    w = st.open_append("tiny.bin", size_hint=MiB)
+    w.append(b"xyz")
+    assert w.close() == 3
+    assert [r.op for r in proxy.requests()] == ["HeadObject", "PutObject"]
+
+
+def test_a_save_opens_its_s3_data_file_beside_staging_and_drops_it_if_nothing_is_written(bucket, proxy, admin):
+    """RankWriter.open_soon opens the data file on an I/O thread (HEAD and
+    CreateMultipartUpload while the caller stages); a writer that then appends
+    nothing leaves no object and no upload behind, as if it never opened."""
+    from ckptstore.pipeline import RankWriter
+
+    st = s3util.s3_storage(bucket, "soon", proxy.url)
+    w = RankWriter(st, fmt.new_attempt_id(), 0, CompressionPolicy(mode="none"))
+    w.size_hint = lambda: 64 * MiB  # counted on the I/O thread
+    w.open_soon()
+    w.open_soon()  # once
+    assert proxy.wait_for(lambda p: any(r.op == "CreateMultipartUpload" and r.status == 200 for r in p.log))
+    w.close()
+    ops = [r.op for r in proxy.requests()]
+    assert (ops.count("HeadObject"), ops.count("CreateMultipartUpload"), ops.count("AbortMultipartUpload")) == (1, 1, 1)
+    assert uploads(admin, bucket) == [] and keys(admin, bucket, "soon/") == []
+    # A whole save: the data file's upload starts at once, and the checkpoint is exact.
+    state = {"w": torch.arange(3 * MiB, dtype=torch.float32)}  # 12 MiB: more than a 5 MiB part
+    proxy.clear()
+    save_via(st.child("full"), state).result(timeout=120)
+    full = st.child("full")
+    assert_same(restore(full, latest_manifest(full), 0), state)
 
 
 # ---------------------------------------------------------------------------- reads
@@ -665,12 +734,13 @@ def test_cli_ls_and_verify_on_an_s3_url(s3env, bucket, admin):
     store = ckptstore.Store(url)
     for step in (1, 2):
         store.save(step, {"w": torch.full((2000,), float(step))}, metrics={"loss": 0.5 / step}).result()
-    r = run_cli(s3env, "ls", url, "--json")
+    listing, verifying = start_cli(s3env, "ls", url, "--json"), start_cli(s3env, "verify", url, "--json")  # at once
+    r = cli_result(listing)
     assert r.returncode == 0, r.stderr
     recs = json.loads(r.stdout)
     assert [(x["step"], x["committed"], x["url"]) for x in recs] == [
         (1, True, f"{url}/step-000000000001"), (2, True, f"{url}/step-000000000002")]
-    r = run_cli(s3env, "verify", url, "--json")
+    r = cli_result(verifying)
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)
     assert report["ok"] is True and len(report["checkpoints"]) == 2
@@ -679,12 +749,13 @@ def test_cli_ls_and_verify_on_an_s3_url(s3env, bucket, admin):
     key = f"run/step-000000000002/{fmt.data_file_name(m.attempt, 0, 0)}"
     size = admin.head_object(Bucket=bucket, Key=key)["ContentLength"]
     admin.put_object(Bucket=bucket, Key=key, Body=b"\xa5" * size)
-    r = run_cli(s3env, "verify", url, "--json")
+    verifying, missing = start_cli(s3env, "verify", url, "--json"), start_cli(s3env, "ls", f"s3://{bucket}-missing/run")
+    r = cli_result(verifying)
     assert r.returncode == 1, r.stderr
     report = json.loads(r.stdout)
     assert [c["ok"] for c in report["checkpoints"]] == [True, False]
     assert "xxh3" in report["checkpoints"][1]["problems"][0]["message"]
-    r = run_cli(s3env, "ls", f"s3://{bucket}-missing/run")
+    r = cli_result(missing)
     assert r.returncode == 2 and f"s3://{bucket}-missing/run" in r.stderr and "Traceback" not in r.stderr
 
 

@@ -96,16 +96,35 @@ def test_requests_per_checkpoint_grow_by_a_constant_per_rank(bucket, world):  # 
     assert got["writes"] == {("HEAD", "data"): others, ("PUT", "data"): others, ("PUT", "vote"): others}
 
     # Rank 0 writes as they did, then commits: it reads each vote once, takes the files'
-    # sizes from the listing that showed the votes (no HEAD per file), and lists four
-    # times: the attempt (every vote was there at once), the generations before the
-    # commit, the one that shows it visible, the retiring of older ones.
+    # sizes from the listing that showed the votes (no HEAD per file), and lists twice:
+    # the attempt (every vote was there at once) and the generations before the commit.
+    # Generation 1 has nothing older to retire, so no listing after the manifest.
     assert got["commit"] == {("HEAD", "data"): 1, ("PUT", "data"): 1, ("PUT", "vote"): 1,
-                             ("GET", "vote"): others, ("GET", "list"): 4, ("PUT", "manifest"): 1,
+                             ("GET", "vote"): others, ("GET", "list"): 2, ("PUT", "manifest"): 1,
                              ("PUT", "outcome"): 1}
 
     # A waiting rank whose commit is done: its outcome and its root, nothing else.
     assert got["waits"] == {("GET", "outcome"): others, ("GET", "manifest"): others}
-    assert sum(sum(c.values()) for c in got.values()) == 6 * world + 3  # docs/s3.md's table
+    assert sum(sum(c.values()) for c in got.values()) == 6 * world + 1  # docs/s3.md's table
+
+
+def test_a_second_generation_retires_the_first_from_the_listing_that_shows_it_visible(bucket):  # noqa: F811
+    """A save over a committed checkpoint (the same location again) lists the generations
+    once after its manifest, which shows it visible and names the one to retire; the old
+    manifest and its attempt's files are deleted, the new one loads."""
+    store = s3_storage(bucket)
+    counter = Requests(store.client)
+    simulate(store, 2, counter)
+    got = simulate(store, 2, counter)
+    print(f"\n{got['commit']}")
+    where = store.child(names.step_dir_name(STEP))
+    assert [names.parse_manifest_name(k) for k in where.list("") if names.parse_manifest_name(k)] == [2]
+    # The attempt, the generations before the commit, the one that shows it visible and
+    # names generation 1, and the old attempt's files: four, where a second listing of
+    # the generations made five.
+    assert got["commit"][("GET", "list")] == 4
+    assert got["commit"][("GET", "manifest")] == 1  # the old one, read for the attempt it names
+    assert got["commit"][("DELETE", "manifest")] == 1
 
 
 def test_a_waiting_rank_polls_only_the_outcome_until_the_commit(bucket):  # noqa: F811

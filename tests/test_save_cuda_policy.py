@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 import ckptstore
 from ckptstore.checkpoint.flatten import region_byte_offset
-from ckptstore.config import NODE_STAGING_SHARE, Config, ConfigError, host_memory_bytes, rank_share_of_node
+from ckptstore.config import MIN_RANK_SHARE, NODE_STAGING_SHARE, Config, ConfigError, host_memory_bytes, rank_share_of_node
 from ckptstore.runtime import Runtime
 from ckptstore.staging import StagingCopier, StagingPool, check_stream, row_major_boxes
 from ckptstore.staging.strided import copy_boxes
@@ -74,8 +74,11 @@ def test_without_local_world_size_the_launchers_count_of_the_node_ranks_is_used(
 
 def test_rank_share_arithmetic():
     assert rank_share_of_node(8, ram=64 * GiB) == 4 * GiB
-    assert rank_share_of_node(3, ram=10) == 1  # 5 // 3
-    assert rank_share_of_node(1000, ram=1000) == 1  # never 0: a pool needs a positive capacity
+    assert rank_share_of_node(3, ram=10 * GiB) == 5 * GiB // 3
+    # A huge count (a stray SLURM_NTASKS_PER_NODE) floors at a share a save can work in,
+    # not at a few bytes that would make it crawl.
+    assert rank_share_of_node(1000, ram=1000) == MIN_RANK_SHARE
+    assert Config.from_env({"LOCAL_WORLD_SIZE": str(10**9)}).pinned_capacity == MIN_RANK_SHARE
 
 
 def test_explicit_budget_is_kept_but_pinned_memory_stays_within_the_node_share():

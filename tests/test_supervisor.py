@@ -17,7 +17,6 @@ from pathlib import Path
 
 import psutil
 import pytest
-import torch
 from click.testing import CliRunner
 
 from ckptstore.storage import open_storage
@@ -82,12 +81,11 @@ def reasons(failures: list[dict]) -> list[tuple]:
     return [(f["class"], f["step"], f["reason"]) for f in failures]
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> dict:
-    tmp = tmp_path_factory.mktemp("reference")
-    job = Supervised(tmp / "store", tmp)
-    assert job.finish() == 0, job.output()[-3000:]
-    return torch.load(job.final)
+@pytest.fixture
+def reference(supervised_reference) -> dict:
+    """The uninterrupted run's final state (tests/conftest.py: one run for the session,
+    shared with test_supervisor_s3)."""
+    return supervised_reference
 
 
 

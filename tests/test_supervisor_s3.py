@@ -35,7 +35,7 @@ from test_supervisor import (  # noqa: E402  (no test_* name imported: pytest wo
     kinds,
     nonzero,
     reasons,
-    reference,  # noqa: F401 (the module fixture: an uninterrupted run, checkpoints on local disk)
+    reference,  # noqa: F401 (an uninterrupted run, checkpoints on local disk: conftest's, one per session)
     status,
 )
 

@@ -381,12 +381,16 @@ def commit(storage: Storage, own: fmt.Vote, world_size: int, created_at: str, me
         ) from e
     if world_size > 1:
         write_outcome(storage, attempt, {"committed": generation})
+    if generation == 1:
+        return manifest  # nothing older to retire (the first save of a location: no listing)
     try:
-        # Retire only once a reader's own listing shows the new generation as the visible one.
-        if not _listed_as_newest(storage, generation):
+        # Retire only once a reader's own listing shows the new generation as the visible
+        # one; that listing also says which older ones to retire.
+        listed = _listing_with_newest(storage, generation)
+        if listed is None:
             raise CommitError(f"generation {generation} is not the visible one after its commit")
         retire_generations(storage, below=generation, live_attempt=attempt, files=retire_files,
-                           keep=manifest.earlier_attempts())
+                           keep=manifest.earlier_attempts(), listed=listed)
     except Exception as e:  # committed already: a leftover generation is gc's to clean
         warnings.warn(f"{where}: committed generation {generation}, but retiring older ones failed: {e}",
                       RuntimeWarning, stacklevel=2)
@@ -396,19 +400,19 @@ def commit(storage: Storage, own: fmt.Vote, world_size: int, created_at: str, me
 LISTING_LAG_TRIES = 4  # listings (0.05, 0.1, 0.2 s apart) before a just-written manifest counts as not listed
 
 
-def _listed_as_newest(storage: Storage, generation: int) -> bool:
-    """Whether a listing shows ``generation`` as the newest: a store whose listings may
-    lag a write for a moment (some S3-compatible ones) gets a short, bounded back-off
-    before retiring is skipped (gc retires later)."""
+def _listing_with_newest(storage: Storage, generation: int) -> list[int] | None:
+    """A listing of the generations that shows ``generation`` as the newest, or None: a
+    store whose listings may lag a write for a moment (some S3-compatible ones) gets a
+    short, bounded back-off before retiring is skipped (gc retires later)."""
     for attempt in range(LISTING_LAG_TRIES):
         gens = generations(storage)
         if gens[-1:] == [generation]:
-            return True
+            return gens
         if gens and gens[-1] > generation:  # a newer one: no wait changes that
-            return False
+            return None
         if attempt + 1 < LISTING_LAG_TRIES:
             time.sleep(0.05 * 2 ** attempt)
-    return False
+    return None
 
 
 def check_files(storage: Storage, ranks, tensors, listed: dict[str, int] | None = None) -> None:
@@ -521,12 +525,13 @@ def attempt_files(storage: Storage, attempt: str):
 
 
 def retire_generations(storage: Storage, below: int, live_attempt: str, files: bool = True,
-                       keep=frozenset()) -> None:
+                       keep=frozenset(), listed: list[int] | None = None) -> None:
     """Delete generations older than ``below``: each manifest before its files (I7;
     ``files=False``: the manifests only). The files of ``live_attempt`` (the new
     generation's) and of the attempts in ``keep`` (earlier ones it refers to) are never
-    deleted, whatever an older manifest claims."""
-    for gen in generations(storage):
+    deleted, whatever an older manifest claims. ``listed``: the generations as a
+    listing just made shows them (else one is made)."""
+    for gen in (generations(storage) if listed is None else listed):
         if gen >= below:
             break
         try:

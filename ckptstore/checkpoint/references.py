@@ -115,6 +115,7 @@ class ReferencingStorage(Storage):
         self.base = base
         self.url = base.url
         self.read_hints = base.read_hints
+        self.opens_remotely = base.opens_remotely
         self._siblings: dict[str, Storage] = {}
         self._lock = threading.Lock()
 

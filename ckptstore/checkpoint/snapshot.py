@@ -212,15 +212,16 @@ def cuda_devices(found: dict, dtensors: dict) -> frozenset:
 
 
 def _hint_size(writer: RankWriter, raw_bytes) -> None:
-    """Tell the writer, before its first append opens the data file, about how large the
-    file will be: ``raw_bytes()``, the raw bytes staged (the S3 store picks its part
-    size from it), counted by the worker that opens the file, not on the training
-    thread (about 0.6 us a tensor). An
-    upper bound but for the skeleton and indexes (small, and the store adds a margin):
+    """Tell the writer how large its data file will be, then have it open the file on
+    an I/O thread while the caller stages (RankWriter.open_soon): ``raw_bytes()``, the
+    raw bytes staged (the S3 store picks its part size from it), counted by the thread
+    that opens the file, not the training thread (about 0.6 us a tensor). An upper
+    bound but for the skeleton and indexes (small, and the store adds a margin):
     compression only shrinks, references and other ranks' shares of global tensors are
     not written. Tensors that only pickling finds (inside custom objects) are missed:
     the store then grows its parts past the estimate."""
     writer.size_hint = raw_bytes
+    writer.open_soon()
 
 
 def _captured_bytes(storages) -> int:

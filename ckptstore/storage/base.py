@@ -155,6 +155,9 @@ class Storage(abc.ABC):
 
     url: str
     read_hints: ReadHints = ReadHints()  # no coalescing; backends override (see the module docstring)
+    # Opening an appended object costs round trips (S3): a save then opens its data file
+    # on an I/O thread while it stages (pipeline.RankWriter.open_soon).
+    opens_remotely: bool = False
 
     def _check(self, key: str, prefix: bool = False) -> str:
         """``check_key`` naming this store in the message (built only for a bad key)."""

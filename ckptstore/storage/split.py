@@ -35,6 +35,7 @@ class SplitStorage(Storage):
         self.shared, self.data = shared, data
         self.url = shared.url
         self.read_hints = data.read_hints
+        self.opens_remotely = data.opens_remotely
 
     def _route(self, key: str) -> Storage:
         return self.data if is_data_key(key) else self.shared

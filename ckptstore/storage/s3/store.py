@@ -142,6 +142,8 @@ class S3Storage(Storage):
     checks every blob's xxh3-128 whatever this says.
     """
 
+    opens_remotely = True  # a HEAD and CreateMultipartUpload
+
     def __init__(self, bucket: str, prefix: str = "", *, client=None, endpoint_url: str | None = None,
                  region_name: str | None = None, profile_name: str | None = None,
                  part_size: int = DEFAULT_PART_SIZE, max_concurrency: int = DEFAULT_CONCURRENCY,
@@ -421,7 +423,7 @@ class S3Storage(Storage):
         plan = self.part_plan(size_hint, writers)
         if self.exists(key):
             raise AlreadyExistsError(f"{self.describe(key)}: already exists")
-        return _S3AppendWriter(self, key, plan)
+        return _S3AppendWriter(self, key, plan, size_hint)
 
     def readinto(self, key: str, offset: int, out, on_piece=None) -> None:
         self._check(key)

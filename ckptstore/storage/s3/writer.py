@@ -3,7 +3,8 @@
 ``open_append`` returns an :class:`_S3AppendWriter`: appends land, in arrival order, in
 a bounded buffer that a blocking file-like reader (:class:`_Feed`) hands to
 ``s3transfer.TransferManager.upload``, which sends it as a single PutObject when small,
-else as a multipart upload, and aborts the upload when it fails.
+else as a multipart upload, and aborts the upload when it fails. A size hint of a part or
+more starts the multipart upload at once (:class:`_MultipartFromStart`).
 
 Part sizes come from a :class:`PartPlan` (:func:`plan_parts`): with a size hint, one
 size for the whole upload, large enough that the hinted size fits in S3's 10,000 parts
@@ -22,7 +23,9 @@ from typing import TYPE_CHECKING
 
 from boto3.s3.transfer import TransferConfig
 from s3transfer.manager import TransferManager
+from s3transfer.subscribers import BaseSubscriber
 
+from ... import native
 from ..._threads import DaemonThreadPool
 from ...errors import CkptStoreError, StorageError
 from ..base import AppendWriter
@@ -114,6 +117,20 @@ def _byte_view(out) -> memoryview:
     return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
 
 
+class _MultipartFromStart(BaseSubscriber):
+    """Tells s3transfer, as the upload is queued, that the object takes at least one
+    part: it then sends CreateMultipartUpload at once, instead of first reading a whole
+    part from the feed to choose between one PutObject and a multipart upload, so the
+    request's round trip overlaps the first part's encoding and hashing. (The size it
+    is given decides only that: the feed is read until it ends.)"""
+
+    def __init__(self, part_size: int):
+        self._size = part_size
+
+    def on_queued(self, future, **kwargs):
+        future.meta.provide_transfer_size(self._size)
+
+
 class _Feed:
     """The blocking, non-seekable file object s3transfer reads the appended bytes from."""
 
@@ -133,23 +150,26 @@ class _Feed:
 class _S3AppendWriter(AppendWriter):
     """Streams appended bytes to S3 while they arrive.
 
-    ``append`` takes an offset and queues the bytes (a copy, unless they are an immutable
-    ``bytes``) under one lock, so offsets follow arrival order and the queue is the
-    object's byte order. s3transfer's
-    submission thread reads parts off the queue (``_take``), each of the size ``plan``
-    gives; its request threads upload up to ``plan.in_flight`` parts at once. Memory
-    stays bounded: ``append`` waits while two parts' worth is queued, and s3transfer
-    holds at most ``plan.in_flight`` parts plus the one it is handing over.
+    ``append`` takes an offset and copies the bytes under one lock, so offsets follow
+    arrival order: straight into the part being filled (``native.BytesPart``, each of
+    the size ``plan`` gives part by part, the copy made with the GIL released), which
+    joins the queue of ready parts once full. s3transfer's submission thread takes whole
+    parts off that queue (``_take``): each byte is copied once on its way, with no join
+    of pieces into a part. Its request threads upload up to ``plan.in_flight`` parts at
+    once. Memory stays bounded: ``append`` waits while two parts' worth is queued, and
+    s3transfer holds at most ``plan.in_flight`` parts plus the one it is handing over.
     """
 
-    def __init__(self, storage: S3Storage, key: str, plan: PartPlan):
+    def __init__(self, storage: S3Storage, key: str, plan: PartPlan, size_hint: int | None = None):
         self.key = key
         self._s = storage
         self._plan = plan
         sh = storage._shared
         self._cv = threading.Condition()
-        self._queue: collections.deque[memoryview] = collections.deque()
-        self._queued = 0
+        self._ready: collections.deque[bytes] = collections.deque()  # full parts, in order
+        self._filling = None  # the native.BytesPart being filled, or None
+        self._cut = 0  # parts filled so far (the next one is part _cut + 1)
+        self._queued = 0  # bytes in _ready and _filling
         self._size = 0
         self._parts = 0  # parts handed to s3transfer so far
         self._eof = False
@@ -166,9 +186,13 @@ class _S3AppendWriter(AppendWriter):
             use_threads=True,
         )
         config.max_in_memory_upload_chunks = plan.in_flight  # parts held by s3transfer
+        # A hint of a part or more: multipart from the start (an object that ends up
+        # empty after all is stored by close() with one PutObject).
+        self._multipart = size_hint is not None and size_hint >= plan.part_size(1)
+        subscribers = [_MultipartFromStart(plan.part_size(1))] if self._multipart else None
         self._manager = TransferManager(sh.client, config, executor_cls=DaemonThreadPool)
         with self._cv:
-            self._future = self._manager.upload(_Feed(self), sh.bucket, storage._k(key))
+            self._future = self._manager.upload(_Feed(self), sh.bucket, storage._k(key), subscribers=subscribers)
 
     # -- the producer side (any thread)
     def append(self, data) -> int:
@@ -185,13 +209,28 @@ class _S3AppendWriter(AppendWriter):
                 if self._queued < self._limit():
                     offset = self._size
                     self._size += n
-                    if n:  # bytes are immutable: keep them; anything else may be reused, copy it
-                        self._queue.append(mv if isinstance(data, bytes) else memoryview(bytes(mv)))
+                    if n:
+                        self._fill(mv)
                         self._queued += n
                         self._cv.notify_all()
                     return offset
                 self._cv.wait(0.05)  # back-pressure; also notices a failed upload
         raise self._failure()
+
+    def _fill(self, mv: memoryview) -> None:
+        """Copy ``mv`` into the parts (under the lock), cutting a part whenever one fills."""
+        at = 0
+        while at < len(mv):
+            if self._filling is None:
+                self._filling = native.BytesPart(self._plan.part_size(self._cut + 1))
+            at += self._filling.write(mv, at)
+            if self._filling.size == self._filling.capacity:
+                self._ready.append(self._filling.take())
+                self._filling = None
+                self._cut += 1
+
+    def _ready_bytes(self) -> int:
+        return self._queued - (self._filling.size if self._filling is not None else 0)
 
     def _limit(self) -> int:
         return 2 * self._plan.part_size(self._parts + 1)
@@ -220,32 +259,41 @@ class _S3AppendWriter(AppendWriter):
             while True:
                 if self._stop is not None:
                     raise self._stop
-                if self._eof or (want is not None and self._queued >= want):
+                if self._eof or (want is not None and self._ready_bytes() >= want):
                     break
                 if self._future is not None and self._future.done():
                     raise StorageError("upload failed")  # stop reading; the real error is on the future
                 self._cv.wait(0.05)
+            # Whole parts only: part k is plan.part_size(k), at least what is asked.
             pieces, got = [], 0
-            while self._queue and (want is None or got < want):
-                head = self._queue.popleft()
-                if want is not None and got + len(head) > want:
-                    k = want - got
-                    self._queue.appendleft(head[k:])
-                    head = head[:k]
-                pieces.append(head)
-                got += len(head)
+            while self._ready and (want is None or got < want):
+                pieces.append(self._ready.popleft())
+                got += len(pieces[-1])
+            if self._eof and self._filling is not None and (want is None or got < want):
+                pieces.append(self._filling.take())  # the last part
+                self._filling = None
+                got += len(pieces[-1])
             self._queued -= got
             self._cv.notify_all()
-        return b"".join(pieces)
+        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
     # -- finishing
     def close(self) -> int:
         with self._cv:
             if self._closed:
                 raise StorageError(f"{self._s.describe(self.key)}: closed twice")
-            self._eof = True
             self._closed = True
+            empty = self._multipart and self._size == 0
+            if empty:  # a multipart upload needs a part: stop it before it completes with none
+                self._stop = StorageError(f"{self._s.describe(self.key)}: empty; stored with one PutObject")
+            else:
+                self._eof = True
             self._cv.notify_all()
+        if empty:
+            self._cancel()
+            self._s.put(self.key, b"")
+            self._completed = True
+            return 0
         try:
             self._future.result()
         except BaseException as e:
@@ -255,22 +303,28 @@ class _S3AppendWriter(AppendWriter):
         self._completed = True
         return self._size
 
+    def _cancel(self) -> None:
+        """End the transfer without completing it; s3transfer aborts a multipart upload
+        it started."""
+        if not self._future.done():
+            self._future.cancel()
+        try:
+            self._future.result()
+        except BaseException:
+            pass
+        self._manager.shutdown()
+
     def abort(self) -> None:
         try:
             with self._cv:
                 self._closed = True
                 if self._stop is None:
                     self._stop = StorageError(f"{self._s.describe(self.key)}: upload aborted")
-                self._queue.clear()
+                self._ready.clear()
+                self._filling = None
                 self._queued = 0
                 self._cv.notify_all()
-            if not self._future.done():
-                self._future.cancel()  # s3transfer then aborts the multipart upload
-            try:
-                self._future.result()
-            except BaseException:
-                pass
-            self._manager.shutdown()
+            self._cancel()
             if self._completed:
                 self._s.delete(self.key)
         except BaseException:
