@@ -16,21 +16,25 @@ from typing import Any
 from lightning.pytorch.plugins.io import CheckpointIO as _LightningCheckpointIO
 
 from . import api, lifecycle, names
+from .staging.cuda import check_stream
 from .storage import is_url, open_storage
 
 
 class CheckpointIO(_LightningCheckpointIO):
     """Lightning's checkpoint I/O, asynchronous, through ckptstore.
 
-    ``compression``, ``storage_options`` and ``incremental`` as for
-    :func:`ckptstore.save`; ``weights_only`` is the default for loads Lightning does
+    ``compression``, ``storage_options``, ``incremental`` and ``stream`` (the CUDA
+    stream, or ``{device index: stream}``, whose work a save's copies wait for; default
+    the saving thread's current stream) as for :func:`ckptstore.save`, and checked as
+    it checks them; ``weights_only`` is the default for loads Lightning does
     not decide itself (True: torch's allow-list; Lightning checkpoints holding custom
     hyperparameter objects need False, for checkpoints you trust).
     """
 
     def __init__(self, *, compression: str = "auto", storage_options: dict | None = None,
-                 incremental: bool = True, weights_only: bool = True):
+                 incremental: bool = True, weights_only: bool = True, stream=None):
         super().__init__()
+        self.stream = check_stream(stream, "ckptstore.lightning.CheckpointIO")
         self.compression = compression
         self.storage_options = storage_options
         self.incremental = incremental
@@ -39,7 +43,8 @@ class CheckpointIO(_LightningCheckpointIO):
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
         lifecycle.raise_earlier_failure()  # a save that failed in the background fails this one
         api.save(checkpoint, os.fspath(path), compression=self.compression,
-                 storage_options=storage_options or self.storage_options, incremental=self.incremental)
+                 storage_options=storage_options or self.storage_options, incremental=self.incremental,
+                 stream=self.stream)
 
     def load_checkpoint(self, path, map_location: Any | None = None, weights_only: bool | None = None) -> dict:
         api.wait()  # a resume right after a save (by any trainer of this process) reads that save

@@ -107,3 +107,15 @@ def test_a_damaged_checkpoint_fails_the_resume_naming_the_file(tmp_path):
     data_file.write_bytes(bytes(raw))
     with pytest.raises(ckptstore.IntegrityError, match="data-r00000-s00.bin"):
         trainer(2, tmp_path).fit(fresh_model(), data(), ckpt_path=str(path))
+
+
+def test_a_bad_stream_is_refused_when_the_plugin_is_made(tmp_path):
+    """``stream=`` (as for ckptstore.save) is checked where it is given, naming the plugin,
+    not at the first checkpoint of a long fit; a valid one is what each save waits for."""
+    with pytest.raises(TypeError, match=r"ckptstore\.lightning\.CheckpointIO: stream= must be"):
+        ckptstore.lightning.CheckpointIO(stream="cuda:0")
+    with pytest.raises(TypeError, match="dict keys must be CUDA device indexes"):
+        ckptstore.lightning.CheckpointIO(stream={"cuda": None})
+    io = ckptstore.lightning.CheckpointIO(stream={})  # no device named: each device's current stream, as the default
+    io.save_checkpoint({"w": torch.ones(3)}, tmp_path / "c")
+    assert torch.equal(io.load_checkpoint(tmp_path / "c")["w"], torch.ones(3))
