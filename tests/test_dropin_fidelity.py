@@ -302,3 +302,72 @@ def test_new_error_types_stay_in_the_tree():
     assert issubclass(UnserializableTensorError, (CkptStoreError,))
     assert issubclass(UnserializableTensorError, RuntimeError)
     assert issubclass(UnserializableTensorError, SerializationError)
+
+
+# ---------------------------------------------------------------------------- loads under a FakeTensorMode
+def _described(o):
+    if torch.is_tensor(o):
+        return (type(o).__name__, str(o.device), tuple(o.shape), o.dtype, o.requires_grad, o.storage_offset(),
+                o.stride())
+    if isinstance(o, dict):
+        return {k: _described(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return type(o)(_described(v) for v in o)
+    return o
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("map_location", [None, "cuda:1", {"cpu": "cuda:0"}], ids=["none", "str", "dict"])
+def test_a_load_under_a_fake_tensor_mode_gives_fake_tensors_as_torch(tmp_path, target, map_location):
+    """torch.compile, export and meta initialisation load under a FakeTensorMode: like
+    torch.load, ckptstore.load then rebuilds fake tensors (shape, dtype, strides, views,
+    Parameters, the device map_location names) and reads no tensor bytes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    base = torch.randn(6, 4)
+    obj = {"w": base, "rows": base[2:4], "p": torch.nn.Parameter(torch.randn(3)), "step": 7,
+           "nested": [torch.arange(3), (torch.ones(2, 5, dtype=torch.bfloat16).t(),)]}
+    saved = io.BytesIO()
+    torch.save(obj, saved)
+    ours_at = tmp_path / "ckpt" if target == "path" else io.BytesIO()
+    future = ckptstore.save(obj, ours_at)
+    if target == "path":
+        future.result(timeout=60)
+    else:
+        ours_at.seek(0)
+    saved.seek(0)
+    with FakeTensorMode():  # saved outside it, loaded inside
+        theirs = _described(torch.load(saved, map_location=map_location))
+        ours = _described(ckptstore.load(ours_at, map_location=map_location))
+    assert ours == theirs
+    assert ours["w"][0] == "FakeTensor" and ours["step"] == 7
+
+
+def test_a_fake_load_reads_no_tensor_bytes_but_checks_the_skeleton(tmp_path):
+    """Tensor bytes are not read under a FakeTensorMode (damage there goes unnoticed, as
+    the load touches none of it), but the skeleton is read and its hash checked."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ckptstore.checkpoint.restore import latest_manifest
+    from ckptstore.storage import LocalStorage
+
+    path = tmp_path / "ckpt"
+    ckptstore.save({"w": torch.randn(1000), "tag": "x" * 64}, path).result(timeout=60)
+    storage = LocalStorage(str(path))
+    state = latest_manifest(storage).ranks[0]
+    tensor_blob = state.tensors["w"].chunks[0].blob if "w" in state.tensors else \
+        next(iter(state.tensors.values())).chunks[0].blob
+    data = path / tensor_blob.file
+    with open(data, "r+b") as f:  # damage the tensor's bytes: only a real load notices
+        f.seek(tensor_blob.offset)
+        f.write(bytes(16))
+    with FakeTensorMode():
+        fake = ckptstore.load(path)
+    assert tuple(fake["w"].shape) == (1000,) and fake["tag"] == "x" * 64
+    with pytest.raises(CkptStoreError, match="xxh3"):
+        ckptstore.load(path)
+    with open(data, "r+b") as f:  # now the skeleton's bytes: a fake load reads those
+        f.seek(state.skeleton.offset)
+        f.write(bytes(8))
+    with FakeTensorMode(), pytest.raises(CkptStoreError, match="skeleton"):
+        ckptstore.load(path)

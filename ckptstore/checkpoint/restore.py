@@ -7,6 +7,7 @@ unpickler unless the caller opts out, so a load runs no code from the checkpoint
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import io
@@ -86,6 +87,38 @@ def _tensor_reads(tensors: dict[str, fmt.TensorEntry], where: str,
                 reads.append(BlobRead(c.blob, what, None, functools.partial(_into_region, c, full)))
         out[key] = data.untyped_storage()
     return out
+
+
+def _meta_storages(tensors: dict[str, fmt.TensorEntry]) -> dict[str, torch.UntypedStorage]:
+    """Meta storages of ``tensors``' sizes: what a load under a FakeTensorMode rebuilds
+    its tensors over, as torch.load does, reading none of their bytes."""
+    return {key: torch.UntypedStorage(entry.nbytes, device="meta") for key, entry in tensors.items()}
+
+
+def _fake_location(location: str, map_location):
+    """Where a fake tensor saved at ``location`` says it is: torch.load's rule under a
+    FakeTensorMode (torch._utils._get_restore_location), which applies a str, device or
+    dict ``map_location`` and leaves a callable one aside."""
+    if isinstance(map_location, dict):
+        return torch.device(map_location.get(location, location))
+    if isinstance(map_location, (str, torch.device)):
+        return torch.device(map_location)
+    return torch.device(location)
+
+
+def _place_fake_tensors(result, devices: dict[int, torch.device]) -> None:
+    """Give each fake tensor the device its storage was saved on (``devices``: by the
+    id of the meta storage it was rebuilt over); torch's own ``_rebuild_tensor_v2``
+    does it per tensor, the plain ``_rebuild_tensor`` of no-grad tensors does not.
+    Tensors inside objects pytree cannot see into keep the meta device."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.utils._pytree import tree_leaves
+
+    for leaf in tree_leaves(result):
+        if isinstance(leaf, FakeTensor):
+            device = devices.get(id(leaf.untyped_storage()))
+            if device is not None:
+                leaf.fake_device = device
 
 
 def _contiguous_region(shape, offsets, sizes) -> bool:
@@ -191,14 +224,25 @@ def restore(storage: Storage, manifest: fmt.Manifest, rank: int, map_location=No
     # A tensor and a read per stored tensor, and a few objects per blob read: no
     # whole-heap collections meanwhile (in a process holding a large state, each took
     # 0.1-0.3 s, several per 10,000-tensor load).
-    with gc_paused():
-        raw = _tensor_reads(state.tensors, where, reads)
-        raw_globals = {} if globals_as_meta else _tensor_reads(dict(manifest.tensors), where, reads)
+    # Under a FakeTensorMode (torch.compile, export, meta initialisation) torch.load reads
+    # no tensor bytes: it rebuilds fake tensors over meta storages. So does this, reading
+    # only the skeleton (as real bytes, its hash checked).
+    fake = torch._guards.detect_fake_mode(None) is not None
+    tensor_reads = _meta_storages if fake else functools.partial(_tensor_reads, where=where, reads=reads)
+    with gc_paused(), _real_tensors(fake):
+        raw = tensor_reads(state.tensors)
+        raw_globals = {} if globals_as_meta else tensor_reads(dict(manifest.tensors))
         skeleton: list[torch.Tensor] = []  # allocated only once its stored bytes passed their checks
         reads.append(BlobRead(state.skeleton, f"{where}: object skeleton of rank {rank}", None, skeleton.append))
         read_blobs(storage, reads, pool, extents_checked=True)
 
-    restore_location = torch.serialization._get_restore_location(map_location)
+    fake_devices: dict[int, torch.device] = {}  # a meta storage's id -> where its fake tensor is
+
+    def keep_meta(untyped, location):  # the meta storage stays; its fake tensor is placed after
+        fake_devices[id(untyped)] = _fake_location(location, map_location)
+        return untyped
+
+    restore_location = keep_meta if fake else torch.serialization._get_restore_location(map_location)
     loaded: dict[str, torch.storage.TypedStorage] = {}
 
     local_keys: list[str] | None = None  # made on the first index persistent id
@@ -260,7 +304,8 @@ def restore(storage: Storage, manifest: fmt.Manifest, rank: int, map_location=No
         return typed
 
     args = {"encoding": "utf-8", **(pickle_load_args or {})}
-    stream = io.BytesIO(memoryview(skeleton[0].numpy()) if skeleton[0].numel() else b"")
+    with _real_tensors(fake):
+        stream = io.BytesIO(memoryview(skeleton[0].numpy()) if skeleton[0].numel() else b"")
     if weights_only:
         unpickler = torch._weights_only_unpickler.Unpickler(stream, **args)
     else:
@@ -291,7 +336,19 @@ def restore(storage: Storage, manifest: fmt.Manifest, rank: int, map_location=No
     _validate_sparse = getattr(torch._utils, "_validate_loaded_sparse_tensors", None)
     if _validate_sparse is not None:
         _validate_sparse()
+    if fake:
+        _place_fake_tensors(result, fake_devices)
     return result
+
+
+def _real_tensors(fake: bool):
+    """A context in which tensors are real even under a FakeTensorMode (the skeleton's
+    bytes are read and hashed for real), or nothing."""
+    if not fake:
+        return contextlib.nullcontext()
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    return unset_fake_temporarily()
 
 
 class _StorageType:
