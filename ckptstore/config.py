@@ -261,7 +261,9 @@ class Config:
     def pinned_capacity(self) -> int:
         """The capacity of a page-locked staging pool: ``staging_capacity``, capped at
         this rank's part of the node's share even when ``staging_bytes`` asks for more,
-        so the ranks of a node never pin more than ``NODE_STAGING_SHARE`` of its RAM."""
+        so the ranks of a node never pin more than ``NODE_STAGING_SHARE`` of its RAM
+        (unless so many run on it that each gets the floor, ``MIN_RANK_SHARE``: more
+        than 8 ranks per GiB of RAM)."""
         return min(self.staging_capacity, rank_share_of_node(self.local_world_size))
 
     def replace(self, **changes: Any) -> "Config":

@@ -146,8 +146,8 @@ class _FallbackBytesPart:
 
 #: A bytes object of ``capacity`` bytes filled in place by ``write(src, start=0)`` (as
 #: much of ``src[start:]`` as fits; returns the count), then handed out by ``take()``
-#: (once; a copy of the filled prefix unless full). The S3 writer builds its upload
-#: parts in them. Callers serialise their calls.
+#: (once; what was written, the object itself shrunk in place when not full). The S3
+#: writer builds its upload parts in them. Callers serialise their calls.
 BytesPart = _C.BytesPart if NATIVE else _FallbackBytesPart
 
 

@@ -98,6 +98,8 @@ class RankWriter:
         self._out: AppendWriter | None = None
         self._appended = False  # anything written to _out (an early-opened file may get nothing)
         self._opening = False  # open_soon called
+        self._open_future: Future | None = None  # its open (not waited for by abort)
+        self._aborted = False  # set by abort (under _lock): an open that ends after it is dropped
         self._open_lock = threading.Lock()
         self._futures: list[Future] = []
         self._pending: list[tuple] = []
@@ -156,7 +158,7 @@ class RankWriter:
 
     def close(self) -> None:
         """Make the data file durable (after :meth:`store_blob`; raises its errors)."""
-        wait_futures(self._futures)
+        wait_futures(self._waitables())
         if self._out is not None:
             self._close_out()
 
@@ -180,7 +182,13 @@ class RankWriter:
                 self._writer()
             except Exception:
                 pass
-        self._futures.append(self.rt.readers.submit(open_quietly))
+        try:
+            self._open_future = self.rt.readers.submit(open_quietly)
+        except RuntimeError:  # the runtime is shutting down: the first append opens, as without this
+            pass
+
+    def _waitables(self) -> list[Future]:
+        return self._futures + ([self._open_future] if self._open_future is not None else [])
 
     def _append(self, data) -> int:
         offset = self._writer().append(data)
@@ -191,7 +199,16 @@ class RankWriter:
     def _writer(self) -> AppendWriter:
         with self._open_lock:
             if self._out is None:
-                self._out = self.storage.open_append(self.file, size_hint=self._size_hint(), writers=self.writers)
+                if self._aborted:
+                    raise StorageError(f"{self.storage.describe(self.file)}: the save was aborted")
+                out = self.storage.open_append(self.file, size_hint=self._size_hint(), writers=self.writers)
+                with self._lock:
+                    dropped = self._aborted
+                    if not dropped:
+                        self._out = out
+                if dropped:  # abort() ran while this opened (open_soon): give the file up here
+                    out.abort()
+                    raise StorageError(f"{self.storage.describe(self.file)}: the save was aborted")
             return self._out
 
     def _size_hint(self) -> int | None:
@@ -324,7 +341,7 @@ class RankWriter:
         Returns what was written, or with ``seal`` what ``seal(written)`` returns: it
         runs before the file is made durable, so the blobs it stores (a version 4
         index: :meth:`store_metadata`) are made durable with it."""
-        wait_futures(self._futures)
+        wait_futures(self._waitables())
         out: object = None
         if self._error is None:
             assert self._skeleton is not None
@@ -370,5 +387,10 @@ class RankWriter:
                 self.pool.release(buf)
         self._pending = []
         wait_futures(self._futures)
-        if self._out is not None:
-            self._out.abort()
+        # Not the early open: a save failing on the training thread does not wait for its
+        # round trips; an open that ends after this drops its file itself (_writer).
+        with self._lock:
+            self._aborted = True
+            out = self._out
+        if out is not None:
+            out.abort()

@@ -83,10 +83,10 @@ nb::dict pool_stats_dict(const ckpt::PoolStats& s) {
 }
 
 // A bytes object filled in place, then handed out whole. The S3 writer copies appended
-// bytes straight into the part it will upload (one copy, the GIL released), where
-// queueing a copy of each append and joining a part made two. The object stays
-// private until take(): nothing can see it change. Not thread-safe: the caller
-// serialises its calls (the writer holds its lock).
+// bytes straight into the part it will upload (one copy, the GIL released for large
+// ones), where queueing a copy of each append and joining a part made two. The object
+// stays private until take(): nothing can see it change. The caller serialises its
+// calls (the writer holds its lock); a call made while a copy runs raises.
 class BytesPart {
 public:
     explicit BytesPart(size_t capacity) : capacity_(capacity) {
@@ -101,44 +101,60 @@ public:
 
     // Copies src[start:] into the free room, as much as fits; returns the bytes copied.
     size_t write(nb::handle src, size_t start) {
-        if (!obj_) throw std::runtime_error("BytesPart.write: the part was taken");
+        check_usable("write");
         Py_buffer view;
         if (PyObject_GetBuffer(src.ptr(), &view, PyBUF_SIMPLE) != 0) throw nb::python_error();
+        struct Release {
+            Py_buffer* v;
+            ~Release() { PyBuffer_Release(v); }
+        } release{&view};
+        check_usable("write");  // (a __buffer__ method may have called take())
         const size_t len = static_cast<size_t>(view.len);
-        if (start > len) {
-            PyBuffer_Release(&view);
-            throw std::invalid_argument("BytesPart.write: start beyond the source's end");
-        }
+        if (start > len) throw std::invalid_argument("BytesPart.write: start beyond the source's end");
         const size_t n = std::min(len - start, capacity_ - size_);
         char* dst = PyBytes_AS_STRING(obj_) + size_;
         const char* from = static_cast<const char*>(view.buf) + start;
-        {
-            nb::gil_scoped_release nogil;
+        if (n < kReleaseGilBytes) {
             std::memcpy(dst, from, n);
+        } else {
+            busy_ = true;
+            {
+                nb::gil_scoped_release nogil;
+                std::memcpy(dst, from, n);
+            }
+            busy_ = false;
         }
-        PyBuffer_Release(&view);
         size_ += n;
         return n;
     }
 
-    // The bytes written: the object itself when full, else a copy of what was filled.
+    // The bytes written (the object itself, shrunk in place when not full). Once only.
     nb::bytes take() {
-        if (!obj_) throw std::runtime_error("BytesPart.take: the part was taken");
+        check_usable("take");
         PyObject* out = obj_;
         obj_ = nullptr;
-        if (size_ == capacity_) return nb::steal<nb::bytes>(out);
-        nb::bytes part(PyBytes_AS_STRING(out), size_);
-        Py_DECREF(out);
-        return part;
+        if (size_ != capacity_ && _PyBytes_Resize(&out, static_cast<Py_ssize_t>(size_)) != 0)
+            throw nb::python_error();  // (out is freed and NULL then)
+        return nb::steal<nb::bytes>(out);
     }
 
     size_t size() const { return size_; }
     size_t capacity() const { return capacity_; }
 
 private:
+    // Below this a copy takes microseconds: giving the GIL up and waiting to get it back
+    // (up to the switch interval, while the writer's lock is held) would cost more.
+    static constexpr size_t kReleaseGilBytes = 256 << 10;
+
+    void check_usable(const char* what) const {
+        if (busy_) throw std::runtime_error(std::string("BytesPart.") + what + ": a copy into it is running");
+        if (!obj_) throw std::runtime_error(std::string("BytesPart.") + what + ": the part was taken");
+    }
+
     PyObject* obj_ = nullptr;
     size_t capacity_ = 0;
     size_t size_ = 0;
+    bool busy_ = false;  // read and written with the GIL held
 };
 
 }  // namespace
@@ -205,11 +221,10 @@ NB_MODULE(_C, m) {
                           "handed out by take() (private until then; callers serialise)")
         .def(nb::init<size_t>(), nb::arg("capacity"))
         .def("write", &BytesPart::write, nb::arg("src"), nb::arg("start") = 0,
-             "Copy src[start:] (a C-contiguous buffer) into the free room, as much as fits, "
-             "the GIL released; returns the bytes copied.")
+             "Copy src[start:] (a C-contiguous buffer) into the free room, as much as fits "
+             "(the GIL released for large copies); returns the bytes copied.")
         .def("take", &BytesPart::take,
-             "The bytes written: the object itself when full, else a copy of the filled "
-             "prefix. Once only.")
+             "The bytes written: the object itself, shrunk in place when not full. Once only.")
         .def_prop_ro("size", &BytesPart::size)
         .def_prop_ro("capacity", &BytesPart::capacity);
 

@@ -371,3 +371,38 @@ def test_a_fake_load_reads_no_tensor_bytes_but_checks_the_skeleton(tmp_path):
         f.write(bytes(8))
     with FakeTensorMode(), pytest.raises(CkptStoreError, match="skeleton"):
         ckptstore.load(path)
+
+
+def test_placing_fake_tensors_visits_each_object_once():
+    """A skeleton may share one list many times (a few hundred bytes for 2**40 paths) or
+    hold itself: placing the fake tensors walks each object once, so a hostile checkpoint
+    cannot make a fake load hang or overflow the stack."""
+    from ckptstore.checkpoint.restore import _place_fake_tensors
+
+    iterations = []
+
+    class Counting(list):
+        def __iter__(self):
+            iterations.append(1)
+            return super().__iter__()
+
+    shared = Counting([torch.ones(1)])
+    for _ in range(40):
+        shared = Counting([shared, shared])
+    _place_fake_tensors({"x": shared}, {})
+    assert len(iterations) == 41
+    looped: list = [torch.ones(1)]
+    looped.append(looped)
+    _place_fake_tensors({"x": looped}, {})  # no RecursionError
+
+
+def test_a_fake_load_of_a_list_holding_itself_places_its_tensor(tmp_path):
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    looped: list = [torch.ones(3)]
+    looped.append(looped)
+    ckptstore.save({"l": looped}, tmp_path / "c").result(timeout=60)
+    with FakeTensorMode():
+        out = ckptstore.load(tmp_path / "c", map_location="cuda:0")
+    assert out["l"][1] is out["l"] and isinstance(out["l"][0], FakeTensor)
+    assert str(out["l"][0].device) == "cuda:0" and tuple(out["l"][0].shape) == (3,)

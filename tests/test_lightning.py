@@ -109,13 +109,22 @@ def test_a_damaged_checkpoint_fails_the_resume_naming_the_file(tmp_path):
         trainer(2, tmp_path).fit(fresh_model(), data(), ckpt_path=str(path))
 
 
-def test_a_bad_stream_is_refused_when_the_plugin_is_made(tmp_path):
+def test_a_bad_stream_is_refused_when_the_plugin_is_made(tmp_path, monkeypatch):
     """``stream=`` (as for ckptstore.save) is checked where it is given, naming the plugin,
     not at the first checkpoint of a long fit; a valid one is what each save waits for."""
     with pytest.raises(TypeError, match=r"ckptstore\.lightning\.CheckpointIO: stream= must be"):
         ckptstore.lightning.CheckpointIO(stream="cuda:0")
     with pytest.raises(TypeError, match="dict keys must be CUDA device indexes"):
         ckptstore.lightning.CheckpointIO(stream={"cuda": None})
+    seen = []
+    real_save = ckptstore.api.save
+
+    def spy(*args, **kwargs):  # the real save, noting what the plugin passed
+        seen.append(kwargs.get("stream", "missing"))
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(ckptstore.api, "save", spy)
     io = ckptstore.lightning.CheckpointIO(stream={})  # no device named: each device's current stream, as the default
     io.save_checkpoint({"w": torch.ones(3)}, tmp_path / "c")
+    assert seen == [{}]
     assert torch.equal(io.load_checkpoint(tmp_path / "c")["w"], torch.ones(3))

@@ -323,6 +323,30 @@ def test_part_sizes_grow_so_no_object_needs_more_than_10000_parts(bucket, proxy)
     assert st.read("g.bin") == data
 
 
+def test_an_object_of_exactly_the_part_limit_uploads_and_one_more_part_fails(bucket, proxy, monkeypatch):
+    """S3 takes at most MAX_PARTS parts (lowered to 3 here): an object of exactly that
+    many uploads (the read that finds the end of the stream is no part); one more byte
+    fails the upload naming the limit."""
+    from ckptstore.storage.s3 import writer as writer_module
+
+    monkeypatch.setattr(writer_module, "MAX_PARTS", 3)
+    st = s3util.s3_storage(bucket, "lim", proxy.url)  # 5 MiB parts
+    data = random.Random(9).randbytes(15 * MiB)
+    w = st.open_append("three.bin")
+    for i in range(0, len(data), MiB):
+        w.append(data[i:i + MiB])
+    assert w.close() == len(data)
+    assert st.read("three.bin") == data
+    w = st.open_append("four.bin")
+    with pytest.raises(StorageError, match="3 parts"):
+        for i in range(0, len(data), MiB):
+            w.append(data[i:i + MiB])
+        w.append(b"x")
+        w.close()
+    w.abort()
+    assert not st.exists("four.bin")
+
+
 def test_append_memory_is_bounded_by_back_pressure(bucket, proxy):
     st = s3util.s3_storage(bucket, "bp", proxy.url, max_concurrency=2)
     w = st.open_append("bp.bin")
@@ -386,8 +410,8 @@ def test_open_append_empty_object_and_existing_key(bucket):
         st.open_append("empty.bin")
 
 
-def test_a_hint_of_a_part_or_more_starts_the_multipart_upload_before_any_append(bucket, proxy, admin):
-    """With a size hint of at least a part, CreateMultipartUpload goes out at open, not
+def test_a_hint_of_two_parts_or_more_starts_the_multipart_upload_before_any_append(bucket, proxy, admin):
+    """With a size hint of at least two parts, CreateMultipartUpload goes out at open, not
     after a whole part was read: its round trip overlaps the first part's encoding. A
     hint that overestimates still gives the exact object, one part or none."""
     st = s3util.s3_storage(bucket, "early", proxy.url)  # 5 MiB parts
@@ -414,9 +438,9 @@ def test_a_hint_of_a_part_or_more_starts_the_multipart_upload_before_any_append(
     assert w.close() == 0
     assert st.read("none.bin") == b"" and uploads(admin, bucket) == []
     assert "CompleteMultipartUpload" not in [r.op for r in proxy.requests()]
-    # Under a part: s3transfer still reads the first part to choose, as before.
+    # Under two parts: s3transfer still reads the first part to choose, as before.
     proxy.clear()
-    w = st.open_append("tiny.bin", size_hint=MiB)
+    w = st.open_append("tiny.bin", size_hint=8 * MiB)
     w.append(b"xyz")
     assert w.close() == 3
     assert [r.op for r in proxy.requests()] == ["HeadObject", "PutObject"]
@@ -444,6 +468,36 @@ def test_a_save_opens_its_s3_data_file_beside_staging_and_drops_it_if_nothing_is
     save_via(st.child("full"), state).result(timeout=120)
     full = st.child("full")
     assert_same(restore(full, latest_manifest(full), 0), state)
+
+
+def test_a_save_failing_while_staging_does_not_wait_for_its_data_files_open(bucket, proxy, admin):
+    """The data file opens on an I/O thread beside staging; a save that fails in staging
+    raises at once, without waiting for that open's round trips (held here), and the
+    open, once it ends, drops its upload itself."""
+    st = s3util.s3_storage(bucket, "fail", proxy.url)
+    proxy.hold("HeadObject")
+    outcome = {}
+    done = threading.Event()
+
+    def save():
+        try:  # 24 MiB of tensors (the open starts), then something pickle refuses
+            save_via(st, {"w": torch.zeros(6 * MiB), "bad": lambda: None}).result(timeout=120)
+        except BaseException as e:
+            outcome["error"] = e
+        finally:
+            done.set()
+
+    t = threading.Thread(target=save)
+    t.start()
+    try:
+        assert proxy.wait_for(lambda p: p.held == 1)  # the open sits in its HeadObject
+        assert done.wait(60), "the failed save waited for the data file's open"
+    finally:
+        proxy.release()
+        t.join()
+    assert "lambda" in str(outcome["error"]) or "pickle" in str(outcome["error"]).lower(), outcome
+    assert proxy.wait_for(lambda p: not uploads(admin, bucket))
+    assert keys(admin, bucket, "fail/") == []
 
 
 # ---------------------------------------------------------------------------- reads

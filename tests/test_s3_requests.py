@@ -116,7 +116,6 @@ def test_a_second_generation_retires_the_first_from_the_listing_that_shows_it_vi
     counter = Requests(store.client)
     simulate(store, 2, counter)
     got = simulate(store, 2, counter)
-    print(f"\n{got['commit']}")
     where = store.child(names.step_dir_name(STEP))
     assert [names.parse_manifest_name(k) for k in where.list("") if names.parse_manifest_name(k)] == [2]
     # The attempt, the generations before the commit, the one that shows it visible and

@@ -9,6 +9,7 @@ The store on a moto S3 server: tests/test_supervisor_s3.py."""
 from __future__ import annotations
 
 import json
+import copy
 import os
 import random
 import signal
@@ -84,8 +85,8 @@ def reasons(failures: list[dict]) -> list[tuple]:
 @pytest.fixture
 def reference(supervised_reference) -> dict:
     """The uninterrupted run's final state (tests/conftest.py: one run for the session,
-    shared with test_supervisor_s3)."""
-    return supervised_reference
+    shared with test_supervisor_s3); a copy, so no test can change another's."""
+    return copy.deepcopy(supervised_reference)
 
 
 

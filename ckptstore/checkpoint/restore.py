@@ -13,6 +13,7 @@ import functools
 import io
 import math
 import pickle
+import types
 
 import torch
 
@@ -110,15 +111,31 @@ def _place_fake_tensors(result, devices: dict[int, torch.device]) -> None:
     """Give each fake tensor the device its storage was saved on (``devices``: by the
     id of the meta storage it was rebuilt over); torch's own ``_rebuild_tensor_v2``
     does it per tensor, the plain ``_rebuild_tensor`` of no-grad tensors does not.
-    Tensors inside objects pytree cannot see into keep the meta device."""
+    Walks containers and objects' attributes once each (a skeleton may share one list
+    many times, or hold itself: the walk stays linear in the distinct objects)."""
     from torch._subclasses.fake_tensor import FakeTensor
-    from torch.utils._pytree import tree_leaves
 
-    for leaf in tree_leaves(result):
-        if isinstance(leaf, FakeTensor):
-            device = devices.get(id(leaf.untyped_storage()))
+    seen: set[int] = set()
+    todo = [result]
+    while todo:
+        o = todo.pop()
+        if isinstance(o, FakeTensor):
+            device = devices.get(id(o.untyped_storage()))
             if device is not None:
-                leaf.fake_device = device
+                o.fake_device = device
+            continue
+        if isinstance(o, (str, bytes, int, float, bool, type, types.ModuleType, torch.Tensor)) or o is None \
+                or id(o) in seen:
+            continue
+        seen.add(id(o))
+        if isinstance(o, dict):
+            todo.extend(o.values())
+        elif isinstance(o, (list, tuple, set, frozenset)):
+            todo.extend(o)
+        else:
+            attrs = getattr(o, "__dict__", None)
+            if isinstance(attrs, dict):
+                todo.extend(attrs.values())
 
 
 def _contiguous_region(shape, offsets, sizes) -> bool:

@@ -181,7 +181,11 @@ def start_save(obj, storage: Storage, *, rt: Runtime, attempt: str, step: int | 
                 _run_after_commit(functools.partial(after_commit, manifest), storage)  # before the future resolves
             future._future.set_result(manifest)
 
-    rt.committer.submit(finish)
+    try:
+        rt.committer.submit(finish)
+    except BaseException:  # (a runtime shutting down): stop the chunks and the data file's upload
+        writer.abort()
+        raise
     return future
 
 

@@ -3,8 +3,8 @@
 ``open_append`` returns an :class:`_S3AppendWriter`: appends land, in arrival order, in
 a bounded buffer that a blocking file-like reader (:class:`_Feed`) hands to
 ``s3transfer.TransferManager.upload``, which sends it as a single PutObject when small,
-else as a multipart upload, and aborts the upload when it fails. A size hint of a part or
-more starts the multipart upload at once (:class:`_MultipartFromStart`).
+else as a multipart upload, and aborts the upload when it fails. A size hint of two parts
+or more starts the multipart upload at once (:class:`_MultipartFromStart`).
 
 Part sizes come from a :class:`PartPlan` (:func:`plan_parts`): with a size hint, one
 size for the whole upload, large enough that the hinted size fits in S3's 10,000 parts
@@ -170,6 +170,7 @@ class _S3AppendWriter(AppendWriter):
         self._filling = None  # the native.BytesPart being filled, or None
         self._cut = 0  # parts filled so far (the next one is part _cut + 1)
         self._queued = 0  # bytes in _ready and _filling
+        self._want = 0  # what a waiting _take needs queued
         self._size = 0
         self._parts = 0  # parts handed to s3transfer so far
         self._eof = False
@@ -186,9 +187,10 @@ class _S3AppendWriter(AppendWriter):
             use_threads=True,
         )
         config.max_in_memory_upload_chunks = plan.in_flight  # parts held by s3transfer
-        # A hint of a part or more: multipart from the start (an object that ends up
-        # empty after all is stored by close() with one PutObject).
-        self._multipart = size_hint is not None and size_hint >= plan.part_size(1)
+        # A hint of two parts or more: multipart from the start (a hint is an upper bound:
+        # an object that ends up one part is one UploadPart, an empty one is stored by
+        # close() with one PutObject). Below that the first part decides, as usual.
+        self._multipart = size_hint is not None and size_hint >= 2 * plan.part_size(1)
         subscribers = [_MultipartFromStart(plan.part_size(1))] if self._multipart else None
         self._manager = TransferManager(sh.client, config, executor_cls=DaemonThreadPool)
         with self._cv:
@@ -210,7 +212,12 @@ class _S3AppendWriter(AppendWriter):
                     offset = self._size
                     self._size += n
                     if n:
-                        self._fill(mv)
+                        try:
+                            self._fill(mv)
+                        except BaseException as e:  # (a part's memory): part of it may be in; nothing after is sound
+                            self._stop = StorageError(f"{self._s.describe(self.key)}: append failed: {e}")
+                            self._cv.notify_all()
+                            raise
                         self._queued += n
                         self._cv.notify_all()
                     return offset
@@ -233,7 +240,10 @@ class _S3AppendWriter(AppendWriter):
         return self._queued - (self._filling.size if self._filling is not None else 0)
 
     def _limit(self) -> int:
-        return 2 * self._plan.part_size(self._parts + 1)
+        """Bytes the queue may hold before appends wait: two parts, or more while a read
+        waits for more than one (it must be able to get what it waits for)."""
+        part = self._plan.part_size(self._parts + 1)
+        return max(2 * part, self._want + part)
 
     def _failure(self) -> CkptStoreError:
         try:
@@ -249,21 +259,25 @@ class _S3AppendWriter(AppendWriter):
                 want = None  # everything up to close (the single-PutObject path)
             else:
                 self._parts += 1
-                if self._parts > MAX_PARTS:
-                    self._stop = StorageError(
-                        f"{self._s.describe(self.key)}: object exceeds S3's {MAX_PARTS} parts; "
-                        "use a larger part_size")
                 # Returning more than asked is how parts grow: s3transfer sizes each part
                 # by the bytes read (checked by tests/test_s3.py::test_part_sizes_grow...).
                 want = max(amount, self._plan.part_size(self._parts))
-            while True:
-                if self._stop is not None:
-                    raise self._stop
-                if self._eof or (want is not None and self._ready_bytes() >= want):
-                    break
-                if self._future is not None and self._future.done():
-                    raise StorageError("upload failed")  # stop reading; the real error is on the future
-                self._cv.wait(0.05)
+            self._want = want or 0  # appends may queue this much beyond their usual limit
+            try:
+                while True:
+                    if self._stop is not None:
+                        raise self._stop
+                    if self._eof or (want is not None and self._ready_bytes() >= want):
+                        break
+                    if self._future is not None and self._future.done():
+                        raise StorageError("upload failed")  # stop reading; the real error is on the future
+                    self._cv.wait(0.05)
+            finally:
+                self._want = 0
+            if want is not None and self._parts > MAX_PARTS and self._queued:  # (the read that finds the end is no part)
+                self._stop = StorageError(f"{self._s.describe(self.key)}: object exceeds S3's {MAX_PARTS} parts; "
+                                          "use a larger part_size")
+                raise self._stop
             # Whole parts only: part k is plan.part_size(k), at least what is asked.
             pieces, got = [], 0
             while self._ready and (want is None or got < want):
