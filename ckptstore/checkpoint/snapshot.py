@@ -72,7 +72,9 @@ def snapshot(obj, writer: RankWriter, pool: StagingPool | Callable[[frozenset], 
     patterns = tuple(replicated)
     is_replicated = (lambda path: any(fnmatch.fnmatchcase(path, p) for p in patterns)) if patterns else None
 
-    def stage(key: str, storage, base: int, shape, offset0, itemsize: int, scope: str, writes) -> None:
+    def stage(key: str, shape, offset0, itemsize: int, scope: str, writes, copy) -> None:
+        """Stage a tensor chunk by chunk; ``copy(offsets, sizes, byte offset, nbytes,
+        then)`` copies one chunk into a buffer and hands it to ``then``."""
         for offsets, sizes, byte_off, nbytes in plan_chunks(tuple(shape), itemsize, limit):
             if writer.failed is not None:
                 raise writer.failed  # stop staging a save that cannot commit
@@ -80,9 +82,18 @@ def snapshot(obj, writer: RankWriter, pool: StagingPool | Callable[[frozenset], 
             if pool.in_use + nbytes > pool.capacity // 2:
                 writer.flush()  # the pool is filling: let the workers start freeing buffers
             write = writes(goff, nbytes)
-            copier.copy(storage, base + byte_off, nbytes,
-                        lambda buf, goff=goff, sizes=sizes, write=write:
-                        writer.submit_chunk(key, goff, sizes, itemsize, buf, scope, write))
+            copy(offsets, sizes, byte_off, nbytes, lambda buf, goff=goff, sizes=sizes, write=write:
+                 writer.submit_chunk(key, goff, sizes, itemsize, buf, scope, write))
+
+    def from_storage(storage, base: int):
+        """``stage``'s copy for a contiguous tensor: byte ranges of its storage."""
+        return lambda _offsets, _sizes, byte_off, nbytes, then: copier.copy(storage, base + byte_off, nbytes, then)
+
+    def by_strides(part):
+        """``stage``'s copy for a non-contiguous tensor: each chunk copied by strides (no
+        .contiguous() of the whole: on a full GPU it may not fit)."""
+        return lambda offsets, sizes, _byte_off, _nbytes, then: copier.copy_strided(
+            part[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))], then)
 
     hidden: set[int] = set()  # CUDA devices of storages only the pickling found
 
@@ -93,7 +104,7 @@ def snapshot(obj, writer: RankWriter, pool: StagingPool | Callable[[frozenset], 
         zero = (0,) * len(ref.shape)
         if ref.scope == LOCAL:
             out.local[ref.key] = entry
-            stage(ref.key, ref.storage, 0, ref.shape, zero, ref.dtype.itemsize, LOCAL, _writes_all)
+            stage(ref.key, ref.shape, zero, ref.dtype.itemsize, LOCAL, _writes_all, from_storage(ref.storage, 0))
         else:
             out.shards[ref.key] = entry
             out.holders[ref.key] = world_size
@@ -104,7 +115,7 @@ def snapshot(obj, writer: RankWriter, pool: StagingPool | Callable[[frozenset], 
                     owner = _stable_hash(key, offsets) % world_size
                 return owner == rank
 
-            stage(ref.key, ref.storage, 0, ref.shape, zero, ref.dtype.itemsize, GLOBAL, writes)
+            stage(ref.key, ref.shape, zero, ref.dtype.itemsize, GLOBAL, writes, from_storage(ref.storage, 0))
 
     def on_dtensor(ref: DTensorRef) -> None:
         dt = ref.dtensor
@@ -119,25 +130,9 @@ def snapshot(obj, writer: RankWriter, pool: StagingPool | Callable[[frozenset], 
         itemsize = dt.dtype.itemsize
         for box in boxes:
             part = local[box.index]
-            if part.is_contiguous():
-                stage(ref.key, part.untyped_storage(), part.storage_offset() * itemsize, box.sizes, box.offsets,
-                      itemsize, GLOBAL, lambda o, n: mine(ref.key, o))
-            else:  # no .contiguous() of the whole part: on a full GPU it may not fit
-                stage_strided(ref.key, part, box.offsets, lambda o, n: mine(ref.key, o))
-
-    def stage_strided(key: str, part, offset0, writes) -> None:
-        """``stage`` for a non-contiguous tensor: each chunk copied by strides."""
-        itemsize = part.element_size()
-        for offsets, sizes, _byte_off, nbytes in plan_chunks(tuple(part.shape), itemsize, limit):
-            if writer.failed is not None:
-                raise writer.failed
-            goff = tuple(o + d for o, d in zip(offsets, offset0))
-            if pool.in_use + nbytes > pool.capacity // 2:
-                writer.flush()
-            write = writes(goff, nbytes)
-            region = part[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))]
-            copier.copy_strided(region, lambda buf, goff=goff, sizes=sizes, write=write:
-                                writer.submit_chunk(key, goff, sizes, itemsize, buf, GLOBAL, write))
+            copy = from_storage(part.untyped_storage(), part.storage_offset() * itemsize) if part.is_contiguous() \
+                else by_strides(part)
+            stage(ref.key, box.sizes, box.offsets, itemsize, GLOBAL, lambda o, n: mine(ref.key, o), copy)
 
     # The walks make many new objects: one pause of the collector from the walk to the
     # hand-over, so no collection walks them meanwhile. The pause is process-wide: while
