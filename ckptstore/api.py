@@ -156,7 +156,7 @@ def prepare(state: Any = None, *, nbytes: int | None = None) -> Future:
     (its saves will hold CUDA tensors), else the unpinned one."""
     if nbytes is None:
         nbytes = state_nbytes(state)
-    devices = frozenset(_device_of(t).index for t in tensors_in(state) if _device_of(t).type == "cuda")
+    devices = frozenset(d.index for d in map(_device_of, tensors_in(state)) if d.type == "cuda")
     if state is None and torch.cuda.is_initialized():
         # Bytes without a state, in a process that uses CUDA: its saves will be of CUDA
         # tensors, so warm the pinned pool they will take, not the unpinned one.

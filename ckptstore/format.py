@@ -7,12 +7,12 @@ Pure data: frozen dataclasses with JSON in and out. No I/O happens here; see
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import functools
 import json
 import math
 import re
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 

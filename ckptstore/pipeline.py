@@ -97,8 +97,7 @@ class RankWriter:
         self.writers = writers
         self._out: AppendWriter | None = None
         self._appended = False  # anything written to _out (an early-opened file may get nothing)
-        self._opening = False  # open_soon called
-        self._open_future: Future | None = None  # its open (not waited for by abort)
+        self._open_future: Future | None = None  # open_soon's open (not waited for by abort)
         self._aborted = False  # set by abort (under _lock): an open that ends after it is dropped
         self._open_lock = threading.Lock()
         self._futures: list[Future] = []
@@ -173,9 +172,8 @@ class RankWriter:
         which opens again and raises them. Call once ``size_hint`` is set. Only for stores
         whose opens are round trips: a local file opens in microseconds, and counting a
         size hint while the caller stages would take the GIL from it."""
-        if self._opening or not self.storage.opens_remotely:
+        if self._open_future is not None or not self.storage.opens_remotely:
             return
-        self._opening = True
 
         def open_quietly() -> None:
             try:

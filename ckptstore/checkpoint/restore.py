@@ -252,6 +252,7 @@ def restore(storage: Storage, manifest: fmt.Manifest, rank: int, map_location=No
         skeleton: list[torch.Tensor] = []  # allocated only once its stored bytes passed their checks
         reads.append(BlobRead(state.skeleton, f"{where}: object skeleton of rank {rank}", None, skeleton.append))
         read_blobs(storage, reads, pool, extents_checked=True)
+        stream = io.BytesIO(memoryview(skeleton[0].numpy()) if skeleton[0].numel() else b"")
 
     fake_devices: dict[int, torch.device] = {}  # a meta storage's id -> where its fake tensor is
 
@@ -321,8 +322,6 @@ def restore(storage: Storage, manifest: fmt.Manifest, rank: int, map_location=No
         return typed
 
     args = {"encoding": "utf-8", **(pickle_load_args or {})}
-    with _real_tensors(fake):
-        stream = io.BytesIO(memoryview(skeleton[0].numpy()) if skeleton[0].numel() else b"")
     if weights_only:
         unpickler = torch._weights_only_unpickler.Unpickler(stream, **args)
     else:
