@@ -53,6 +53,16 @@ class Job:
     def committed(self, step: int) -> None:
         self.expect(lambda l: l == f"rank 0: committed step {step}", f"committing step {step}")
 
+    def stopped(self, step: int, committed: int) -> None:
+        """Rank 1 stopped at ``step`` (tests/procs/supervised_train.py's "hang") and step
+        ``committed`` committed, in either order: a kill sent then lands where it means to."""
+        want, seen = {f"rank 1: stopped at step {step}", f"rank 0: committed step {committed}"}, set()
+
+        def both(line: str) -> bool:
+            seen.add(line)
+            return want <= seen
+        self.expect(both, f"rank 1 stopping at step {step} and step {committed} committed")
+
     def finish(self) -> int:
         """Wait for the process and for the end of the output (every worker gone)."""
         try:

@@ -85,7 +85,7 @@ def test_a_killed_rank_recovers_bit_identical_with_the_store_on_s3(tmp_path, s3e
     # land as late as the last step, where it reads as a teardown failure
     # (test_supervisor.injected) and proves nothing.
     job = Supervised(store, tmp_path, fault=f"hang:12:{tmp_path / 'stopped-once'}", env=s3env)
-    job.committed(10)  # (saved before the stop, committed in the background)
+    job.stopped(12, committed=10)  # (saved before the stop, committed in the background)
     os.kill(job.pids[1], signal.SIGKILL)
     job.expect(lambda l: l.startswith("rank 0: resumed at step"), "the relaunch")
     assert job.finish() == runner.EXIT_FINISHED, job.output()[-3000:]

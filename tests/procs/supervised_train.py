@@ -1,9 +1,10 @@
 """docs/examples/fault_tolerant_training.py with faults injected, for tests/test_supervisor.py.
 
-FAULT (environment) = KIND:STEP[:MARKER], on rank 1 when it is about to train STEP:
+FAULT (environment) = KIND:STEP[:MARKER], or several joined by commas, on rank 1 when it
+is about to train STEP:
   raise          RuntimeError with the same message every time (deterministic, found on repeat)
   deterministic  ckptstore.DeterministicError (stops the run at once)
-  hang           blocks forever, once (MARKER file: not again after a restart)
+  hang           says so and blocks forever, once (MARKER file: not again after a restart)
   kill           SIGKILL itself, once (MARKER)
 """
 
@@ -21,13 +22,15 @@ spec.loader.exec_module(example)
 
 import ckptstore  # noqa: E402
 
-kind, step, *rest = os.environ.get("FAULT", "none:-1").split(":")
-step = int(step)
-marker = rest[0] if rest else None
+FAULTS = {}  # step -> (kind, marker)
+for fault in os.environ.get("FAULT", "none:-1").split(","):
+    kind, step, *rest = fault.split(":")
+    if kind != "none":
+        FAULTS[int(step)] = (kind, rest[0] if rest else None)
 original_batch = example.batch
 
 
-def once() -> bool:
+def once(marker) -> bool:
     if marker is None:
         return True
     try:
@@ -39,14 +42,17 @@ def once() -> bool:
 
 def batch(samples, rank, rows):
     global_batch = 16
-    if rank == 1 and samples // global_batch == step and kind != "none":
+    step = samples // global_batch
+    if rank == 1 and step in FAULTS:
+        kind, marker = FAULTS[step]
         if kind == "raise":
             raise RuntimeError(f"bad data shard at sample {samples}")
         if kind == "deterministic":
             raise ckptstore.DeterministicError(f"non-finite loss at step {step}")
-        if kind == "hang" and once():
+        if kind == "hang" and once(marker):
+            example.say(f"rank 1: stopped at step {step}")  # tests wait for this before killing it
             threading.Event().wait()
-        if kind == "kill" and once():
+        if kind == "kill" and once(marker):
             os.kill(os.getpid(), signal.SIGKILL)
     return original_batch(samples, rank, rows)
 
