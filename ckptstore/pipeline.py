@@ -120,10 +120,13 @@ class RankWriter:
         self._pending.append((self._chunk_task, (key, offsets, sizes, itemsize, buf, scope, write), buf))
 
     def submit_pack(self, buf: StagingBuffer, entries: list[tuple]) -> None:
-        """Hand over one buffer holding several whole rank-local tensors back to back
+        """Hand over one buffer holding several small chunks back to back
         (``StagingCopier.gather``): ``entries`` are (key, byte offset in ``buf``, nbytes,
-        itemsize, shape). Each tensor stays a chunk of its own, hashed and encoded as
-        one; a worker appends the pack's stored bytes in one write."""
+        itemsize, shape) for a whole rank-local tensor, or (key, byte offset, nbytes,
+        itemsize, sizes, scope, offsets, write) for one chunk of a global tensor (a
+        DTensor's local box; ``write`` as in :meth:`submit_chunk`). Each stays a chunk
+        of its own, hashed and encoded as one; a worker appends the pack's stored bytes
+        in one write."""
         self._pending.append((self._pack_task, (buf, entries), buf))
 
     def flush(self) -> None:
@@ -279,36 +282,40 @@ class RankWriter:
             if self._error is not None:
                 return
             view, memo, policy = buf.view, self.rt.codec_memo, self.policy
-            stored_parts, records, all_raw, refs = [], [], True, []
-            for key, start, nbytes, itemsize, shape in entries:
+            stored_parts, records, all_raw, refs, replicas = [], [], True, [], []
+            for key, start, nbytes, itemsize, shape, *where in entries:
                 raw = view[start:start + nbytes]
-                offsets = (0,) * len(shape)
+                scope, offsets, write = where if where else (Scope.LOCAL, (0,) * len(shape), True)
                 raw_hash = digest(raw)
+                if not write:  # a replica another rank writes: its hash is checked at commit
+                    replicas.append(fmt.ReplicaHash(key, tuple(offsets), tuple(shape), raw_hash))
+                    continue
                 ref = self._reference(nbytes, raw_hash)
                 if ref is not None:  # unchanged since a committed save: referenced, not written
-                    refs.append((key, fmt.Chunk(offsets, shape, ref)))
+                    refs.append(((scope, key), fmt.Chunk(offsets, shape, ref)))
                     continue
-                chain, stored = encode(raw, itemsize, policy, (Scope.LOCAL, key, offsets), memo)
+                chain, stored = encode(raw, itemsize, policy, (scope, key, offsets), memo)
                 all_raw = all_raw and not chain
                 stored_parts.append(stored)
-                records.append((key, offsets, shape, len(stored), nbytes, tuple(chain), raw_hash))
+                records.append(((scope, key), offsets, shape, len(stored), nbytes, tuple(chain), raw_hash))
             if not records:
                 data = b""
-            elif all_raw and not refs:  # the stored bytes are the buffer's, in order: one write, no copy
+            elif all_raw and not refs and not replicas:  # the buffer's bytes, in order: one write, no copy
                 end = entries[-1][1] + entries[-1][2]
                 data = view[entries[0][1]:end]
             else:
                 data = b"".join(stored_parts)
             at = self._append(data) if len(data) else 0
             chunks = []
-            for key, offsets, shape, length, nbytes, chain, raw_hash in records:
-                chunks.append((key, fmt.Chunk(offsets, shape, fmt.Blob(self.file, at if length else 0, length,
+            for where, offsets, shape, length, nbytes, chain, raw_hash in records:
+                chunks.append((where, fmt.Chunk(offsets, shape, fmt.Blob(self.file, at if length else 0, length,
                                                                         nbytes, chain, raw_hash))))
                 at += length
             chunks += refs
             with self._lock:
-                for key, chunk in chunks:
-                    self._chunks.setdefault((Scope.LOCAL, key), []).append(chunk)
+                for where, chunk in chunks:
+                    self._chunks.setdefault(where, []).append(chunk)
+                self._replicas += replicas
         except BaseException as e:
             self._fail(e, f"tensor {entries[0][0]!r} (or one of the {len(entries) - 1} packed after it)")
         finally:

@@ -1,14 +1,16 @@
 """Capture a plain state in a few microseconds per tensor; pickle its skeleton later.
 
 Most checkpoints are containers of plain tensors and plain values: a model's and an
-optimizer's state dicts, a scheduler's, counters, the RNG states. For those,
+optimizer's state dicts (FSDP2's hold DTensors), a scheduler's, counters, the RNG
+states. For those,
 :func:`capture` walks the object once on the caller's thread and keeps a frozen copy
 of its structure: every container rebuilt, every tensor reduced to what torch would
-pickle for it (storage, offset, size, stride, requires_grad). The skeleton is then
+pickle for it (storage, offset, size, stride, requires_grad; a DTensor: its global
+tensor's key, dtype and shape, as ``flatten``'s stand-in). The skeleton is then
 pickled from that copy by :func:`pickle_captured` on a worker thread, after ``save``
 has returned and while the caller changes the original. Pickling on the caller's
 thread (``flatten``) costs about 25 us per tensor, most of it in torch's
-``Tensor.__reduce_ex__``; the walk costs a few.
+``Tensor.__reduce_ex__``, and 40-60 us per DTensor; the walk costs a few.
 
 The skeleton is the one ``flatten`` writes: the same rebuild functions with the same
 arguments, the same persistent ids, and storage keys named after the same first path,
@@ -18,7 +20,7 @@ one thing: a tensor's empty backward-hook table is pickled as None (see
 
 Anything else makes :func:`capture` return None, and the caller pickles with
 ``flatten`` as before: a user class, a container subclass other than OrderedDict, a
-tensor subclass or DTensor, a tensor off the CPU, sparse, quantized, nested,
+tensor subclass, a tensor (or a DTensor's local tensor) off the CPU, sparse, quantized, nested,
 conjugated or negated tensors, a tensor with Python attributes or backward hooks, a
 buffer viewed as several dtypes, bytes (the weights-only audit watches them), a
 custom ``pickle_module`` or a pickle protocol other than 2 (the default, and the one
@@ -33,7 +35,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .flatten import StorageRef, _unique, entry_shape, implied_storage_dtype, index_pid
+from ..scopes import Scope
+from .flatten import (DTensorRef, StorageRef, _dtensor_class, _unique, entry_shape, global_pid, global_rebuild,
+                      implied_storage_dtype, index_pid, local_tensor, skeleton_key)
 
 __all__ = ["Captured", "capture", "pickle_captured"]
 
@@ -60,6 +64,7 @@ class _NotPlain(Exception):
 # so a record the worker failed to turn back into an object fails the save.
 _TENSOR = object()  # (_TENSOR, storage index, offset, requires_grad, v3 dtype or None, *size, *stride)
 _PARAMETER = object()  # as _TENSOR; requires_grad is the Parameter's (its data pickles with False)
+_DTENSOR = object()  # (_DTENSOR, global key, requires_grad, dtype, *global shape): flatten's stand-in
 
 
 @dataclass
@@ -69,11 +74,13 @@ class Captured:
     ``frozen`` holds each tensor as a record naming its storage by index, which is also
     its persistent id's index (format version 2). Per storage index: ``storages`` what
     staging needs (key, data pointer, entry dtype, then the entry's shape inline);
-    ``sources`` the storage itself."""
+    ``sources`` the storage itself. ``dtensors``: each DTensor met, in walk order (which
+    is pickling order), under its global tensor's key."""
 
     frozen: object
     storages: list[tuple]
     sources: list
+    dtensors: list[DTensorRef]
 
     def ref(self, index: int) -> StorageRef:
         key, _ptr, dtype, *shape = self.storages[index]
@@ -90,6 +97,9 @@ def capture(obj, max_depth: int = 200) -> Captured | None:
     used: set[str] = set()
     storages: list[tuple] = []
     sources: list = []
+    dtensors: list[DTensorRef] = []
+    used_global: set[str] = set()
+    dtensor_class = _dtensor_class()  # None unless torch.distributed.tensor was imported
 
     def frozen_tensor(t: torch.Tensor, path: str, requires_grad: bool) -> tuple:
         if (t.__dict__ or not t.is_cpu or t.layout is not _STRIDED or t.is_quantized or t.is_nested
@@ -127,6 +137,15 @@ def capture(obj, max_depth: int = 200) -> Captured | None:
         # only untracked by the collector's second pass.
         return (_TENSOR, index, t.storage_offset(), requires_grad, dtype if v3 else None, *t.shape, *t.stride())
 
+    def frozen_dtensor(dt, path: str) -> tuple:
+        # flatten pickles a DTensor as a plain tensor of its global shape over a global
+        # storage, whatever its Python attributes (FSDP2 marks parameters with one).
+        if not local_tensor(dt).is_cpu:
+            raise _NotPlain  # staging it needs the device path (flatten finds the devices)
+        key = _unique(path or "tensor", used_global)
+        dtensors.append(DTensorRef(key, dt))
+        return (_DTENSOR, key, dt.requires_grad, dt.dtype, *dt.shape)
+
     def visit(o, path: str, depth: int, tensors_allowed: bool = True):
         kind = type(o)
         if kind in _LEAVES:
@@ -147,6 +166,10 @@ def capture(obj, max_depth: int = 200) -> Captured | None:
                 # The record of its data (which pickles with requires_grad False), marked
                 # as a Parameter and carrying the Parameter's own requires_grad instead.
                 out = (_PARAMETER, *frozen_tensor(o, path, o.requires_grad)[1:])
+        elif kind is dtensor_class:
+            if not tensors_allowed:
+                raise _NotPlain
+            out = frozen_dtensor(o, path)
         elif kind is dict or kind is OrderedDict:
             out = memo[id(o)] = kind()
             for k, v in o.items():
@@ -180,7 +203,7 @@ def capture(obj, max_depth: int = 200) -> Captured | None:
     except (_NotPlain, RuntimeError, RecursionError):
         # RuntimeError: torch refused a query (a ZeroTensor, ...)
         return None
-    return Captured(frozen, storages, sources)
+    return Captured(frozen, storages, sources, dtensors)
 
 
 def pickle_captured(frozen, n_storages: int) -> bytes:
@@ -213,6 +236,10 @@ def _thaw(o, storages: list, made: dict, seen: set):
                 out = _Tensor(storages[o[1]], o[2], size, stride, o[3], o[4])
             else:
                 out = _Parameter(_Tensor(storages[o[1]], o[2], size, stride, False, o[4]), o[3])
+        elif head is _DTENSOR:
+            shape = o[4:]
+            pid = global_pid(skeleton_key(Scope.GLOBAL, o[1]), o[3], shape, "cpu")
+            out = _GlobalTensor(_Storage(pid), o[3], shape, o[2])
         else:
             items = [_thaw(v, storages, made, seen) for v in o]
             out = o if all(a is b for a, b in zip(items, o)) else tuple(items)
@@ -262,6 +289,18 @@ class _Tensor:
         self.v3_dtype = v3_dtype  # None: pickled over a typed storage (_rebuild_tensor_v2)
 
 
+class _GlobalTensor:
+    """A DTensor while pickling: ``flatten``'s stand-in for it."""
+
+    __slots__ = ("storage", "dtype", "shape", "requires_grad")
+
+    def __init__(self, storage, dtype, shape, requires_grad):
+        self.storage = storage
+        self.dtype = dtype
+        self.shape = shape
+        self.requires_grad = requires_grad
+
+
 class _Parameter:
     __slots__ = ("data", "requires_grad")
 
@@ -274,7 +313,7 @@ class _FrozenPickler(pickle.Pickler):
     def persistent_id(self, o):
         if type(o) is _Storage:
             return o.pid
-        if o is _TENSOR or o is _PARAMETER:
+        if o is _TENSOR or o is _PARAMETER or o is _DTENSOR:
             raise pickle.PicklingError("ckptstore internal error: a captured tensor record reached the pickler")
         return None
 
@@ -299,4 +338,6 @@ class _FrozenPickler(pickle.Pickler):
             return _rebuild_v3, (o.storage, o.offset, o.size, o.stride, o.requires_grad, None, o.v3_dtype)
         if kind is _Parameter:
             return _rebuild_parameter, (o.data, o.requires_grad, None)
+        if kind is _GlobalTensor:
+            return global_rebuild(o.storage, o.dtype, o.shape, o.requires_grad)
         return NotImplemented

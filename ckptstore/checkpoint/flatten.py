@@ -129,7 +129,7 @@ class LocalBox:
 MAX_LOCAL_BOXES = 1 << 16
 
 
-def dtensor_boxes(dt, failure: str = "cannot save DTensor") -> Sequence[LocalBox]:
+def dtensor_boxes(dt, failure: str = "cannot save DTensor", meshes: dict | None = None) -> Sequence[LocalBox]:
     """The boxes of the global tensor that this rank's local tensor holds, with where
     each lies in the local tensor: one box for Shard and Replicate placements, several
     for ``_StridedShard`` layouts whose local rows are not a contiguous range of the
@@ -140,14 +140,21 @@ def dtensor_boxes(dt, failure: str = "cannot save DTensor") -> Sequence[LocalBox
     ``_StridedShard(d, split_factor=k)`` first chunks it into ``k`` pieces, chunks each
     piece over the mesh dimension and keeps this rank's part of every piece. Raises
     SerializationError for placements it does not know (Partial, say) and when the result
-    disagrees with the local tensor's shape; ``failure`` begins its message."""
+    disagrees with the local tensor's shape; ``failure`` begins its message. ``meshes``:
+    a memo of each mesh's coordinate and shape, by id (for DTensors whose meshes stay
+    alive meanwhile: a state's), so a state of many DTensors asks each mesh once."""
     mesh = dt.device_mesh
-    coord = mesh.get_coordinate()
+    known = meshes.get(id(mesh)) if meshes is not None else None
+    if known is None:
+        coord = mesh.get_coordinate()
+        # mesh.shape, not mesh.mesh.shape: that builds the mesh's rank tensor on every call
+        known = (None if coord is None else tuple(coord), tuple(mesh.shape))
+        if meshes is not None:
+            meshes[id(mesh)] = known
+    coord, mesh_shape = known
     if coord is None:  # this rank is not part of the DTensor's mesh: it holds nothing
         return []
-    facts = (tuple(dt.shape), tuple(local_tensor(dt).shape),
-             tuple(mesh.shape),  # not mesh.mesh.shape: that builds the mesh's rank tensor on every call
-             tuple(coord), tuple(dt.placements))
+    facts = (tuple(dt.shape), tuple(local_tensor(dt).shape), mesh_shape, coord, tuple(dt.placements))
     try:
         return _boxes(*facts)  # a model's layers repeat their shapes: most DTensors are a look-up
     except _BoxError as e:
@@ -427,14 +434,31 @@ def _global_stand_in(key: str, dtype: torch.dtype, shape: tuple[int, ...], locat
     """The reduce value of global tensor ``key``: a storage that holds no memory stands
     in for its storage (registered in ``global_refs`` for the persistent id), rebuilt by
     the call torch.save itself uses for the dtype. The value keeps the stand-in alive."""
-    stride = _contiguous_stride(shape)
     if _has_typed_storage(dtype):
         stand_in = torch.storage.TypedStorage(math.prod(shape), dtype=dtype, device="meta")
         global_refs[stand_in._untyped_storage._cdata] = (skeleton_key(GLOBAL, key), location)
-        return torch._utils._rebuild_tensor_v2, (stand_in, 0, shape, stride, requires_grad, OrderedDict())
-    stand_in = torch.UntypedStorage(math.prod(shape) * dtype.itemsize, device="meta")
-    global_refs[stand_in._cdata] = (skeleton_key(GLOBAL, key), location)
-    return torch._utils._rebuild_tensor_v3, (stand_in, 0, shape, stride, requires_grad, OrderedDict(), dtype)
+    else:
+        stand_in = torch.UntypedStorage(math.prod(shape) * dtype.itemsize, device="meta")
+        global_refs[stand_in._cdata] = (skeleton_key(GLOBAL, key), location)
+    return global_rebuild(stand_in, dtype, shape, requires_grad)
+
+
+def global_rebuild(storage, dtype: torch.dtype, shape: tuple[int, ...], requires_grad: bool) -> tuple:
+    """The reduce value of a global tensor over ``storage`` (which the pickler names by
+    :func:`global_pid`): the call torch.save itself uses for the dtype."""
+    stride = _contiguous_stride(shape)
+    if _has_typed_storage(dtype):
+        return torch._utils._rebuild_tensor_v2, (storage, 0, shape, stride, requires_grad, OrderedDict())
+    return torch._utils._rebuild_tensor_v3, (storage, 0, shape, stride, requires_grad, OrderedDict(), dtype)
+
+
+def global_pid(skeleton_key_: str, dtype: torch.dtype, shape: tuple[int, ...], location: str) -> tuple:
+    """The persistent id of a global tensor's storage, as ``flatten`` writes it for the
+    stand-in of :func:`_global_stand_in`."""
+    if _has_typed_storage(dtype):
+        storage_type = getattr(torch, torch.storage._dtype_to_storage_type_map()[dtype])
+        return ("storage", storage_type, skeleton_key_, location, math.prod(shape))
+    return ("storage", torch.UntypedStorage, skeleton_key_, location, math.prod(shape) * dtype.itemsize)
 
 
 def global_skeleton(entries, pickle_protocol: int = 2) -> bytes:

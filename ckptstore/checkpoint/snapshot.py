@@ -117,17 +117,34 @@ def snapshot(obj, writer: RankWriter, pool: StagingPool | Callable[[frozenset], 
 
             stage(ref.key, ref.shape, zero, ref.dtype.itemsize, GLOBAL, writes, from_storage(ref.storage, 0))
 
-    def on_dtensor(ref: DTensorRef) -> None:
+    meshes: dict = {}  # id(mesh) -> its coordinate and shape (dtensor_boxes)
+    writers: dict = {}  # (id(mesh), placements) -> _writes_dtensor_replica's answer
+
+    def writes_of(dt):
+        memo_key = (id(dt.device_mesh), dt.placements)
+        try:
+            found = writers.get(memo_key)
+        except TypeError:  # a placement that cannot be hashed
+            return _writes_dtensor_replica(dt)
+        if found is None:
+            found = writers[memo_key] = _writes_dtensor_replica(dt)
+        return found
+
+    def on_dtensor(ref: DTensorRef, pack=None) -> None:
+        """Stage a DTensor's local boxes; ``pack(key, local, box, itemsize, writes)``,
+        when given, may take a DTensor of one small box into a pack instead (True)."""
         dt = ref.dtensor
         out.shards[ref.key] = (fmt.dtype_name(dt.dtype), tuple(dt.shape))
         # Where the local tensor's elements lie in the global tensor, from the placements
         # (a _StridedShard layout may scatter them over several boxes).
-        boxes = dtensor_boxes(dt, f"cannot save DTensor {ref.key!r}")
+        boxes = dtensor_boxes(dt, f"cannot save DTensor {ref.key!r}", meshes)
         if not boxes:
             return
         local = local_tensor(dt)
-        mine, out.holders[ref.key] = _writes_dtensor_replica(dt)
+        mine, out.holders[ref.key] = writes_of(dt)
         itemsize = dt.dtype.itemsize
+        if pack is not None and len(boxes) == 1 and pack(ref.key, local, boxes[0], itemsize, mine):
+            return
         for box in boxes:
             part = local[box.index]
             copy = from_storage(part.untyped_storage(), part.storage_offset() * itemsize) if part.is_contiguous() \
@@ -168,8 +185,8 @@ def snapshot(obj, writer: RankWriter, pool: StagingPool | Callable[[frozenset], 
                                pickle_module=pickle_module, paths=paths, on_paths=lambda found, dtensors: _hint_size(
                                    writer, functools.partial(_tensor_bytes, found, dtensors)))
         else:
-            _hint_size(writer, functools.partial(_captured_bytes, captured.storages))
-            _stage_captured(captured, out, writer, copier, on_storage, limit)
+            _hint_size(writer, functools.partial(_captured_bytes, captured))
+            _stage_captured(captured, out, writer, copier, on_storage, on_dtensor, limit)
             frozen, n = captured.frozen, len(captured.storages)  # not the storages: the worker needs none
             skeleton = lambda: pickle_captured(frozen, n)  # noqa: E731 (a worker calls it)
     writer.submit_skeleton(skeleton)
@@ -219,8 +236,12 @@ def _hint_size(writer: RankWriter, raw_bytes) -> None:
     writer.open_soon()
 
 
-def _captured_bytes(storages) -> int:
-    return sum(math.prod(dims) * dtype.itemsize for _key, _ptr, dtype, *dims in storages)
+def _captured_bytes(captured: Captured) -> int:
+    total = sum(math.prod(dims) * dtype.itemsize for _key, _ptr, dtype, *dims in captured.storages)
+    for ref in captured.dtensors:
+        local = local_tensor(ref.dtensor)
+        total += local.numel() * local.element_size()
+    return total
 
 
 def _tensor_bytes(found: dict, dtensors: dict) -> int:
@@ -236,10 +257,10 @@ SMALL_TENSOR_BYTES = 1 << 20  # at most this size, a tensor goes into a pack
 
 
 def _stage_captured(captured: Captured, out: Snapshot, writer: RankWriter, copier: StagingCopier, on_storage,
-                    limit: int) -> None:
-    """Stage a captured state's storages: the small ones packed into shared buffers
-    (one reservation, copy and hand-over per pack, not per tensor), the others by
-    ``flatten``'s callback ``on_storage``, in chunks."""
+                    on_dtensor, limit: int) -> None:
+    """Stage a captured state's storages and DTensors: the small ones packed into
+    shared buffers (one reservation, copy and hand-over per pack, not per tensor), the
+    others by ``flatten``'s callbacks ``on_storage`` and ``on_dtensor``, in chunks."""
     pack_limit = min(PACK_BYTES, limit)
     small = min(SMALL_TENSOR_BYTES, pack_limit)
     entries: list[tuple] = []
@@ -257,6 +278,23 @@ def _stage_captured(captured: Captured, out: Snapshot, writer: RankWriter, copie
         copier.gather(pointers, sizes, lambda buf: writer.submit_pack(buf, pack))
         entries, pointers, sizes, packed = [], [], [], 0
 
+    def add(ptr: int, key: str, nbytes: int, itemsize: int, shape: tuple, *where) -> None:
+        nonlocal packed
+        if packed + nbytes > pack_limit:
+            send()
+        entries.append((key, packed, nbytes, itemsize, shape, *where))
+        pointers.append(ptr)
+        sizes.append(nbytes)
+        packed += nbytes
+
+    def pack_dtensor(key: str, local, box, itemsize: int, mine) -> bool:
+        """A DTensor whose local tensor is one small, contiguous box: packed."""
+        nbytes = local.numel() * itemsize
+        if nbytes == 0 or nbytes > small or box.sizes != tuple(local.shape) or not local.is_contiguous():
+            return False
+        add(local.data_ptr(), key, nbytes, itemsize, box.sizes, GLOBAL, box.offsets, mine(key, box.offsets))
+        return True
+
     for index, (key, ptr, dtype, *dims) in enumerate(captured.storages):
         shape = tuple(dims)
         itemsize = dtype.itemsize
@@ -265,12 +303,9 @@ def _stage_captured(captured: Captured, out: Snapshot, writer: RankWriter, copie
             on_storage(captured.ref(index))  # (nothing to stage for an empty one)
             continue
         out.local[key] = (fmt.dtype_name(dtype), shape)
-        if packed + nbytes > pack_limit:
-            send()
-        entries.append((key, packed, nbytes, itemsize, shape))
-        pointers.append(ptr)
-        sizes.append(nbytes)
-        packed += nbytes
+        add(ptr, key, nbytes, itemsize, shape)
+    for ref in captured.dtensors:
+        on_dtensor(ref, pack_dtensor)
     if entries:
         send()
 
