@@ -76,11 +76,8 @@ def snapshot(obj, writer: RankWriter, pool: StagingPool | Callable[[frozenset], 
         """Stage a tensor chunk by chunk; ``copy(offsets, sizes, byte offset, nbytes,
         then)`` copies one chunk into a buffer and hands it to ``then``."""
         for offsets, sizes, byte_off, nbytes in plan_chunks(tuple(shape), itemsize, limit):
-            if writer.failed is not None:
-                raise writer.failed  # stop staging a save that cannot commit
+            _before_staging(writer, pool, nbytes)
             goff = tuple(o + d for o, d in zip(offsets, offset0))
-            if pool.in_use + nbytes > pool.capacity // 2:
-                writer.flush()  # the pool is filling: let the workers start freeing buffers
             write = writes(goff, nbytes)
             copy(offsets, sizes, byte_off, nbytes, lambda buf, goff=goff, sizes=sizes, write=write:
                  writer.submit_chunk(key, goff, sizes, itemsize, buf, scope, write))
@@ -236,6 +233,15 @@ def _hint_size(writer: RankWriter, raw_bytes) -> None:
     writer.open_soon()
 
 
+def _before_staging(writer: RankWriter, pool: StagingPool, nbytes: int) -> None:
+    """Before staging ``nbytes`` more: stop a save that cannot commit, and start the
+    held-back workers once the pool is half full (only they free its buffers)."""
+    if writer.failed is not None:
+        raise writer.failed
+    if pool.in_use + nbytes > pool.capacity // 2:
+        writer.flush()
+
+
 def _captured_bytes(captured: Captured) -> int:
     total = sum(math.prod(dims) * dtype.itemsize for _key, _ptr, dtype, *dims in captured.storages)
     for ref in captured.dtensors:
@@ -270,10 +276,7 @@ def _stage_captured(captured: Captured, out: Snapshot, writer: RankWriter, copie
 
     def send() -> None:
         nonlocal entries, pointers, sizes, packed
-        if writer.failed is not None:
-            raise writer.failed  # stop staging a save that cannot commit
-        if copier.pool.in_use + packed > copier.pool.capacity // 2:
-            writer.flush()  # the pool is filling: let the workers start freeing buffers
+        _before_staging(writer, copier.pool, packed)
         pack = entries
         copier.gather(pointers, sizes, lambda buf: writer.submit_pack(buf, pack))
         entries, pointers, sizes, packed = [], [], [], 0
