@@ -114,7 +114,10 @@ class CodecMemo:
     """What ``encode`` decided for a chunk in earlier saves, so that "auto" need not
     trial-compress the same chunk every time: the same tensor of the next checkpoint
     almost always compresses as well as it did, so the trial runs again only every
-    ``retry_after`` uses of a decision.
+    ``retry_after`` uses of a decision. A first decision starts part-way through its
+    count (new decisions in turn at 0, 1, ..., retry_after uses): the chunks of one save
+    then come due a few at a time over the next saves, not all at the same one (100,000
+    trials at every seventeenth save of 100,000 tensors).
 
     Keys are ``(hint, size, element size, policy)``; the hint is whatever the caller
     names a chunk by (opaque here). The caller owns the memo and its lifetime (the
@@ -129,6 +132,7 @@ class CodecMemo:
         self.max_entries = max_entries
         self._decisions: dict[tuple, list] = {}  # key -> [chain or None, uses]
         self._lock = threading.Lock()
+        self._new = 0  # first decisions made: where the next one starts its count
 
     def __len__(self) -> int:
         return len(self._decisions)
@@ -147,7 +151,11 @@ class CodecMemo:
         with self._lock:
             if len(self._decisions) > self.max_entries:
                 self._decisions.clear()
-            self._decisions[key] = [chain, 0]
+            if key in self._decisions:  # a retried decision: a whole count again
+                self._decisions[key] = [chain, 0]
+            else:
+                self._decisions[key] = [chain, self._new % (self.retry_after + 1)]
+                self._new += 1
 
     def clear(self) -> None:
         with self._lock:

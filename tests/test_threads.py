@@ -176,3 +176,21 @@ def test_the_codec_memo_belongs_to_the_runtime():
     assert memo.recall(((("k",), len(data), 4, CompressionPolicy()))) == (True, first[0][:-1])
     assert encode(data, 4, CompressionPolicy())[0] == first[0]  # no memo: the trial runs
 
+
+def test_the_chunks_of_one_save_come_due_for_a_new_trial_a_few_at_a_time():
+    """"auto" tries a chunk's codecs again after retry_after uses of its decision (each
+    17th save); the 1,700 chunks of one save must not all come due at the same later
+    save, but 100 at each."""
+    from ckptstore.codecs import CodecMemo
+
+    memo, keys = CodecMemo(retry_after=16), [("chunk", i) for i in range(1700)]
+    for key in keys:  # the first save: a trial for each
+        memo.remember(key, None)
+    due_per_save = []
+    for _save in range(48):
+        due = [key for key in keys if not memo.recall(key)[0]]
+        for key in due:  # the trial runs again, and its decision is kept
+            memo.remember(key, None)
+        due_per_save.append(len(due))
+    assert due_per_save == [100] * 48
+
