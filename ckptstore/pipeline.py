@@ -123,8 +123,9 @@ class RankWriter:
         """Hand over one buffer holding several small chunks back to back
         (``StagingCopier.gather``): ``entries`` are (key, byte offset in ``buf``, nbytes,
         itemsize, shape) for a whole rank-local tensor, or (key, byte offset, nbytes,
-        itemsize, sizes, scope, offsets, write) for one chunk of a global tensor (a
-        DTensor's local box; ``write`` as in :meth:`submit_chunk`). Each stays a chunk
+        itemsize, sizes, offsets, write) for one chunk of a global tensor (a DTensor's
+        local box; ``write`` as in :meth:`submit_chunk`): plain values only, so the
+        collector soon stops tracking entries that wait for a worker. Each stays a chunk
         of its own, hashed and encoded as one; a worker appends the pack's stored bytes
         in one write."""
         self._pending.append((self._pack_task, (buf, entries), buf))
@@ -215,12 +216,13 @@ class RankWriter:
     def _size_hint(self) -> int | None:
         """``size_hint``, counted now when it is a function (the snapshot's, so the
         training thread does not count); a hint that cannot be counted is no hint."""
-        if not callable(self.size_hint):
-            return self.size_hint
-        try:
-            return int(self.size_hint())
-        except Exception:
-            return None
+        if callable(self.size_hint):
+            try:
+                counted = int(self.size_hint())
+            except Exception:
+                counted = None
+            self.size_hint = counted  # not the function: it holds the captured state alive
+        return self.size_hint
 
     def _store(self, raw: memoryview, itemsize: int, release=None, hint=None) -> fmt.Blob:
         """Hash, encode and append one blob; calls ``release`` once ``raw`` is not needed.
@@ -283,9 +285,12 @@ class RankWriter:
                 return
             view, memo, policy = buf.view, self.rt.codec_memo, self.policy
             stored_parts, records, all_raw, refs, replicas = [], [], True, [], []
-            for key, start, nbytes, itemsize, shape, *where in entries:
+            for key, start, nbytes, itemsize, shape, *box in entries:
                 raw = view[start:start + nbytes]
-                scope, offsets, write = where if where else (Scope.LOCAL, (0,) * len(shape), True)
+                if box:
+                    scope, (offsets, write) = Scope.GLOBAL, box
+                else:
+                    scope, offsets, write = Scope.LOCAL, (0,) * len(shape), True
                 raw_hash = digest(raw)
                 if not write:  # a replica another rank writes: its hash is checked at commit
                     replicas.append(fmt.ReplicaHash(key, tuple(offsets), tuple(shape), raw_hash))

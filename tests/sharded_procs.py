@@ -382,6 +382,18 @@ def ddp_and_hsdp(rank, world, events, root):
     dist.barrier()
     res["hsdp_steps"] = hstore.steps()
 
+    # ---- the same with a box small enough to travel in a pack (replica hashes in packs)
+    pstore = ckptstore.Store(f"{root}/hsdp_packed", compression="none", commit_timeout=60, chunk_bytes=2048)
+    pstore.save(1, {"e": hsdp["e"]}).result()
+    local = hsdp["e"].to_local().clone()
+    if tuple(mesh.get_coordinate()) == (1, 0):
+        local.add_(1.0)
+    skewed = DTensor.from_local(local, mesh, [Replicate(), Shard(0)], run_check=False,
+                                shape=hsdp["e"].shape, stride=hsdp["e"].stride())
+    res["hsdp_packed_diverged"] = _describe(pstore.save(2, {"e": skewed}).exception(HANG_GUARD_S))
+    dist.barrier()
+    res["hsdp_packed_steps"] = pstore.steps()
+
     # ---- tensor parallel inside a data-parallel group: a DTensor on the 1-D "shard"
     # submesh (ranks {0,1} and {2,3} each hold a complete copy), as TP + DDP states are
     tp = distribute_tensor(fulls["a"], mesh["shard"], [Shard(0)])

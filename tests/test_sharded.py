@@ -317,7 +317,7 @@ def test_rank_local_state_comes_back_to_its_rank_on_the_same_world_size(ddp_run)
         assert "WorldSizeChangedWarning" not in res["ddp_warnings"]
 
 
-@pytest.mark.parametrize("kind", ["ddp", "hsdp"])
+@pytest.mark.parametrize("kind", ["ddp", "hsdp", "hsdp_packed"])
 def test_I5_replicated_data_differing_between_ranks_commits_nothing(ddp_run, kind):
     for rank, res in enumerate(ddp_run["results"]):
         exc = res[f"{kind}_diverged"]

@@ -281,18 +281,11 @@ def _contiguous_stride(shape) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
-@functools.lru_cache(maxsize=None)  # one answer per dtype; asked once per DTensor
 def _has_typed_storage(dtype: torch.dtype) -> bool:
-    """Whether torch pickles this dtype over a legacy typed storage class."""
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # TypedStorage's deprecation notice
-        try:
-            torch.storage.TypedStorage(0, dtype=dtype, device="meta")._pickle_storage_type()
-        except (KeyError, TypeError, RuntimeError, ValueError):
-            return False
-    return True
+    """Whether torch pickles this dtype over a legacy typed storage class (the map
+    ``TypedStorage._pickle_storage_type`` reads; no TypedStorage made, so no warning
+    to silence: ``warnings.catch_warnings`` is not thread-safe, and workers ask this)."""
+    return dtype in torch.storage._dtype_to_storage_type_map()
 
 
 # Types the pickler meets most that are never a storage (persistent_id's fast path).
@@ -516,5 +509,5 @@ def region_byte_offset(shape, offsets, itemsize: int) -> int:
 
 
 __all__ = ["DTensorRef", "GLOBAL", "LOCAL", "LocalBox", "StorageRef", "UnserializableTensorError", "dtensor_boxes",
-           "flatten", "global_skeleton", "implied_storage_dtype", "index_pid", "local_tensor", "parse_skeleton_key", "plan_chunks", "region_byte_offset",
+           "flatten", "global_pid", "global_rebuild", "global_skeleton", "implied_storage_dtype", "index_pid", "local_tensor", "parse_skeleton_key", "plan_chunks", "region_byte_offset",
            "skeleton_key", "tensor_paths"]

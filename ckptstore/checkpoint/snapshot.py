@@ -281,11 +281,11 @@ def _stage_captured(captured: Captured, out: Snapshot, writer: RankWriter, copie
         copier.gather(pointers, sizes, lambda buf: writer.submit_pack(buf, pack))
         entries, pointers, sizes, packed = [], [], [], 0
 
-    def add(ptr: int, key: str, nbytes: int, itemsize: int, shape: tuple, *where) -> None:
+    def add(ptr: int, key: str, nbytes: int, itemsize: int, shape: tuple, *box) -> None:
         nonlocal packed
         if packed + nbytes > pack_limit:
             send()
-        entries.append((key, packed, nbytes, itemsize, shape, *where))
+        entries.append((key, packed, nbytes, itemsize, shape, *box))
         pointers.append(ptr)
         sizes.append(nbytes)
         packed += nbytes
@@ -295,7 +295,7 @@ def _stage_captured(captured: Captured, out: Snapshot, writer: RankWriter, copie
         nbytes = local.numel() * itemsize
         if nbytes == 0 or nbytes > small or box.sizes != tuple(local.shape) or not local.is_contiguous():
             return False
-        add(local.data_ptr(), key, nbytes, itemsize, box.sizes, GLOBAL, box.offsets, mine(key, box.offsets))
+        add(local.data_ptr(), key, nbytes, itemsize, box.sizes, box.offsets, mine(key, box.offsets))
         return True
 
     for index, (key, ptr, dtype, *dims) in enumerate(captured.storages):
