@@ -244,18 +244,18 @@ def _before_staging(writer: RankWriter, pool: StagingPool, nbytes: int) -> None:
 
 def _captured_bytes(captured: Captured) -> int:
     total = sum(math.prod(dims) * dtype.itemsize for _key, _ptr, dtype, *dims in captured.storages)
-    for ref in captured.dtensors:
-        local = local_tensor(ref.dtensor)
-        total += local.numel() * local.element_size()
-    return total
+    return total + sum(_local_bytes(ref.dtensor) for ref in captured.dtensors)
 
 
 def _tensor_bytes(found: dict, dtensors: dict) -> int:
     total = sum(tensor.untyped_storage().nbytes() for _path, tensor in found.values())
-    for _path, dt in dtensors.values():
-        local = local_tensor(dt)
-        total += local.numel() * local.element_size()
-    return total
+    return total + sum(_local_bytes(dt) for _path, dt in dtensors.values())
+
+
+def _local_bytes(dt) -> int:
+    """The bytes a DTensor's local tensor stages."""
+    local = local_tensor(dt)
+    return local.numel() * local.element_size()
 
 
 PACK_BYTES = 4 << 20  # small tensors are copied and handed over in buffers of about this much
