@@ -134,3 +134,25 @@ def test_packed_dtensor_boxes_unchanged_since_the_last_step_are_referenced(mesh,
     assert {key: [c.blob.step for c in cs] for key, cs in chunks.items()} == {"w0": [1], "w1": [None], "w2": [1]}
     back = store.load(2)
     assert all(torch.equal(back[k], v.full_tensor()) for k, v in state.items())
+
+
+def test_a_quantized_local_dtensor_is_refused_at_save_and_nothing_commits(mesh, tmp_path):
+    """Its chunks would hold the int8 bytes without the scale: a checkpoint that saved
+    but could not load (torch's internal assert). Refused at save, by either path."""
+    import warnings
+
+    from torch.distributed.tensor import DTensor, Replicate
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # quantize_per_tensor is deprecated
+        q = torch.quantize_per_tensor(torch.arange(4.0), 0.1, 0, torch.qint8)
+    dt = DTensor.from_local(q, mesh, [Replicate()], run_check=False)
+    store = ckptstore.Store(tmp_path / "store")
+    store.save(1, {"w": torch.ones(3)}).result(timeout=60)
+    with pytest.raises(ckptstore.errors.SerializationError, match=r"DTensor 'q'.*quantized") as info:
+        store.save(2, {"q": dt}).result(timeout=60)
+    assert isinstance(info.value, RuntimeError)  # torch.save's error type for tensors it cannot save
+    with pytest.raises(ckptstore.errors.SerializationError, match="quantized"):
+        ckptstore.save({"q": dt}, tmp_path / "one").result(timeout=60)
+    assert store.steps() == [1]
+    assert torch.equal(store.load(1)["w"], torch.ones(3))

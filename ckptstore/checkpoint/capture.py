@@ -140,8 +140,11 @@ def capture(obj, max_depth: int = 200) -> Captured | None:
     def frozen_dtensor(dt, path: str) -> tuple:
         # flatten pickles a DTensor as a plain tensor of its global shape over a global
         # storage, whatever its Python attributes (FSDP2 marks parameters with one).
-        if not local_tensor(dt).is_cpu:
+        local = local_tensor(dt)
+        if not local.is_cpu:
             raise _NotPlain  # staging it needs the device path (flatten finds the devices)
+        if local.layout is not _STRIDED or local.is_quantized or local.is_nested:
+            raise _NotPlain  # flatten gives these their errors
         key = _unique(path or "tensor", used_global)
         dtensors.append(DTensorRef(key, dt))
         return (_DTENSOR, key, dt.requires_grad, dt.dtype, *dt.shape)

@@ -371,6 +371,13 @@ def flatten(obj, on_storage: Callable[[StorageRef], None], pickle_protocol: int 
         if on_dtensor is None:
             raise SerializationError("DTensors can only be saved through Store.save")
         key = _unique(dtensor_paths.get(id(dt), (f"dtensor.{len(placeholders)}",))[0], used[GLOBAL])
+        local = local_tensor(dt)
+        if local.layout != torch.strided or local.is_quantized or local.is_nested:
+            # Its chunks would hold the raw bytes only: a quantized tensor's scales, a
+            # sparse one's indices would be lost, and the checkpoint would not load.
+            kind = "quantized" if local.is_quantized else "nested" if local.is_nested else str(local.layout)
+            raise UnserializableTensorError(f"cannot save DTensor {key!r}: its local tensor is {kind}; "
+                                            "only strided, unquantized local tensors can be saved")
         on_dtensor(DTensorRef(key, dt))
         location = torch.serialization.location_tag(local_tensor(dt).untyped_storage())
         value = placeholders[id(dt)] = _global_stand_in(key, dt.dtype, tuple(dt.shape), location, dt.requires_grad,
