@@ -57,6 +57,7 @@ Loaded load() {
     bind(lib, a.MemHostGetDevicePointer, "cuMemHostGetDevicePointer_v2", missing);
     bind(lib, a.MemcpyDtoHAsync, "cuMemcpyDtoHAsync_v2", missing);
     bind(lib, a.StreamCreate, "cuStreamCreate", missing);
+    bind(lib, a.StreamDestroy, "cuStreamDestroy_v2", missing);
     bind(lib, a.StreamWaitEvent, "cuStreamWaitEvent", missing);
     bind(lib, a.StreamSynchronize, "cuStreamSynchronize", missing);
     bind(lib, a.EventCreate, "cuEventCreate", missing);

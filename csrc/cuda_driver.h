@@ -66,6 +66,7 @@ struct Api {
     CUresult (*MemHostGetDevicePointer)(CUdeviceptr*, void*, unsigned);
     CUresult (*MemcpyDtoHAsync)(void*, CUdeviceptr, std::size_t, CUstream);
     CUresult (*StreamCreate)(CUstream*, unsigned);
+    CUresult (*StreamDestroy)(CUstream);
     CUresult (*StreamWaitEvent)(CUstream, CUevent, unsigned);
     CUresult (*StreamSynchronize)(CUstream);
     CUresult (*EventCreate)(CUevent*, unsigned);

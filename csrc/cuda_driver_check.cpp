@@ -47,6 +47,7 @@ CKPT_EXPECT(cuMemFreeHost, void*);
 CKPT_EXPECT(cuMemHostGetDevicePointer_v2, CUdeviceptr*, void*, unsigned int);
 CKPT_EXPECT(cuMemcpyDtoHAsync_v2, void*, CUdeviceptr, size_t, CUstream);
 CKPT_EXPECT(cuStreamCreate, CUstream*, unsigned int);
+CKPT_EXPECT(cuStreamDestroy_v2, CUstream);
 CKPT_EXPECT(cuStreamWaitEvent, CUstream, CUevent, unsigned int);
 CKPT_EXPECT(cuStreamSynchronize, CUstream);
 CKPT_EXPECT(cuEventCreate, CUevent*, unsigned int);

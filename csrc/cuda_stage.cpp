@@ -19,6 +19,7 @@
 // (cu::CtxGuard), so no call creates a context on a device the process does not use.
 #include <algorithm>
 #include <atomic>
+#include <memory>
 #include <chrono>
 #include <cstring>
 #include <mutex>
@@ -118,27 +119,34 @@ void load_gather(DeviceState* st) {
     st->info.gather = true;
 }
 
-// Needs `device` current (CtxGuard).
+// Needs `device` current (CtxGuard). A failure leaves nothing behind (the stream
+// and event made so far are destroyed), so a save that retries makes no more.
 DeviceState* device_state(int device) {
     std::lock_guard<std::mutex> lk(g_states_m);
     if (g_states.size() <= static_cast<std::size_t>(device)) g_states.resize(device + 1, nullptr);
     if (!g_states[device]) {
         const Api& a = A();
-        CUstream stream = nullptr;
-        check(a.StreamCreate(&stream, kStreamNonBlocking), "cuStreamCreate");
-        CUevent ready = nullptr;
-        check(a.EventCreate(&ready, kEventDisableTiming), "cuEventCreate");  // (a stream leaks on failure)
-        auto* st = new DeviceState;
+        auto st = std::make_unique<DeviceState>();
+        struct Undo {
+            const Api& a;
+            DeviceState* st;
+            ~Undo() {
+                if (!st) return;
+                if (st->ready) a.EventDestroy(st->ready);
+                if (st->stream) a.StreamDestroy(st->stream);
+            }
+        } undo{a, st.get()};
         st->device = device;
-        st->stream = stream;
-        st->ready = ready;
         st->info.device = device;
+        check(a.StreamCreate(&st->stream, kStreamNonBlocking), "cuStreamCreate");
+        check(a.EventCreate(&st->ready, kEventDisableTiming), "cuEventCreate");
         CUdevice dev = 0;
         check(a.DeviceGet(&dev, device), "cuDeviceGet");
         check(a.DeviceGetAttribute(&st->info.cc_major, kAttrComputeCapabilityMajor, dev), "cuDeviceGetAttribute");
         check(a.DeviceGetAttribute(&st->info.cc_minor, kAttrComputeCapabilityMinor, dev), "cuDeviceGetAttribute");
-        load_gather(st);
-        g_states[device] = st;
+        load_gather(st.get());
+        undo.st = nullptr;
+        g_states[device] = st.release();
     }
     return g_states[device];
 }

@@ -5,7 +5,9 @@
  * is a plain address); copies and the gather run at once, on the calling thread.
  * Knobs (environment): FAKE_CUDA_DRIVER (cuDriverGetVersion, default 12040),
  * FAKE_CUDA_NO_DEVICE=1 (cuInit fails), FAKE_CUDA_HANG=1 (events never complete),
- * FAKE_CUDA_NO_GATHER=1 (cuModuleLoadData fails). Counters: fake_cuda_counter(). */
+ * FAKE_CUDA_NO_GATHER=1 (cuModuleLoadData fails), FAKE_CUDA_FAIL=<entry point> (cuEventCreate or
+ * cuDeviceGetAttribute fails with CUDA_ERROR_OUT_OF_MEMORY). Counters: fake_cuda_counter(): launches,
+ * copies, host frees, streams alive, events alive. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -13,15 +15,20 @@
 typedef int CUresult;
 static int g_ctx_token; /* the one primary context */
 static __thread void* t_current;
-static long g_launches, g_memcpys, g_frees;
+static long g_launches, g_memcpys, g_frees, g_streams, g_events;
 
 static int env_on(const char* k) { const char* v = getenv(k); return v && *v == '1'; }
 
-long fake_cuda_counter(int which) { return which == 0 ? g_launches : which == 1 ? g_memcpys : g_frees; }
+static int fails(const char* entry) { const char* v = getenv("FAKE_CUDA_FAIL"); return v && !strcmp(v, entry); }
+
+long fake_cuda_counter(int which) {
+    long c[] = {g_launches, g_memcpys, g_frees, g_streams, g_events};
+    return c[which];
+}
 
 CUresult cuGetErrorName(CUresult r, const char** s) {
     *s = r == 0 ? "CUDA_SUCCESS" : r == 100 ? "CUDA_ERROR_NO_DEVICE" : r == 218 ? "CUDA_ERROR_INVALID_PTX"
-       : r == 600 ? "CUDA_ERROR_NOT_READY" : "CUDA_ERROR_UNKNOWN";
+       : r == 600 ? "CUDA_ERROR_NOT_READY" : r == 2 ? "CUDA_ERROR_OUT_OF_MEMORY" : "CUDA_ERROR_UNKNOWN";
     return 0;
 }
 CUresult cuGetErrorString(CUresult r, const char** s) { *s = r == 100 ? "no CUDA-capable device is detected" : "fake"; return 0; }
@@ -31,6 +38,7 @@ CUresult cuDeviceGetCount(int* n) { *n = 1; return 0; }
 CUresult cuDeviceGet(int* d, int i) { if (i != 0) return 101; *d = 0; return 0; }
 CUresult cuDeviceGetAttribute(int* v, int attr, int d) {
     (void)d;
+    if (fails("cuDeviceGetAttribute")) return 2;
     *v = attr == 75 ? 9 : attr == 76 ? 0 : 1; /* capability 9.0; UVA, host mapping */
     return 0;
 }
@@ -47,14 +55,21 @@ CUresult cuMemcpyDtoHAsync_v2(void* dst, unsigned long long src, size_t n, void*
     __atomic_add_fetch(&g_memcpys, 1, __ATOMIC_SEQ_CST);
     return t_current ? 0 : 201;
 }
-CUresult cuStreamCreate(void** s, unsigned f) { (void)f; *s = malloc(1); return 0; }
+CUresult cuStreamCreate(void** s, unsigned f) { (void)f; *s = malloc(1); __atomic_add_fetch(&g_streams, 1, __ATOMIC_SEQ_CST); return 0; }
+CUresult cuStreamDestroy_v2(void* s) { free(s); __atomic_sub_fetch(&g_streams, 1, __ATOMIC_SEQ_CST); return 0; }
 CUresult cuStreamWaitEvent(void* s, void* e, unsigned f) { (void)s; (void)e; (void)f; return 0; }
 CUresult cuStreamSynchronize(void* s) { (void)s; return 0; }
-CUresult cuEventCreate(void** e, unsigned f) { (void)f; *e = malloc(1); return 0; }
+CUresult cuEventCreate(void** e, unsigned f) {
+    (void)f;
+    if (fails("cuEventCreate")) return 2;
+    *e = malloc(1);
+    __atomic_add_fetch(&g_events, 1, __ATOMIC_SEQ_CST);
+    return 0;
+}
 CUresult cuEventRecord(void* e, void* s) { (void)e; (void)s; return t_current ? 0 : 201; }
 CUresult cuEventQuery(void* e) { (void)e; return env_on("FAKE_CUDA_HANG") ? 600 : 0; }
 CUresult cuEventSynchronize(void* e) { (void)e; return 0; }
-CUresult cuEventDestroy_v2(void* e) { free(e); return 0; }
+CUresult cuEventDestroy_v2(void* e) { free(e); __atomic_sub_fetch(&g_events, 1, __ATOMIC_SEQ_CST); return 0; }
 CUresult cuModuleLoadData(void** m, const void* image) {
     if (env_on("FAKE_CUDA_NO_GATHER") || !strstr((const char*)image, ".visible .entry ckpt_gather(")) return 218;
     *m = &g_ctx_token;

@@ -131,6 +131,26 @@ def test_why_the_path_is_off_is_said_plainly(fake_driver, env, reason):
     assert r["info"]["available"] is False and r["why"] == reason and r["pin_error"] == reason
 
 
+@pytest.mark.parametrize("entry", ["cuEventCreate", "cuDeviceGetAttribute"])
+def test_a_device_whose_setup_fails_leaves_no_stream_or_event_behind(fake_driver, entry):
+    """A save retried after the device's setup failed (its event, or a query after it)
+    makes the stream and event afresh: each failed try must destroy what it made."""
+    r = run(fake_driver, """
+    import ctypes, json
+    from ckptstore import native
+    fake = ctypes.CDLL("libcuda.so.1")
+    errs = []
+    for _ in range(3):
+        try:
+            native.cuda_prepare(0)
+        except RuntimeError as exc:
+            errs.append(str(exc))
+    print(json.dumps({"errs": errs, "streams": fake.fake_cuda_counter(3), "events": fake.fake_cuda_counter(4)}))
+    """, FAKE_CUDA_FAIL=entry)
+    assert len(r["errs"]) == 3 and all(e == f"{entry} failed: CUDA_ERROR_OUT_OF_MEMORY (fake)" for e in r["errs"])
+    assert (r["streams"], r["events"]) == (0, 0)
+
+
 def test_pinned_slabs_are_freed_by_the_reclaimer_under_pressure_and_by_trim(fake_driver):
     r = run(fake_driver, """
     import ctypes, json
