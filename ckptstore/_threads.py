@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import collections
+import os
 import threading
+import weakref
 from concurrent.futures import Future
 
 __all__ = ["DaemonThreadPool", "in_background_thread", "run_all"]
 
 _local = threading.local()
+_pools: weakref.WeakSet = weakref.WeakSet()  # every DaemonThreadPool of the process (fork resets them)
 
 
 def in_background_thread() -> bool:
@@ -24,16 +27,25 @@ class DaemonThreadPool:
     its next part; ckptstore bounds that wait itself (``ckptstore.lifecycle``). Threads
     start on demand, up to ``max_workers``. The runtime uses it for its workers, and
     s3transfer takes it as ``executor_cls``.
+
+    In a child made by ``fork()`` the pool starts afresh: none of the parent's threads
+    exist there, and the work queued in the parent is dropped, never run (it writes the
+    parent's saves: run twice, it would append to the parent's files). A child that
+    waits on a future of the parent's waits forever; it makes its own saves instead.
     """
 
     def __init__(self, max_workers: int, name: str = "ckptstore"):
         self._max = max(1, int(max_workers))
         self._name = name
+        self._shutdown = False
+        self._start_empty()
+        _pools.add(self)
+
+    def _start_empty(self) -> None:
         self._queue: collections.deque = collections.deque()
-        self._cv = threading.Condition()
+        self._cv = threading.Condition()  # (after a fork: a lock a parent's thread held stays held)
         self._threads: list[threading.Thread] = []
         self._idle = 0
-        self._shutdown = False
 
     def submit(self, fn, *args, **kwargs) -> Future:
         future: Future = Future()
@@ -92,6 +104,20 @@ class DaemonThreadPool:
     @property
     def max_workers(self) -> int:
         return self._max
+
+
+_left_by_parent: list = []
+
+
+def _after_fork_in_child() -> None:
+    for pool in list(_pools):
+        # The parent's queued work is kept, never run: freeing it here would release
+        # staging buffers into pools whose locks the parent's threads may have held.
+        _left_by_parent.append(pool._queue)
+        pool._start_empty()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def run_all(pool, jobs: list) -> list:

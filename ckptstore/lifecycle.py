@@ -30,6 +30,7 @@ _inflight: set[SaveFuture] = set()
 _preparing: set[Future] = set()  # staging warm-ups in flight (ckptstore.prepare)
 _unobserved_failures: list[SaveFuture] = []
 _hooks_installed = False
+_left_by_parent: list = []
 
 
 def exit_timeout() -> float:
@@ -163,6 +164,21 @@ def _report_abandoned(timeout: float) -> None:
         print(f"ckptstore: exiting without waiting longer for the save of step {f.step} to {f.where} "
               f"(waited {timeout:g}s; CKPTSTORE_EXIT_TIMEOUT / CKPTSTORE_ATEXIT_TIMEOUT): it is not committed",
               file=sys.stderr, flush=True)
+
+
+def _after_fork_in_child() -> None:
+    # The parent's saves are the parent's: a forked child neither waits for them (in
+    # wait() or at its exit) nor reports their failures; its lock may have been held.
+    # (Kept, not freed: see _threads._after_fork_in_child.)
+    global _lock
+    _lock = threading.RLock()
+    _left_by_parent.append((set(_inflight), set(_preparing), list(_unobserved_failures)))
+    _inflight.clear()
+    _preparing.clear()
+    _unobserved_failures.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def install_hooks() -> None:

@@ -8,6 +8,7 @@ memory budget (the staging pool) for every save in flight.
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any
 
@@ -85,6 +86,8 @@ class Runtime:
 
 _runtime: Runtime | None = None
 _runtime_lock = threading.Lock()
+_config_of_parent: Config | None = None  # in a forked child: the config its parent's runtime had
+_left_by_parent: list[Runtime] = []
 
 
 def runtime() -> Runtime:
@@ -92,8 +95,24 @@ def runtime() -> Runtime:
     global _runtime
     with _runtime_lock:
         if _runtime is None:
-            _runtime = Runtime()
+            _runtime = Runtime(config=_config_of_parent)
         return _runtime
+
+
+def _after_fork_in_child() -> None:
+    # A forked child gets a runtime of its own, with its parent's config, on first use.
+    # The parent's is kept, never used nor freed: its staging pool lends buffers to the
+    # parent's saves, its locks may have been held by the parent's threads, and pinned
+    # memory must not be freed here (CUDA does not survive a fork).
+    global _runtime, _runtime_lock, _config_of_parent
+    _runtime_lock = threading.Lock()
+    if _runtime is not None:
+        _left_by_parent.append(_runtime)
+        _config_of_parent = _runtime.config
+        _runtime = None
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def configure(cfg: Config | None = None, /, **settings: Any) -> Runtime:

@@ -1,0 +1,128 @@
+"""A child made by fork() (multiprocessing's default start method on Linux before
+Python 3.14, Lightning's ddp_fork, a DataLoader worker) after the parent used ckptstore:
+none of the parent's threads exist there. The child must get pools and a runtime of its
+own, never run the parent's queued work, and not wait for the parent's saves.
+Each child reports through its exit code; the parent's join is a hang guard only.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import threading
+
+import pytest
+import torch
+
+import ckptstore
+from ckptstore import lifecycle
+from ckptstore._threads import DaemonThreadPool
+from ckptstore import names
+from ckptstore.checkpoint.save import SaveOptions, start_save
+from ckptstore.runtime import runtime
+from ckptstore.storage import LocalStorage
+
+HANG_GUARD_S = 120
+
+pytestmark = pytest.mark.skipif("fork" not in mp.get_all_start_methods(), reason="no fork() here")
+
+
+def _in_forked_child(target, *args) -> int:
+    child = mp.get_context("fork").Process(target=target, args=args)
+    child.start()
+    child.join(HANG_GUARD_S)
+    if child.is_alive():
+        child.kill()
+        child.join()
+        pytest.fail("the forked child hung")
+    return child.exitcode
+
+
+def _state(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(64, 1024, generator=g), "b": torch.randn(7, generator=g), "step": seed}
+
+
+def _saves_and_loads(root: str) -> None:
+    state = _state(2)
+    ckptstore.save(state, os.path.join(root, "child.ckpt")).result(timeout=HANG_GUARD_S)
+    out = ckptstore.load(os.path.join(root, "child.ckpt"))
+    store = ckptstore.Store(os.path.join(root, "child-store"))
+    store.save(1, state).result(timeout=HANG_GUARD_S)
+    again = store.load(1)
+    ok = all(torch.equal(out[k], state[k]) and torch.equal(again[k], state[k]) for k in ("w", "b"))
+    os._exit(0 if ok else 3)
+
+
+def test_a_forked_child_saves_and_loads_with_pools_of_its_own(tmp_path):
+    parent_state = _state(1)
+    ckptstore.save(parent_state, tmp_path / "parent.ckpt").result(timeout=HANG_GUARD_S)  # threads and pools running
+    ckptstore.load(tmp_path / "parent.ckpt")
+    assert _in_forked_child(_saves_and_loads, str(tmp_path)) == 0
+    # The parent's runtime is untouched by the child's.
+    ckptstore.save(parent_state, tmp_path / "parent2.ckpt").result(timeout=HANG_GUARD_S)
+    assert torch.equal(ckptstore.load(tmp_path / "parent2.ckpt")["w"], parent_state["w"])
+
+
+def _runs_its_own_work_only(pool: DaemonThreadPool, marker: str) -> None:
+    ok = pool.submit(lambda: 42).result(timeout=HANG_GUARD_S) == 42
+    # One thread, first in first out: had the parent's queued job been kept, it would have run first.
+    os._exit(0 if ok and not os.path.exists(marker) else 3)
+
+
+def test_a_forked_child_never_runs_the_work_its_parent_queued(tmp_path):
+    pool = DaemonThreadPool(1, "test-fork")
+    gate, busy = threading.Event(), threading.Event()
+    marker = str(tmp_path / "written-by")
+
+    def hold():
+        busy.set()
+        gate.wait()
+
+    def write_marker():
+        with open(marker, "w") as f:
+            f.write(str(os.getpid()))
+
+    pool.submit(hold)
+    queued = pool.submit(write_marker)
+    assert busy.wait(HANG_GUARD_S)
+    try:
+        assert _in_forked_child(_runs_its_own_work_only, pool, marker) == 0
+    finally:
+        gate.set()
+    queued.result(timeout=HANG_GUARD_S)  # the parent's own work still runs, in the parent
+    with open(marker) as f:
+        assert f.read() == str(os.getpid())
+    pool.shutdown()
+
+
+class _GatedStorage(LocalStorage):
+    """Holds every put (votes, the manifest) until the gate opens: a save in flight."""
+
+    def __init__(self, root: str, gate: threading.Event, reached: threading.Event):
+        super().__init__(root)
+        self._gate, self._reached = gate, reached
+
+    def put(self, key, data, **kwargs):
+        self._reached.set()
+        self._gate.wait()
+        return super().put(key, data, **kwargs)
+
+
+def _waits_for_nothing_of_the_parents() -> None:
+    lifecycle.wait(timeout=HANG_GUARD_S)  # raised TimeoutError (after the guard) when it waited on the parent's
+    os._exit(0 if lifecycle._drain(0.0) else 3)  # and the exit drain finds nothing of the parent's
+
+
+def test_a_forked_child_neither_waits_for_nor_drains_the_parents_saves(tmp_path):
+    gate, reached = threading.Event(), threading.Event()
+    where = _GatedStorage(str(tmp_path / "ckpt"), gate, reached)
+    future = lifecycle.track(start_save(_state(3), where, rt=runtime(), attempt=names.new_attempt_id(), step=None,
+                                        rank=0, world_size=1, metrics=None, options=SaveOptions()))
+    try:
+        assert reached.wait(HANG_GUARD_S) and not future.done()
+        assert _in_forked_child(_waits_for_nothing_of_the_parents) == 0
+    finally:
+        gate.set()
+    future.result(timeout=HANG_GUARD_S)
+    assert torch.equal(ckptstore.load(tmp_path / "ckpt")["w"], _state(3)["w"])
