@@ -272,6 +272,33 @@ def test_cli_gc_never_deletes_the_newest_checkpoint(tmp_path):
     assert reasons["step-000000000050"] == ["newest"]
 
 
+@pytest.mark.parametrize("copy_name", ["step-000000000200.bak", "zz-copy", "step-000000000300-old"])
+def test_a_copy_of_the_newest_step_under_another_name_never_outranks_it(tmp_path, copy_name):
+    """`cp -r step-N step-N.bak`: the copy's manifest says step N too, and once won the tie
+    on its name: gc --keep-last 1 kept the copy as the newest and deleted every step
+    directory, so Store.load found nothing. A manifest edited to claim the largest
+    step must not outrank them either."""
+    root = tmp_path / "store"
+    store = ckptstore.Store(root)
+    for step in (100, 200):
+        store.save(step, {"w": torch.full((4,), float(step))}).result(timeout=60)
+    shutil.copytree(root / "step-000000000200", root / copy_name)
+    forged = root / "forged"
+    shutil.copytree(root / "step-000000000100", forged)
+    for m in forged.glob("manifest-*.json"):
+        doc = json.loads(m.read_text())
+        doc["step"] = 999_999_999_999  # the largest step a manifest may hold
+        m.write_text(json.dumps(doc))
+    r = cli("gc", str(root), "--keep-last", "1", "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert [k["name"] for k in out["kept"]] == ["step-000000000200"]
+    assert {d["location"] for d in out["deleted"] if d["kind"] == "checkpoint"} == {
+        "step-000000000100", copy_name, "forged"}
+    assert ckptstore.Store(root).steps() == [200]
+    assert torch.equal(ckptstore.Store(root).load()["w"], torch.full((4,), 200.0))
+
+
 def test_cli_gc_usage_errors(tmp_path):
     root = str(tmp_path / "store")
     build_store(root, steps=(0, 10))

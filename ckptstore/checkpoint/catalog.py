@@ -61,6 +61,15 @@ class Location:
             return self.manifest.step
         return fmt.parse_step_dir_name(self.name)
 
+    @property
+    def ranked_step(self) -> int | None:
+        """The step retention ranks this location by: its directory's (``step-N/``, whose
+        manifest scan_location holds to it), else none, whatever a manifest says. A copy
+        of ``step-N/`` under another name (``step-N.bak``), or a manifest that claims a
+        huge step, must not outrank the step directories Store.load and resume read, or
+        gc would keep it as the newest and delete them."""
+        return names.parse_step_dir_name(self.name)
+
     def committed_at(self) -> float:
         return fmt.parse_time(self.manifest.committed_at) if self.manifest else 0.0
 
@@ -140,7 +149,7 @@ def scan_store(storage: Storage) -> list[Location]:
 
 
 def _order(loc: Location):
-    step = loc.step
+    step = loc.ranked_step
     return (not loc.committed, step is None, step if step is not None else 0, loc.committed_at(), loc.name)
 
 

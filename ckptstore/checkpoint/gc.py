@@ -115,7 +115,7 @@ def plan(storage: Storage, policy: Retention = Retention(), grace: float = DEFAU
     locations = scan_store(storage)
     result = GcPlan(storage.describe(), stale_upload_age=grace, grace=grace, clock_offset=now - started)
     committed = [loc for loc in locations if loc.committed]
-    cands = [Candidate(_label(loc), loc.step, loc.committed_at(), dict(loc.manifest.metrics), loc.pinned,
+    cands = [Candidate(_label(loc), loc.ranked_step, loc.committed_at(), dict(loc.manifest.metrics), loc.pinned,
                        read_skip_mark(loc) is not None)
              for loc in committed]
     result.kept = select_kept(cands, policy, now)
