@@ -27,6 +27,7 @@ from ckptstore import format as fmt
 from ckptstore import names
 from ckptstore.checkpoint.commit import read_manifest
 from ckptstore.errors import CommitError, FormatError, IntegrityError
+from ckptstore.resume import CheckpointSkippedWarning
 from ckptstore.storage import LocalStorage
 
 pytestmark = pytest.mark.usefixtures("observe_earlier_failures")
@@ -653,6 +654,47 @@ def test_hostile_skeletons_are_format_errors(tmp_path, skeleton):
     with pytest.raises(FormatError) as ei:
         ckptstore.load(loc)
     assert loc in str(ei.value) and "skeleton" in str(ei.value)
+
+
+def _pickled_oversized_rebuild() -> bytes:
+    """Only allow-listed calls: _rebuild_tensor_v2 of 2**20 floats over the 4,096 stored."""
+    import io
+    import pickle
+    from collections import OrderedDict
+
+    storage, tensor = object(), object()
+
+    class Pickler(pickle.Pickler):
+        def persistent_id(self, o):
+            return ("storage", torch.FloatStorage, "l:w", "cpu", 4096) if o is storage else None
+
+        def reducer_override(self, o):
+            if o is tensor:
+                return torch._utils._rebuild_tensor_v2, (storage, 0, (1 << 20,), (1,), False, OrderedDict())
+            return NotImplemented
+
+    buf = io.BytesIO()
+    Pickler(buf, protocol=2).dump({"w": tensor})
+    return buf.getvalue()
+
+
+def test_a_skeleton_that_rebuilds_past_its_storage_is_a_format_error_and_resume_passes_over_it(tmp_path):
+    """torch raises a bare RuntimeError for it ("Trying to resize storage that is not
+    resizable"), which load let through as it lets map_location's own errors through."""
+    root = str(tmp_path / "s")
+    store = _store(root, steps=(1, 2))
+    loc = os.path.join(root, names.step_dir_name(2))
+    good = store.load(1)
+    _plant_skeleton(loc, _pickled_oversized_rebuild())
+    with pytest.raises(FormatError, match="malformed object skeleton: RuntimeError") as ei:
+        ckptstore.load(loc)
+    assert loc in str(ei.value)
+    with pytest.warns(CheckpointSkippedWarning, match="step 2"):
+        state, info = store.resume()
+    assert info.step == 1 and all(torch.equal(state[k], good[k]) for k in good if isinstance(good[k], torch.Tensor))
+    with pytest.raises(RuntimeError, match="cuda") as missing:  # map_location's error stays torch's
+        store.load(1, map_location="cuda:0")
+    assert not isinstance(missing.value, FormatError)
 
 
 def test_cli_reads_a_single_file_container(tmp_path):

@@ -261,6 +261,14 @@ def restore(storage: Storage, manifest: fmt.Manifest, rank: int, map_location=No
         return untyped
 
     restore_location = keep_meta if fake else torch.serialization._get_restore_location(map_location)
+    placement_errors: list[BaseException] = []  # map_location's own: raised as torch raises them
+
+    def place(untyped, location):
+        try:
+            return restore_location(untyped, location)
+        except BaseException as e:
+            placement_errors.append(e)
+            raise
     loaded: dict[str, torch.storage.TypedStorage] = {}
 
     local_keys: list[str] | None = None  # made on the first index persistent id
@@ -283,7 +291,7 @@ def restore(storage: Storage, manifest: fmt.Manifest, rank: int, map_location=No
         typed = loaded.get(ref)
         if typed is None:
             dtype = implied_storage_dtype(fmt.dtype_from_name(state.tensors[key].dtype))
-            typed = torch.storage.TypedStorage(wrap_storage=restore_location(raw[key], "cpu"), dtype=dtype,
+            typed = torch.storage.TypedStorage(wrap_storage=place(raw[key], "cpu"), dtype=dtype,
                                                _internal=True)
             loaded[ref] = typed
         return typed
@@ -317,7 +325,7 @@ def restore(storage: Storage, manifest: fmt.Manifest, rank: int, map_location=No
         untyped = table[key]
         if untyped.nbytes() != numel * dtype.itemsize:
             raise FormatError(f"{where}: tensor {key!r} holds {untyped.nbytes()} bytes, skeleton expects {numel * dtype.itemsize}")
-        typed = torch.storage.TypedStorage(wrap_storage=restore_location(untyped, location), dtype=dtype, _internal=True)
+        typed = torch.storage.TypedStorage(wrap_storage=place(untyped, location), dtype=dtype, _internal=True)
         loaded[ref] = typed
         return typed
 
@@ -342,12 +350,15 @@ def restore(storage: Storage, manifest: fmt.Manifest, rank: int, map_location=No
         raise FormatError(f"{where}: cannot unpickle the object skeleton: {e}") from e
     except EOFError as e:
         raise FormatError(f"{where}: the object skeleton ends early: {e}") from e
-    except (TypeError, ValueError, AttributeError, IndexError, KeyError, OverflowError, RecursionError) as e:
-        if not weights_only:
-            raise  # the checkpoint's own classes ran (opted in): their errors are theirs
+    except (TypeError, ValueError, AttributeError, IndexError, KeyError, OverflowError, RecursionError,
+            RuntimeError) as e:
+        if not weights_only or any(e is p for p in placement_errors):
+            # The checkpoint's own classes ran (opted in): their errors are theirs. A
+            # map_location to a missing device fails as it does in torch.load.
+            raise
         # The allow-list runs no code of the checkpoint's: these come from a malformed
-        # skeleton (rebuild functions given arguments of the wrong kind). RuntimeError
-        # stays as torch raises it (a map_location to a missing device, say).
+        # skeleton (rebuild functions given arguments of the wrong kind or size, a
+        # storage that does not hold the tensor the skeleton builds on it).
         raise FormatError(f"{where}: malformed object skeleton: {type(e).__name__}: {e}") from e
     _validate_sparse = getattr(torch._utils, "_validate_loaded_sparse_tensors", None)
     if _validate_sparse is not None:
