@@ -697,6 +697,29 @@ def test_a_skeleton_that_rebuilds_past_its_storage_is_a_format_error_and_resume_
     assert not isinstance(missing.value, FormatError)
 
 
+def test_a_tensor_claiming_more_than_its_frame_states_is_a_format_error_even_where_it_cannot_be_allocated(tmp_path):
+    """8 MiB of noise labelled zstd, claiming 32768x that (256 GiB: within the format's
+    cap, beyond this machine). The allocation fails before any byte is read; the frame
+    header then says whose fault it is: the manifest's (a FormatError), not the
+    machine's (MemoryError, kept for a claim the frames state)."""
+    loc = str(tmp_path / "c")
+    ckptstore.save({"w": torch.zeros(4)}, loc, compression="none").result()
+    d = json.load(open(_manifest_path(loc)))
+    entry = d["ranks"][0]["tensors"]["w"]
+    chunk = entry["chunks"][0]
+    stored = 8 << 20
+    with open(os.path.join(loc, chunk["file"]), "ab") as f:
+        end = f.tell()
+        f.write(np.random.default_rng(0).integers(0, 256, stored, dtype=np.uint8).tobytes())
+    claim = stored * 32768
+    entry["shape"] = [claim // 4]
+    chunk.update(sizes=[claim // 4], offset=end, length=stored, raw_length=claim, codec=[{"id": "zstd", "level": 3}])
+    with open(_manifest_path(loc), "w") as f:
+        json.dump(d, f)
+    with pytest.raises(FormatError, match="tensor 'w'.*zstd frame is corrupt"):
+        ckptstore.load(loc)
+
+
 def test_cli_reads_a_single_file_container(tmp_path):
     path = tmp_path / "model.pt"
     path.write_bytes(b"")  # an existing plain file: save replaces it with a container

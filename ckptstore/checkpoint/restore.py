@@ -19,6 +19,7 @@ import torch
 
 from .. import format as fmt
 from .._gc import gc_paused
+from ..codecs import check_stated_size
 from ..errors import (
     CheckpointNotFoundError,
     CkptStoreError,
@@ -55,8 +56,8 @@ def latest_manifest(storage: Storage) -> fmt.Manifest:
     raise NotACheckpointError(f"{where}: exists but is not a ckptstore checkpoint (no manifest)")
 
 
-def _tensor_reads(tensors: dict[str, fmt.TensorEntry], where: str,
-                  reads: list[BlobRead]) -> dict[str, torch.UntypedStorage]:
+def _tensor_reads(tensors: dict[str, fmt.TensorEntry], where: str, reads: list[BlobRead],
+                  storage: Storage) -> dict[str, torch.UntypedStorage]:
     """New CPU storages for ``tensors``, and (appended to ``reads``) the reads that fill them.
 
     A chunk whose region is contiguous in the tensor (rows of a row-major tensor) is
@@ -70,6 +71,8 @@ def _tensor_reads(tensors: dict[str, fmt.TensorEntry], where: str,
         try:
             data = torch.empty(nbytes, dtype=torch.uint8)
         except RuntimeError as e:  # the manifest's claim is within the format's bounds, not this machine's
+            # unless its frames say otherwise: a claim they do not state is the manifest's fault
+            _check_stated_sizes(storage, entry, f"{where}: tensor {key!r}")
             raise MemoryError(f"{where}: tensor {key!r} needs {nbytes} bytes, which cannot be "
                               f"allocated here: {e}") from e
         view = memoryview(data.numpy()) if nbytes else memoryview(bytearray())
@@ -88,6 +91,19 @@ def _tensor_reads(tensors: dict[str, fmt.TensorEntry], where: str,
                 reads.append(BlobRead(c.blob, what, None, functools.partial(_into_region, c, full)))
         out[key] = data.untyped_storage()
     return out
+
+
+def _check_stated_sizes(storage: Storage, entry: fmt.TensorEntry, what: str) -> None:
+    """FormatError when a compressed chunk's zstd frame header (its first 18 bytes at
+    most) does not state the raw length the manifest gives it."""
+    for c in entry.chunks:
+        blob = c.blob
+        if blob.codec and blob.codec[-1].get("id") == "zstd":
+            header = storage.read(blob.file, blob.offset, min(blob.length, _ZSTD_HEADER_MAX))
+            check_stated_size(list(blob.codec), header, blob.raw_length, f"{what} (file {blob.file}, offset {blob.offset})")
+
+
+_ZSTD_HEADER_MAX = 18  # a zstd frame header's largest size (magic 4 + descriptor 1 + window 1 + dict id 4 + size 8)
 
 
 def _meta_storages(tensors: dict[str, fmt.TensorEntry]) -> dict[str, torch.UntypedStorage]:
@@ -245,7 +261,8 @@ def restore(storage: Storage, manifest: fmt.Manifest, rank: int, map_location=No
     # no tensor bytes: it rebuilds fake tensors over meta storages. So does this, reading
     # only the skeleton (as real bytes, its hash checked).
     fake = torch._guards.detect_fake_mode(None) is not None
-    tensor_reads = _meta_storages if fake else functools.partial(_tensor_reads, where=where, reads=reads)
+    tensor_reads = _meta_storages if fake else functools.partial(_tensor_reads, where=where, reads=reads,
+                                                                      storage=storage)
     with gc_paused(), _real_tensors(fake):
         raw = tensor_reads(state.tensors)
         raw_globals = {} if globals_as_meta else tensor_reads(dict(manifest.tensors))
