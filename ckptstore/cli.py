@@ -15,6 +15,7 @@ import time
 
 import click
 
+from ._terminal import printable as _printable
 from ._version import __version__
 from .checkpoint import gc as gc_mod
 from .checkpoint.catalog import Location, is_location, read_skip_mark, scan_location, scan_store
@@ -27,7 +28,7 @@ EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2
 
 
 def _fail(message: str, code: int) -> None:
-    click.echo(f"ckptstore: {message}", err=True)
+    click.echo(f"ckptstore: {_printable(message)}", err=True)
     sys.exit(code)
 
 
@@ -79,6 +80,7 @@ def _human_bytes(n: int) -> str:
 
 
 def _table(headers: list[str], rows: list[list[str]]) -> str:
+    rows = [[_printable(c) for c in r] for r in rows]  # names and metrics come from the store
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths))]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
@@ -211,11 +213,6 @@ def _merge_tiers(by_tier: dict[str, list[dict]]) -> list[dict]:
     return sorted(merged.values(), key=lambda r: (r["step"] is None, r["step"] or 0, r["name"]))
 
 
-def _printable(text: str) -> str:
-    """Untrusted text (a skip mark's reason) for a terminal: control characters escaped."""
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
-
-
 def _attempt_records(loc: Location, now: float, readers: dict) -> list[dict]:
     committed = loc.manifest.attempt if loc.manifest else None
     return [{"attempt": a.attempt, "committed": a.attempt == committed, "age_s": round(a.age(now), 3),
@@ -260,9 +257,9 @@ def verify(url: str, quick: bool, as_json: bool) -> None:
         click.echo(json.dumps({"ok": ok, "quick": quick, "checkpoints": reports}, indent=2))
     else:
         for r in reports:
-            click.echo(f"{'ok  ' if r['ok'] else 'FAIL'}  {r['url']}")
+            click.echo(f"{'ok  ' if r['ok'] else 'FAIL'}  {_printable(r['url'])}")
             for p in r["problems"]:
-                click.echo(f"      {p['text']}")
+                click.echo(f"      {_printable(p['text'])}")
         click.echo(f"{len(reports)} checkpoint(s) checked, "
                    f"{sum(not r['ok'] for r in reports)} with problems")
     sys.exit(EXIT_OK if ok else EXIT_PROBLEM)
@@ -324,14 +321,14 @@ def gc(url, keep_last, keep_every, keep_within, keep_best, grace, dry_run, as_js
     verb = "would delete" if dry_run else "deleted"
     done = [d for d in p.deletions if d.skipped is None]
     for d in done:
-        click.echo(f"{verb} {d.kind:<10} {d.location}: {d.reason} ({_human_bytes(d.bytes)})")
+        click.echo(f"{verb} {d.kind:<10} {_printable(d.location)}: {_printable(d.reason)} ({_human_bytes(d.bytes)})")
     for d in p.deletions:
         if d.skipped is not None:
-            click.echo(f"skipped {d.kind:<10} {d.location}: {d.skipped}")
+            click.echo(f"skipped {d.kind:<10} {_printable(d.location)}: {_printable(d.skipped)}")
     for key in p.foreign:
-        click.echo(f"left    foreign    {key}: not a name ckptstore writes (symlink, special file or unknown)")
+        click.echo(f"left    foreign    {_printable(key)}: not a name ckptstore writes (symlink, special file or unknown)")
     if p.held_back:
-        click.echo(f"held    data: {p.held_back}")
+        click.echo(f"held    data: {_printable(p.held_back)}")
     released = f"; released {_human_bytes(p.released_bytes)} (a gc run after the grace deletes it)" \
         if p.released_bytes else ""
     click.echo(f"{verb} {len(done)} item(s), {_human_bytes(p.bytes)}{released}; kept {len(p.kept)} checkpoint(s)")
@@ -411,7 +408,7 @@ def export(src: str, dest: str, as_zarr: bool, rank: int, extension_types: bool,
                                "skipped": report.skipped, "bytes": report.bytes}, indent=2))
         return
     for line in report.skipped:
-        click.echo(f"skipped {line}")
+        click.echo(f"skipped {_printable(line)}")
     click.echo(f"wrote {dest}: {len(report.arrays)} array(s), {_human_bytes(report.bytes)}, "
                f"{report.values} plain value(s)")
 

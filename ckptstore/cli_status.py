@@ -12,6 +12,8 @@ import time
 
 import click
 
+from ._terminal import printable
+
 
 @click.command("status")
 @click.argument("url")
@@ -113,7 +115,7 @@ def render(s: dict) -> str:
     if bad:
         lines.append(("journal", ", ".join(f"{v} {k}" for k, v in bad.items()) + " event(s) left out"))
     width = max(len(k) for k, _ in lines)
-    return "\n".join(f"{k:<{width}}  {v}" for k, v in lines)
+    return "\n".join(f"{k:<{width}}  {printable(v)}" for k, v in lines)  # reasons come from the ranks
 
 
 def _dur(seconds: float | None) -> str:

@@ -293,3 +293,45 @@ def test_long_commands_show_progress_on_a_terminal_and_stay_quiet_otherwise(tmp_
     piped = subprocess.run([sys.executable, "-m", "ckptstore.cli", "verify", path], capture_output=True,
                            env=cli_env(), timeout=300)
     assert piped.returncode == 0 and b"verifying" not in piped.stderr
+
+
+def test_text_output_escapes_what_the_store_says_and_survives_names_that_are_not_utf8(tmp_path):
+    """A metric is any JSON string: a lone surrogate ("\\udcff") made ls and gc die with
+    a UnicodeEncodeError traceback (gc after it had deleted), and a newline forged a row
+    of the ls table. So did a file name that is not UTF-8."""
+    import glob
+
+    root = str(tmp_path / "store")
+    store = ckptstore.Store(root)
+    store.save(1, {"w": torch.ones(4)}, metrics={"loss": 1.0}).result(timeout=60)
+    store.save(2, {"w": torch.ones(4)}, metrics={"loss": 2.0}).result(timeout=60)
+    store.save(3, {"w": torch.ones(4)}, metrics={"loss": 3.0}).result(timeout=60)
+    forged = "x\x1b[2J\nstep-000000000999  999  2099-01-01 00:00:00  1  1 B  1 B"
+    for step, value in ((2, "\udcff"), (3, forged)):
+        (path,) = glob.glob(os.path.join(root, f"step-{step:012d}", "manifest-*.json"))
+        with open(path) as f:
+            doc = json.load(f)
+        doc["metrics"]["loss"] = value
+        with open(path, "w") as f:
+            json.dump(doc, f)  # strict JSON: the surrogate travels as "\udcff"
+    (attempt,) = glob.glob(os.path.join(root, "step-000000000001", "attempts", "*"))
+    open(os.fsencode(attempt) + b"/\xff-not-utf8", "wb").close()
+    env = {**cli_env(), "LC_ALL": "C.UTF-8", "PYTHONIOENCODING": "utf-8"}
+    runs = {}
+    for argv in (["ls", root], ["verify", root], ["gc", "--dry-run", "--keep-last", "1", root],
+                 ["gc", "--keep-last", "1", root]):
+        r = subprocess.run([sys.executable, "-m", "ckptstore.cli", *argv], capture_output=True, text=True,
+                           env=env, timeout=180)
+        assert "Traceback" not in r.stderr, (argv, r.stderr)
+        assert "\x1b" not in r.stdout and "\udcff" not in r.stdout
+        runs[" ".join(argv[:2])] = r
+    ls = runs[f"ls {root}"]
+    assert ls.returncode == 0
+    rows = ls.stdout.splitlines()
+    assert [row.split()[0] for row in rows] == ["NAME", "step-000000000001", "step-000000000002", "step-000000000003"]
+    assert "loss=\\udcff" in rows[2] and "loss=x\\x1b[2J\\nstep-000000000999" in rows[3]
+    assert runs[f"verify {root}"].returncode == 0
+    gc = runs["gc --keep-last"]
+    assert gc.returncode == 0 and "left    foreign    step-000000000001/attempts/" in gc.stdout
+    assert "/\\udcff-not-utf8: not a name ckptstore writes" in gc.stdout
+    assert ckptstore.Store(root).steps() == [3]
