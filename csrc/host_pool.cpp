@@ -41,6 +41,20 @@ std::size_t page_size() {
 
 std::atomic<std::uint64_t> g_pool_ids{1};
 
+// Leaves the range out of children made by fork() (MADV_DONTFORK, as the CUDA driver
+// does for page-locked memory): a DataLoader worker or any forked child never uses
+// the parent's staging memory, and while one lives every page of a shared slab
+// would be copied on the parent's next write into it (a save after each fork paid
+// the page faults of a first save, and the child kept the old pages).
+void leave_out_of_forks(void* p, std::size_t len) {
+#ifdef MADV_DONTFORK
+    madvise(p, len, MADV_DONTFORK);  // best effort: without it, copy-on-write as before
+#else
+    (void)p;
+    (void)len;
+#endif
+}
+
 // Anonymous private mapping of `len` bytes (a page multiple), 2 MiB aligned when
 // at least 2 MiB so the kernel can back it with huge pages (fewer faults, TLB misses).
 void* map_ordinary(std::size_t len) {
@@ -56,10 +70,12 @@ void* map_ordinary(std::size_t len) {
 #ifdef MADV_HUGEPAGE
         madvise(reinterpret_cast<void*>(b), len, MADV_HUGEPAGE);
 #endif
+        leave_out_of_forks(reinterpret_cast<void*>(b), len);
         return reinterpret_cast<void*>(b);
     }
     void* p = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) throw std::bad_alloc();
+    leave_out_of_forks(p, len);
     return p;
 }
 
@@ -223,6 +239,9 @@ Slab::Slab(std::size_t size_, bool want_pinned, int device_) : size(size_), devi
 
 Slab::~Slab() {
     if (!base) return;
+    // A forked child never had this memory (MADV_DONTFORK; CUDA's page-locked memory
+    // likewise): its range may hold the child's own mappings by now. Not ours to free.
+    if (owner != getpid()) return;
     // A timed-out device copy may still land in a quarantined range: such memory is
     // never freed, so it is never mapped again for anything else (and the registry's
     // entries stay true).

@@ -3,6 +3,9 @@
 // Plain C++17, no Python; module.cpp binds it as ckptstore._C.HostPool.
 #pragma once
 
+#include <sys/types.h>
+#include <unistd.h>
+
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -51,6 +54,7 @@ struct Slab {
     int device = -1;           // whose context page-locked it (cuda_host_alloc's used_device)
     std::string pin_error;     // why pinning failed, when it was wanted
     std::uint64_t id = 0;      // set by the pool; lower = older
+    pid_t owner = getpid();    // the process that mapped it (see ~Slab: forks)
     // Guarded by the owning pool's mutex:
     std::map<std::size_t, std::size_t> free;  // offset -> length, coalesced
     std::size_t used = 0;                     // bytes lent (spans)

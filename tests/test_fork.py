@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import ckptstore
-from ckptstore import lifecycle
+from ckptstore import lifecycle, native
 from ckptstore._threads import DaemonThreadPool
 from ckptstore import names
 from ckptstore.checkpoint.save import SaveOptions, start_save
@@ -126,3 +126,26 @@ def test_a_forked_child_neither_waits_for_nor_drains_the_parents_saves(tmp_path)
         gate.set()
     future.result(timeout=HANG_GUARD_S)
     assert torch.equal(ckptstore.load(tmp_path / "ckpt")["w"], _state(3)["w"])
+
+
+def _staging_memory_is_absent(ptr: int, pool) -> None:
+    with open("/proc/self/maps") as f:
+        spans = [tuple(int(x, 16) for x in line.split()[0].split("-")) for line in f]
+    absent = not any(lo <= ptr < hi for lo, hi in spans)
+    del pool  # the parent's slabs are not this process's to free (their range may be reused)
+    os._exit(0 if absent else 3)
+
+
+@pytest.mark.skipif(not native.NATIVE or not os.path.exists("/proc/self/maps"), reason="native pool, Linux")
+def test_a_forked_child_does_not_share_the_staging_slabs():
+    """MADV_DONTFORK, as the CUDA driver does for page-locked memory: otherwise every
+    page of a slab is shared copy-on-write with a living child, and the parent's next
+    save into it page-faults like a first save (measured: 0.77 s against 0.07 s for
+    512 MiB) while the child keeps the old pages."""
+    pool = native.HostPool(8 << 20, slab_bytes=4 << 20)
+    block = pool.try_alloc(1 << 20)
+    memoryview(block)[:] = b"\x01" * (1 << 20)
+    assert _in_forked_child(_staging_memory_is_absent, block.ptr, pool) == 0
+    memoryview(block)[:4] = b"\x02\x02\x02\x02"  # the parent's still its own
+    assert bytes(memoryview(block)[:5]) == b"\x02\x02\x02\x02\x01"
+    pool.free(block)
