@@ -141,6 +141,27 @@ def test_resaving_a_step_never_references_that_step(tmp_path):
     assert [p.name for p in step1.iterdir()] == [m.attempt] and same(store.load(1), model_state(1))
 
 
+@pytest.mark.parametrize("incremental", [False, True])
+def test_resaving_a_step_that_later_steps_reference_keeps_its_files_for_them(tmp_path, incremental):
+    """An incremental run saved steps 1-4 (2-4 reference step 1's frozen layers); a later
+    run re-saves step 1 (a rollback, a schedule restarted). Its commit retired the old
+    generation with its files when the re-save itself made no references
+    (incremental=False): steps 2-4 stayed listed and could no longer load."""
+    root = tmp_path / "s"
+    store = ckptstore.Store(root, compression="none")
+    for step in range(1, 5):
+        store.save(step, model_state(step)).result()
+    assert [b.step for _, _, b in store.manifest(3).blobs() if b.step is not None]  # it does reference step 1
+    ckptstore.Store(root, compression="none", incremental=incremental).save(1, model_state(1)).result()
+    assert ckptstore.Store(root).steps() == [1, 2, 3, 4]
+    for step in range(1, 5):
+        assert same(ckptstore.Store(root).load(step), model_state(step))
+    assert verified(root)
+    ckptstore.Store(root).gc(grace=0)  # gc knows every reference: the old generation's files stay for 2-4
+    for step in range(1, 5):
+        assert same(ckptstore.Store(root).load(step), model_state(step))
+
+
 def test_consolidate_follows_references(tmp_path):
     store = ckptstore.Store(tmp_path / "s")
     for step in (1, 2):

@@ -145,7 +145,8 @@ def promote(src: Storage, dst: Storage, manifest: fmt.Manifest, rank: int, *, ti
             write_vote(dst, vote)
         if rank == 0:
             return commit(dst, vote, world, manifest.created_at, dict(manifest.metrics), timeout,
-                          epoch=manifest.epoch, fence=fence)
+                          epoch=manifest.epoch, fence=fence,
+                          retire_files=manifest.step is None)  # other steps may reference a retired one's files
         return await_outcome(dst, manifest.attempt, timeout, rank, world)
     except BaseException as e:
         _refuse(dst, manifest.attempt, manifest.step, world, rank, e)

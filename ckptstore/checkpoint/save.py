@@ -167,8 +167,10 @@ def start_save(obj, storage: Storage, *, rt: Runtime, attempt: str, step: int | 
             if rank == 0:
                 manifest = commit(storage, vote, world_size, created_at, dict(metrics or {}), options.commit_timeout,
                                   epoch=options.epoch, fence=options.fence, base=options.reference_base,
-                                  # a step referenced by other steps: its retired files are gc's to judge
-                                  retire_files=options.references is None or step is None)
+                                  # A store's step: its retired generation's files are gc's to judge,
+                                  # whether or not this save references: other steps may (an
+                                  # incremental run before a non-incremental one).
+                                  retire_files=step is None)
             else:
                 manifest = await_outcome(storage, attempt, options.commit_timeout, rank, world_size)
             if own is not None:  # a root: with this rank's own records, which it has at hand
