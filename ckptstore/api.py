@@ -31,6 +31,7 @@ from .checkpoint.commit import generations, read_manifest, write_failure_vote
 from .checkpoint.fencing import check_fence
 from .checkpoint.container import MAGIC, read_container, read_container_file, replace_file, write_container
 from .checkpoint.group import agree_on_attempt, gather, rank_and_world
+from .checkpoint.held import Hold, references_lock
 from .checkpoint.references import index as index_references
 from .checkpoint.references import resolve as resolve_references
 from .checkpoint.indexes import expand, for_load
@@ -121,10 +122,13 @@ def save(obj: Any, f, pickle_module: Any = pickle, pickle_protocol: int = 2, *,
         replace_file(store, f)
         return future
     storage = open_storage(f, **(storage_options or {}))
+    attempt = names.new_attempt_id()
+    hold = Hold(storage, attempt)
     if incremental:  # read by the writer's first chunk, off the blocking part
-        options = dataclasses.replace(options, references=functools.partial(_earlier_references, storage))
-    future = start_save(obj, storage, rt=rt, attempt=names.new_attempt_id(), step=None, rank=0,
+        options = dataclasses.replace(options, references=functools.partial(_earlier_references, storage, hold))
+    future = start_save(obj, storage, rt=rt, attempt=attempt, step=None, rank=0,
                         world_size=1, metrics=None, options=options)
+    future.add_done_callback(hold.release)
     return lifecycle.track(future)
 
 
@@ -134,12 +138,16 @@ def _if_present(location: Storage, generation: int, references: dict) -> dict:
     return references if location.exists(names.manifest_name(generation)) else {}
 
 
-def _earlier_references(storage: Storage) -> dict:
-    """What a drop-in save may reference of the checkpoint it replaces (none: {}). One
-    listing when there is none: ``latest_manifest`` would list twice more to say why."""
-    if not generations(storage):
-        return {}
-    return index_references(latest_manifest(storage), 0)
+def _earlier_references(storage: Storage, hold: Hold) -> dict:
+    """What a drop-in save may reference of the checkpoint it replaces (none: {}), held
+    until the save is done (checkpoint/held.py). One listing when there is none:
+    ``latest_manifest`` would list twice more to say why."""
+    with references_lock:
+        if not generations(storage):
+            return {}
+        manifest = latest_manifest(storage)
+        hold.take({manifest.attempt} | manifest.earlier_attempts())
+        return index_references(manifest, 0)
 
 
 def prepare(state: Any = None, *, nbytes: int | None = None) -> Future:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -593,3 +594,69 @@ def test_a_bad_earlier_reference_is_refused(tmp_path, change):
         d["format_version"] = 2
     with pytest.raises(FormatError):
         fmt.Manifest.from_json(d)
+
+
+def slowly_changing(i: int) -> dict:
+    """Four 1 MiB layers; layer k changes every k + 2 saves (so each save references a
+    mix of earlier attempts)."""
+    return {f"l{k}": torch.full((256, 1024), float(i // (k + 2) * 10 + k)) for k in range(4)}
+
+
+def test_drop_in_saves_to_one_path_leave_only_the_attempts_the_visible_checkpoint_reads(tmp_path):
+    """An earlier attempt kept because the next generation read it was never deleted once
+    no generation read it any more: 40 saves of a 2.5 MiB state left 14 attempts, 15 MiB."""
+    path = tmp_path / "latest.pt"
+    for i in range(16):
+        ckptstore.save(slowly_changing(i), path, compression="none").result()
+        storage = LocalStorage(str(path))
+        m = storage_manifest(storage)
+        assert set(os.listdir(path / names.ATTEMPTS_DIR)) == {m.attempt} | m.earlier_attempts(), i
+        loaded = ckptstore.load(path)
+        assert all(torch.equal(loaded[k], v) for k, v in slowly_changing(i).items())
+    assert m.earlier_attempts()  # it did reference
+
+
+def storage_manifest(storage):
+    from ckptstore.checkpoint.commit import generations, read_manifest
+
+    return read_manifest(storage, generations(storage)[-1])
+
+
+def test_two_drop_in_saves_in_flight_to_one_path_both_commit(tmp_path, monkeypatch):
+    """save(b, p) then save(a, p) without waiting: the second read its references from the
+    generation visible then, which the first one's commit retired with its files, and it
+    failed ("data file vanished"). Here the first commit waits until the second save has
+    read its references, the order that lost it."""
+    import ckptstore.api as api_mod
+
+    path = tmp_path / "latest.pt"
+    a, b = slowly_changing(0), {k: v + 100 for k, v in slowly_changing(0).items()}  # b shares no chunk with a
+    ckptstore.save(a, path, compression="none").result()
+    read_twice = threading.Event()
+    reads = []
+    earlier = api_mod._earlier_references
+
+    def counting(storage, hold):
+        out = earlier(storage, hold)
+        reads.append(len(out))
+        if len(reads) == 2:
+            read_twice.set()
+        return out
+
+    class FirstCommitWaits(LocalStorage):
+        def put(self, key, data, **kwargs):
+            if names.parse_manifest_name(key) == 2:  # the first save's commit
+                assert read_twice.wait(60)
+            return super().put(key, data, **kwargs)
+
+    monkeypatch.setattr(api_mod, "_earlier_references", counting)
+    monkeypatch.setattr(api_mod, "open_storage", lambda f, **kw: FirstCommitWaits(str(f)))
+    first = ckptstore.save(b, path, compression="none")
+    second = ckptstore.save(a, path, compression="none")
+    first.result(timeout=60)
+    second.result(timeout=60)
+    assert reads[1] > 0  # the second save did reference the generation the first one retired
+    loaded = ckptstore.load(path)
+    assert all(torch.equal(loaded[k], v) for k, v in a.items())
+    m = storage_manifest(LocalStorage(str(path)))
+    assert m.generation == 3 and set(os.listdir(path / names.ATTEMPTS_DIR)) == {m.attempt} | m.earlier_attempts()

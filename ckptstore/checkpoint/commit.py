@@ -54,6 +54,7 @@ from ..runtime import runtime
 from ..storage import Storage
 from ..format_index import INDEX_VERSION
 from . import exiting
+from .held import held_attempts, references_lock
 from .indexes import build_root
 
 
@@ -389,8 +390,10 @@ def commit(storage: Storage, own: fmt.Vote, world_size: int, created_at: str, me
         listed = _listing_with_newest(storage, generation)
         if listed is None:
             raise CommitError(f"generation {generation} is not the visible one after its commit")
-        retire_generations(storage, below=generation, live_attempt=attempt, files=retire_files,
-                           keep=manifest.earlier_attempts(), listed=listed)
+        with references_lock:  # a drop-in save in flight reads references, or holds them, not in between
+            retire_generations(storage, below=generation, live_attempt=attempt, files=retire_files,
+                               keep=manifest.earlier_attempts() | held_attempts(storage, but=attempt),
+                               listed=listed)
     except Exception as e:  # committed already: a leftover generation is gc's to clean
         warnings.warn(f"{where}: committed generation {generation}, but retiring older ones failed: {e}",
                       RuntimeWarning, stacklevel=2)
@@ -527,20 +530,24 @@ def attempt_files(storage: Storage, attempt: str):
 def retire_generations(storage: Storage, below: int, live_attempt: str, files: bool = True,
                        keep=frozenset(), listed: list[int] | None = None) -> None:
     """Delete generations older than ``below``: each manifest before its files (I7;
-    ``files=False``: the manifests only). The files of ``live_attempt`` (the new
-    generation's) and of the attempts in ``keep`` (earlier ones it refers to) are never
-    deleted, whatever an older manifest claims. ``listed``: the generations as a
-    listing just made shows them (else one is made)."""
+    ``files=False``: the manifests only). A retired generation's files go with it, and so
+    do those of the earlier attempts it read (``Blob.earlier``: kept for it when it
+    committed, nobody's once it is retired). The files of ``live_attempt`` (the new
+    generation's) and of the attempts in ``keep`` (earlier ones it refers to, and those
+    saves in flight hold) are never deleted, whatever an older manifest claims.
+    ``listed``: the generations as a listing just made shows them (else one is made)."""
     for gen in (generations(storage) if listed is None else listed):
         if gen >= below:
             break
         try:
             old = read_manifest(storage, gen)
-            attempt = old.attempt
+            attempts = {old.attempt} | old.earlier_attempts()
         except (CkptStoreError, ValueError):
-            attempt = None  # unreadable: drop the manifest, leave files to gc
+            attempts = set()  # unreadable: drop the manifest, leave files to gc
         storage.delete(names.manifest_name(gen))
-        if files and attempt is not None and attempt != live_attempt and attempt not in keep:  # (parsed: grammar)
+        if not files:
+            continue
+        for attempt in sorted(attempts - set(keep) - {live_attempt}):  # (parsed: grammar)
             storage.delete_many([info.key for info in attempt_files(storage, attempt)])
 
 
