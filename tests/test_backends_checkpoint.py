@@ -40,7 +40,7 @@ def read_tensors(storage, tensors, where, pool):
     """Some of a rank's tensors, read the way restore reads them (what a load of only
     those would get)."""
     reads = []
-    out = restore_mod._tensor_reads(tensors, where, reads)
+    out = restore_mod._tensor_reads(tensors, where, reads, storage)
     read_blobs(storage, reads, pool)
     return out
 

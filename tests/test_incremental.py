@@ -660,3 +660,23 @@ def test_two_drop_in_saves_in_flight_to_one_path_both_commit(tmp_path, monkeypat
     assert all(torch.equal(loaded[k], v) for k, v in a.items())
     m = storage_manifest(LocalStorage(str(path)))
     assert m.generation == 3 and set(os.listdir(path / names.ATTEMPTS_DIR)) == {m.attempt} | m.earlier_attempts()
+
+
+def test_retention_drops_steps_that_read_each_other_in_one_run(tmp_path):
+    """Steps 0-11 saved incrementally, then a writer with keep=last 2: each dropped step's
+    data deletion was checked against every manifest present before the run, the other
+    dropped ones included, and skipped with its manifest: dropped steps stayed listed."""
+    root = tmp_path / "s"
+    store = ckptstore.Store(root, compression="none")
+    for i in range(12):
+        store.save(i, slowly_changing(i)).result()
+    assert any(b.step is not None for _, _, b in store.manifest(11).blobs())
+    ckptstore.Store(root, compression="none", keep=Retention(last=2)).save(12, slowly_changing(12)).result()
+    assert ckptstore.Store(root).steps() == [11, 12]
+    ckptstore.Store(root).gc(keep=Retention(last=2), grace=0)  # now only what 11 and 12 read stays
+    kept = ckptstore.Store(root)
+    read = {s for m in (kept.manifest(11), kept.manifest(12)) for s in m.referenced()} | {11, 12}
+    assert {int(p.name.split("-")[1]) for p in root.iterdir() if p.name.startswith("step-")} == read
+    for i in (11, 12):
+        assert all(torch.equal(kept.load(i)[k], v) for k, v in slowly_changing(i).items())
+    assert verified(root)

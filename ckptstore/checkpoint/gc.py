@@ -403,6 +403,11 @@ def execute(storage: Storage, gc_plan: GcPlan, on_deleted=None) -> None:
             taken = sorted(set(d.attempts) & refs.get(d.location, set()))
             if unknown:
                 d.skipped = "a manifest present cannot be read: it may reference these files"
+            elif taken and d.kind in ("checkpoint", "generation"):
+                # Retention drops the manifest all the same; only the files stay. (A manifest
+                # this plan deletes later counts as present now: had that skipped it, a store
+                # whose dropped steps read each other kept them listed, run after run.)
+                _keep_files_of(d, set(taken))
             elif taken:
                 d.skipped = f"attempt {taken[0]} is referenced by a checkpoint present now"
             elif d.kind == "attempt":
@@ -424,6 +429,18 @@ def execute(storage: Storage, gc_plan: GcPlan, on_deleted=None) -> None:
             on_deleted(d)
     if gc_plan.stale_upload_age is not None:
         gc_plan.aborted_uploads = storage.abort_stale_uploads(gc_plan.stale_upload_age)
+
+
+def _keep_files_of(d: Deletion, attempts: set[str]) -> None:
+    """Leave ``attempts``' files out of ``d`` (a checkpoint or generation whose manifest
+    still goes): a checkpoint present now reads them; a later run deletes them once none
+    does."""
+    prefix = names.ATTEMPTS_DIR + "/"
+    d.keys = [k for k in d.keys if not (k.startswith(prefix) and k.split("/")[1] in attempts)]
+    d.attempts = tuple(a for a in d.attempts if a not in attempts)
+    if not d.attempts:
+        d.bytes = 0
+    d.reason += f"; the files of attempt {sorted(attempts)[0]} stay: a checkpoint present now reads them"
 
 
 def _idle(location: Storage, attempt: str, now: float) -> float:
