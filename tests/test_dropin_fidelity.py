@@ -212,6 +212,50 @@ def test_failed_save_over_a_plain_file_leaves_it_byte_identical(tmp_path, monkey
     assert torch.equal(ckptstore.load(path)["old"], torch.arange(5.0))
 
 
+_KILLED_WHILE_WRITING = """
+import sys, torch, ckptstore
+from ckptstore.checkpoint import container
+def stop_half_way(store, fh):
+    fh.write(b"half a checkpoint")
+    fh.flush()
+    print("writing", flush=True)
+    sys.stdin.read()  # SIGKILLed here
+container.write_container = stop_half_way
+ckptstore.save({"w": torch.full((3,), 2.0)}, sys.argv[1])
+"""
+
+
+def test_a_temporary_file_a_killed_writer_left_goes_with_the_next_save(tmp_path):
+    """A SIGKILL while replacing a plain file leaves the old file whole and a temporary
+    beside it (as large as the checkpoint); nothing removed it, and every kill added one.
+    The next save removes those of dead writers on this host, never a live one's."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    path = tmp_path / "latest.pt"
+    path.write_bytes(b"")
+    ckptstore.save({"w": torch.ones(3)}, path)
+    child = subprocess.Popen([sys.executable, "-c", _KILLED_WHILE_WRITING, str(path)], cwd="/",
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "writing"
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    (left,) = _debris(tmp_path)
+    assert f".{socket.gethostname()}.{child.pid}." in left
+    assert torch.equal(ckptstore.load(path)["w"], torch.ones(3))  # the old file, whole
+    live = tmp_path / f".latest.pt.{socket.gethostname()}.{os.getpid()}.abcdefgh.tmp"  # a save of ours in flight
+    other_host = tmp_path / ".latest.pt.another-host.1.abcdefgh.tmp"
+    live.write_bytes(b"x")
+    other_host.write_bytes(b"x")
+    ckptstore.save({"w": torch.zeros(3)}, path)
+    assert _debris(tmp_path) == sorted([live.name, other_host.name])
+    assert torch.equal(ckptstore.load(path)["w"], torch.zeros(3))
+
+
 # ---------------------------------------------------------------------------- 5. builtin error types
 def test_dtype_views_of_allocated_storage_raise_runtime_error_as_torch(tmp_path):
     t = torch.zeros(4)

@@ -19,6 +19,7 @@ container too, replacing the file atomically (:func:`replace_file`).
 from __future__ import annotations
 
 import os
+import socket
 import stat
 import struct
 import tempfile
@@ -54,7 +55,8 @@ def replace_file(store: MemoryStorage, path: str | os.PathLike) -> None:
     propagate as they are (as from torch.save)."""
     path = os.path.realpath(path)  # through a symlink, as torch.save writes through it
     where = os.path.dirname(path)
-    fd, tmp = tempfile.mkstemp(dir=where, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    _remove_dead_writers_temps(path)
+    fd, tmp = tempfile.mkstemp(dir=where, prefix=_temp_prefix(path) + f"{os.getpid()}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as fh:
             write_container(store, fh)
@@ -72,6 +74,40 @@ def replace_file(store: MemoryStorage, path: str | os.PathLike) -> None:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def _temp_prefix(path: str) -> str:
+    # ".<name>.<host>.<pid>.<random>.tmp": whose it is, so a later save can tell one a
+    # killed writer left (as large as the checkpoint) from one being written now.
+    return f".{os.path.basename(path)}.{socket.gethostname()}."
+
+
+def _remove_dead_writers_temps(path: str) -> None:
+    """Delete the temporary files that writers on this host, now dead (SIGKILL, power),
+    left beside ``path``; a live process's, another host's, and names of another form
+    stay."""
+    prefix = _temp_prefix(path)
+    try:
+        names = os.listdir(os.path.dirname(path))
+    except OSError:
+        return
+    for name in names:
+        if not (name.startswith(prefix) and name.endswith(".tmp")):
+            continue
+        pid, dot, rest = name[len(prefix):].partition(".")
+        if not (pid.isdigit() and dot):
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # alive (or not ours to signal): maybe writing it now
+        except ProcessLookupError:
+            pass
+        except (PermissionError, OverflowError, ValueError):
+            continue
+        try:
+            os.unlink(os.path.join(os.path.dirname(path), name))
+        except OSError:
+            pass
 
 
 _READ_PIECE = 64 << 20
