@@ -142,7 +142,7 @@ def _earlier_references(storage: Storage, hold: Hold) -> dict:
     """What a drop-in save may reference of the checkpoint it replaces (none: {}), held
     until the save is done (checkpoint/held.py). One listing when there is none:
     ``latest_manifest`` would list twice more to say why."""
-    with references_lock:
+    with references_lock(storage):
         if not generations(storage):
             return {}
         manifest = latest_manifest(storage)

@@ -29,6 +29,7 @@ fails its save with a :class:`CommitError`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import time
@@ -390,7 +391,8 @@ def commit(storage: Storage, own: fmt.Vote, world_size: int, created_at: str, me
         listed = _listing_with_newest(storage, generation)
         if listed is None:
             raise CommitError(f"generation {generation} is not the visible one after its commit")
-        with references_lock:  # a drop-in save in flight reads references, or holds them, not in between
+        # Retiring files: a drop-in save in flight reads references, or holds them, not in between.
+        with references_lock(storage) if retire_files else contextlib.nullcontext():
             retire_generations(storage, below=generation, live_attempt=attempt, files=retire_files,
                                keep=manifest.earlier_attempts() | held_attempts(storage, but=attempt),
                                listed=listed)
