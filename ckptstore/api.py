@@ -126,8 +126,12 @@ def save(obj: Any, f, pickle_module: Any = pickle, pickle_protocol: int = 2, *,
     hold = Hold(storage, attempt)
     if incremental:  # read by the writer's first chunk, off the blocking part
         options = dataclasses.replace(options, references=functools.partial(_earlier_references, storage, hold))
-    future = start_save(obj, storage, rt=rt, attempt=attempt, step=None, rank=0,
-                        world_size=1, metrics=None, options=options)
+    try:
+        future = start_save(obj, storage, rt=rt, attempt=attempt, step=None, rank=0,
+                            world_size=1, metrics=None, options=options)
+    except BaseException:
+        hold.release()  # (a worker may have read the references before staging failed)
+        raise
     future.add_done_callback(hold.release)
     return lifecycle.track(future)
 

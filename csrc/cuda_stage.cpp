@@ -89,6 +89,17 @@ std::vector<DeviceState*> g_states;  // leaked on purpose: CUDA may be gone at e
 // copies small pieces one by one; the reason is kept for cuda_prepare().
 void load_gather(DeviceState* st) {
     const Api& a = A();
+    // The queries that may throw come first: a throw fails device_state (retried by the
+    // next save), and by then no module is loaded to leak. After the load nothing throws.
+    int uva = 0, can_map = 0;
+    CUdevice dev = 0;
+    check(a.DeviceGet(&dev, st->device), "cuDeviceGet");
+    check(a.DeviceGetAttribute(&uva, kAttrUnifiedAddressing, dev), "cuDeviceGetAttribute (UVA)");
+    check(a.DeviceGetAttribute(&can_map, kAttrCanMapHostMemory, dev), "cuDeviceGetAttribute (map host memory)");
+    if (!uva || !can_map) {  // the kernel writes through host pointers == device pointers
+        st->info.gather_error = "the device lacks unified addressing or mapped host memory";
+        return;
+    }
     CUmodule mod = nullptr;
     CUresult r = a.ModuleLoadData(&mod, kGatherPtx);
     if (r != kSuccess) {
@@ -103,15 +114,6 @@ void load_gather(DeviceState* st) {
     }
     if (r != kSuccess) {
         st->info.gather_error = std::string("loading ") + kGatherEntry + " failed: " + error_text(r);
-        return;
-    }
-    int uva = 0, can_map = 0;
-    CUdevice dev = 0;
-    check(a.DeviceGet(&dev, st->device), "cuDeviceGet");
-    check(a.DeviceGetAttribute(&uva, kAttrUnifiedAddressing, dev), "cuDeviceGetAttribute (UVA)");
-    check(a.DeviceGetAttribute(&can_map, kAttrCanMapHostMemory, dev), "cuDeviceGetAttribute (map host memory)");
-    if (!uva || !can_map) {  // the kernel writes through host pointers == device pointers
-        st->info.gather_error = "the device lacks unified addressing or mapped host memory";
         return;
     }
     st->gather = fn;

@@ -86,6 +86,19 @@ std::mutex g_quar_m;
 std::map<std::uintptr_t, std::size_t> g_quar;  // base -> size of quarantined host ranges
 std::atomic<bool> g_any_quar{false};
 
+// A forked child has none of the parent's slabs (MADV_DONTFORK; CUDA's page-locked
+// memory likewise), so their addresses may hold its own memory: both registries start
+// empty there, with fresh locks (a parent's thread may have held one). The old maps
+// are left as they are, not destroyed: one may have been half-way through a change.
+void registries_after_fork_in_child() {
+    new (&g_reg_m) std::mutex;
+    new (&g_reg) std::map<std::uintptr_t, std::size_t>;
+    new (&g_quar_m) std::mutex;
+    new (&g_quar) std::map<std::uintptr_t, std::size_t>;
+    g_any_quar = false;
+}
+[[maybe_unused]] const int g_registries_atfork = pthread_atfork(nullptr, nullptr, registries_after_fork_in_child);
+
 // ---- the reclaimer -------------------------------------------------------------
 
 struct Doomed {  // a slab's memory, to be freed

@@ -245,10 +245,11 @@ def test_a_temporary_file_a_killed_writer_left_goes_with_the_next_save(tmp_path)
         child.send_signal(signal.SIGKILL)
         child.wait()
     (left,) = _debris(tmp_path)
-    assert f".{socket.gethostname()}.{child.pid}." in left
+    space = f"{socket.gethostname()}-{os.stat('/proc/self/ns/pid').st_ino}"
+    assert left.startswith(f".latest.pt.{space}.{child.pid}.")
     assert torch.equal(ckptstore.load(path)["w"], torch.ones(3))  # the old file, whole
-    live = tmp_path / f".latest.pt.{socket.gethostname()}.{os.getpid()}.abcdefgh.tmp"  # a save of ours in flight
-    other_host = tmp_path / ".latest.pt.another-host.1.abcdefgh.tmp"
+    live = tmp_path / f".latest.pt.{space}.{os.getpid()}.abcdefgh.tmp"  # a save of ours in flight
+    other_host = tmp_path / f".latest.pt.{socket.gethostname()}-1.{child.pid}.abcdefgh.tmp"  # another namespace
     live.write_bytes(b"x")
     other_host.write_bytes(b"x")
     ckptstore.save({"w": torch.zeros(3)}, path)

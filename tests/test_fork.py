@@ -27,8 +27,16 @@ HANG_GUARD_S = 120
 pytestmark = pytest.mark.skipif("fork" not in mp.get_all_start_methods(), reason="no fork() here")
 
 
+def _one_thread(target, *args) -> None:
+    # As a DataLoader worker does: GNU OpenMP is not fork-safe, and torch's parallel ops
+    # in a child of a parent that ran some hang (torch.equal here, after the parent ran
+    # other tests).
+    torch.set_num_threads(1)
+    target(*args)
+
+
 def _in_forked_child(target, *args) -> int:
-    child = mp.get_context("fork").Process(target=target, args=args)
+    child = mp.get_context("fork").Process(target=_one_thread, args=(target, *args))
     child.start()
     child.join(HANG_GUARD_S)
     if child.is_alive():
@@ -149,3 +157,34 @@ def test_a_forked_child_does_not_share_the_staging_slabs():
     memoryview(block)[:4] = b"\x02\x02\x02\x02"  # the parent's still its own
     assert bytes(memoryview(block)[:5]) == b"\x02\x02\x02\x02\x01"
     pool.free(block)
+
+
+def _saves_twice(path: str) -> None:
+    state = _state(4)
+    for _ in range(2):  # the second reads the first one's references, under the location's lock
+        ckptstore.save(state, path).result(timeout=HANG_GUARD_S)
+    os._exit(0 if torch.equal(ckptstore.load(path)["w"], state["w"]) else 3)
+
+
+def test_a_lock_a_parents_thread_held_at_the_fork_does_not_hold_the_child(tmp_path):
+    """A drop-in location's references lock (checkpoint/held.py), held by a parent's
+    thread while it read references or retired files, stayed held in the child for good."""
+    from ckptstore.checkpoint.held import references_lock
+
+    path = str(tmp_path / "latest.pt")
+    ckptstore.save(_state(4), path).result(timeout=HANG_GUARD_S)
+    held, done = threading.Event(), threading.Event()
+
+    def hold_it():
+        with references_lock(LocalStorage(path)):
+            held.set()
+            done.wait()
+
+    t = threading.Thread(target=hold_it)
+    t.start()
+    try:
+        assert held.wait(HANG_GUARD_S)
+        assert _in_forked_child(_saves_twice, path) == 0
+    finally:
+        done.set()
+        t.join()

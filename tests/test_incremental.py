@@ -680,3 +680,19 @@ def test_retention_drops_steps_that_read_each_other_in_one_run(tmp_path):
     for i in (11, 12):
         assert all(torch.equal(kept.load(i)[k], v) for k, v in slowly_changing(i).items())
     assert verified(root)
+
+
+def test_overlapping_drop_in_saves_leave_no_attempt_behind(tmp_path):
+    """save(a, p); save(b, p) without waiting, five times, every chunk changed each time:
+    an attempt a commit kept only because the save in flight held it was named by no
+    manifest afterwards, and no later retire looked at it again (6 attempts left for 1)."""
+    path = tmp_path / "latest.pt"
+    for r in range(5):
+        first = ckptstore.save({k: v + 10 * r for k, v in slowly_changing(0).items()}, path, compression="none")
+        second = ckptstore.save({k: v + 10 * r + 5 for k, v in slowly_changing(0).items()}, path, compression="none")
+        first.result(timeout=60)
+        second.result(timeout=60)
+    m = storage_manifest(LocalStorage(str(path)))
+    assert set(os.listdir(path / names.ATTEMPTS_DIR)) == {m.attempt} | m.earlier_attempts()
+    loaded = ckptstore.load(path)
+    assert all(torch.equal(loaded[k], v + 45) for k, v in slowly_changing(0).items())

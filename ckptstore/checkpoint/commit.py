@@ -55,7 +55,7 @@ from ..runtime import runtime
 from ..storage import Storage
 from ..format_index import INDEX_VERSION
 from . import exiting
-from .held import held_attempts, references_lock
+from .held import defer, held_attempts, references_lock, take_deferred
 from .indexes import build_root
 
 
@@ -394,8 +394,8 @@ def commit(storage: Storage, own: fmt.Vote, world_size: int, created_at: str, me
         # Retiring files: a drop-in save in flight reads references, or holds them, not in between.
         with references_lock(storage) if retire_files else contextlib.nullcontext():
             retire_generations(storage, below=generation, live_attempt=attempt, files=retire_files,
-                               keep=manifest.earlier_attempts() | held_attempts(storage, but=attempt),
-                               listed=listed)
+                               keep=manifest.earlier_attempts(), listed=listed,
+                               held=held_attempts(storage, but=attempt) if retire_files else frozenset())
     except Exception as e:  # committed already: a leftover generation is gc's to clean
         warnings.warn(f"{where}: committed generation {generation}, but retiring older ones failed: {e}",
                       RuntimeWarning, stacklevel=2)
@@ -530,27 +530,32 @@ def attempt_files(storage: Storage, attempt: str):
 
 
 def retire_generations(storage: Storage, below: int, live_attempt: str, files: bool = True,
-                       keep=frozenset(), listed: list[int] | None = None) -> None:
-    """Delete generations older than ``below``: each manifest before its files (I7;
-    ``files=False``: the manifests only). A retired generation's files go with it, and so
-    do those of the earlier attempts it read (``Blob.earlier``: kept for it when it
-    committed, nobody's once it is retired). The files of ``live_attempt`` (the new
-    generation's) and of the attempts in ``keep`` (earlier ones it refers to, and those
-    saves in flight hold) are never deleted, whatever an older manifest claims.
-    ``listed``: the generations as a listing just made shows them (else one is made)."""
+                       keep=frozenset(), listed: list[int] | None = None, held=frozenset()) -> None:
+    """Delete generations older than ``below``: every such manifest first, then their
+    files (I7: no file goes while a manifest that reads it is left; ``files=False``: the
+    manifests only). A retired generation's files go with it, and so do those of the
+    earlier attempts it read (``Blob.earlier``: kept for it when it committed, nobody's
+    once it is retired). The files of ``live_attempt`` (the new generation's) and of the
+    attempts in ``keep`` (earlier ones it refers to) are never deleted, whatever an older
+    manifest claims; those in ``held`` (saves in flight may reference them: held.py)
+    are deferred to the location's next retire. ``listed``: the generations as a
+    listing just made shows them (else one is made)."""
+    retired: set[str] = set()
     for gen in (generations(storage) if listed is None else listed):
         if gen >= below:
             break
         try:
             old = read_manifest(storage, gen)
-            attempts = {old.attempt} | old.earlier_attempts()
+            retired |= {old.attempt} | old.earlier_attempts()
         except (CkptStoreError, ValueError):
-            attempts = set()  # unreadable: drop the manifest, leave files to gc
+            pass  # unreadable: drop the manifest, leave its files to gc
         storage.delete(names.manifest_name(gen))
-        if not files:
-            continue
-        for attempt in sorted(attempts - set(keep) - {live_attempt}):  # (parsed: grammar)
-            storage.delete_many([info.key for info in attempt_files(storage, attempt)])
+    if not files:
+        return
+    doomed = (retired | take_deferred(storage)) - set(keep) - {live_attempt}
+    defer(storage, doomed & set(held))
+    for attempt in sorted(doomed - set(held)):  # (parsed: grammar)
+        storage.delete_many([info.key for info in attempt_files(storage, attempt)])
 
 
 def abort(storage: Storage, attempt: str, reason) -> None:

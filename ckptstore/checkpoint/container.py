@@ -76,16 +76,28 @@ def replace_file(store: MemoryStorage, path: str | os.PathLike) -> None:
         os.close(dir_fd)
 
 
+def _pid_space() -> str:
+    """This host and PID namespace: where a pid names one process. (Containers sharing a
+    host name have PID namespaces of their own: a pid of theirs says nothing here.)"""
+    try:
+        ns = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        ns = 0  # unknown: no temporary file is ever judged dead
+    return f"{socket.gethostname()}-{ns}"
+
+
 def _temp_prefix(path: str) -> str:
-    # ".<name>.<host>.<pid>.<random>.tmp": whose it is, so a later save can tell one a
-    # killed writer left (as large as the checkpoint) from one being written now.
-    return f".{os.path.basename(path)}.{socket.gethostname()}."
+    # ".<name>.<host>-<pid namespace>.<pid>.<random>.tmp": whose it is, so a later save
+    # can tell one a killed writer left (as large as the checkpoint) from one being written.
+    return f".{os.path.basename(path)}.{_pid_space()}."
 
 
 def _remove_dead_writers_temps(path: str) -> None:
-    """Delete the temporary files that writers on this host, now dead (SIGKILL, power),
-    left beside ``path``; a live process's, another host's, and names of another form
-    stay."""
+    """Delete the temporary files that writers of this host and PID namespace, now dead
+    (SIGKILL, power), left beside ``path``; a live process's, another host's or
+    namespace's, and names of another form stay."""
+    if _pid_space().endswith("-0"):
+        return
     prefix = _temp_prefix(path)
     try:
         names = os.listdir(os.path.dirname(path))

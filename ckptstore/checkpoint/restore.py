@@ -99,7 +99,10 @@ def _check_stated_sizes(storage: Storage, entry: fmt.TensorEntry, what: str) -> 
     for c in entry.chunks:
         blob = c.blob
         if blob.codec and blob.codec[-1].get("id") == "zstd":
-            header = storage.read(blob.file, blob.offset, min(blob.length, _ZSTD_HEADER_MAX))
+            try:
+                header = storage.read(blob.file, blob.offset, min(blob.length, _ZSTD_HEADER_MAX))
+            except Exception:  # unreadable now: the caller's MemoryError stands (the load reads it, if ever)
+                return
             check_stated_size(list(blob.codec), header, blob.raw_length, f"{what} (file {blob.file}, offset {blob.offset})")
 
 
@@ -369,9 +372,10 @@ def restore(storage: Storage, manifest: fmt.Manifest, rank: int, map_location=No
         raise FormatError(f"{where}: the object skeleton ends early: {e}") from e
     except (TypeError, ValueError, AttributeError, IndexError, KeyError, OverflowError, RecursionError,
             RuntimeError) as e:
-        if not weights_only or any(e is p for p in placement_errors):
+        if not weights_only or any(e is p for p in placement_errors) or _out_of_memory(e):
             # The checkpoint's own classes ran (opted in): their errors are theirs. A
-            # map_location to a missing device fails as it does in torch.load.
+            # map_location to a missing device, or a rebuild that allocates more than
+            # the machine has (a quantized tensor's), fails as it does in torch.load.
             raise
         # The allow-list runs no code of the checkpoint's: these come from a malformed
         # skeleton (rebuild functions given arguments of the wrong kind or size, a
@@ -383,6 +387,10 @@ def restore(storage: Storage, manifest: fmt.Manifest, rank: int, map_location=No
     if fake:
         _place_fake_tensors(result, fake_devices)
     return result
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    return isinstance(e, torch.OutOfMemoryError) or (isinstance(e, RuntimeError) and "allocate" in str(e))
 
 
 def _real_tensors(fake: bool):
