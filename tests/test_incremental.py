@@ -622,15 +622,19 @@ def storage_manifest(storage):
     return read_manifest(storage, generations(storage)[-1])
 
 
-def test_two_drop_in_saves_in_flight_to_one_path_both_commit(tmp_path, monkeypatch):
+@pytest.mark.parametrize("second_references", [True, False])
+def test_two_drop_in_saves_in_flight_to_one_path_both_commit(tmp_path, monkeypatch, second_references):
     """save(b, p) then save(a, p) without waiting: the second read its references from the
     generation visible then, which the first one's commit retired with its files, and it
     failed ("data file vanished"). Here the first commit waits until the second save has
-    read its references, the order that lost it."""
+    read its references, the order that lost it. A second save that references none of
+    them still held them meanwhile: its own commit must delete them (deferred), or they
+    stayed for good."""
     import ckptstore.api as api_mod
 
     path = tmp_path / "latest.pt"
     a, b = slowly_changing(0), {k: v + 100 for k, v in slowly_changing(0).items()}  # b shares no chunk with a
+    again = a if second_references else {k: v + 200 for k, v in a.items()}
     ckptstore.save(a, path, compression="none").result()
     read_twice = threading.Event()
     reads = []
@@ -652,12 +656,12 @@ def test_two_drop_in_saves_in_flight_to_one_path_both_commit(tmp_path, monkeypat
     monkeypatch.setattr(api_mod, "_earlier_references", counting)
     monkeypatch.setattr(api_mod, "open_storage", lambda f, **kw: FirstCommitWaits(str(f)))
     first = ckptstore.save(b, path, compression="none")
-    second = ckptstore.save(a, path, compression="none")
+    second = ckptstore.save(again, path, compression="none")
     first.result(timeout=60)
     second.result(timeout=60)
-    assert reads[1] > 0  # the second save did reference the generation the first one retired
+    assert reads[1] > 0  # the second save could reference the generation the first one retired
     loaded = ckptstore.load(path)
-    assert all(torch.equal(loaded[k], v) for k, v in a.items())
+    assert all(torch.equal(loaded[k], v) for k, v in again.items())
     m = storage_manifest(LocalStorage(str(path)))
     assert m.generation == 3 and set(os.listdir(path / names.ATTEMPTS_DIR)) == {m.attempt} | m.earlier_attempts()
 
@@ -696,3 +700,23 @@ def test_overlapping_drop_in_saves_leave_no_attempt_behind(tmp_path):
     assert set(os.listdir(path / names.ATTEMPTS_DIR)) == {m.attempt} | m.earlier_attempts()
     loaded = ckptstore.load(path)
     assert all(torch.equal(loaded[k], v + 45) for k, v in slowly_changing(0).items())
+
+
+def test_a_hold_is_per_location_however_reached_and_a_take_after_release_holds_nothing(tmp_path):
+    from ckptstore.checkpoint.held import Hold, held_attempts, references_lock
+
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "link").symlink_to(real)
+    via_link, direct = LocalStorage(str(tmp_path / "link")), LocalStorage(str(real))
+    assert references_lock(via_link) is references_lock(direct)
+    hold = Hold(via_link, "saving")
+    hold.take({"a1"})
+    assert held_attempts(direct, but="other") == {"a1"} and held_attempts(direct, but="saving") == frozenset()
+    hold.release()
+    hold.release()  # idempotent
+    assert held_attempts(direct, but="other") == frozenset()
+    late = Hold(direct, "late")
+    late.release()  # the save failed before its writer read the references ...
+    late.take({"a2"})  # ... which a worker then did: nothing stays held for good
+    assert held_attempts(direct, but="other") == frozenset()

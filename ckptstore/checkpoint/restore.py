@@ -101,8 +101,8 @@ def _check_stated_sizes(storage: Storage, entry: fmt.TensorEntry, what: str) -> 
         if blob.codec and blob.codec[-1].get("id") == "zstd":
             try:
                 header = storage.read(blob.file, blob.offset, min(blob.length, _ZSTD_HEADER_MAX))
-            except Exception:  # unreadable now: the caller's MemoryError stands (the load reads it, if ever)
-                return
+            except Exception:  # unreadable now: this chunk says nothing (the load reads it, if ever)
+                continue
             check_stated_size(list(blob.codec), header, blob.raw_length, f"{what} (file {blob.file}, offset {blob.offset})")
 
 
@@ -389,8 +389,11 @@ def restore(storage: Storage, manifest: fmt.Manifest, rank: int, map_location=No
     return result
 
 
+_OOM = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError  # (torch.OutOfMemoryError: 2.5+)
+
+
 def _out_of_memory(e: BaseException) -> bool:
-    return isinstance(e, torch.OutOfMemoryError) or (isinstance(e, RuntimeError) and "allocate" in str(e))
+    return isinstance(e, _OOM) or (isinstance(e, RuntimeError) and "allocate" in str(e))
 
 
 def _real_tensors(fake: bool):
