@@ -19,9 +19,9 @@
 // (cu::CtxGuard), so no call creates a context on a device the process does not use.
 #include <algorithm>
 #include <atomic>
-#include <memory>
 #include <chrono>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -87,13 +87,11 @@ std::vector<DeviceState*> g_states;  // leaked on purpose: CUDA may be gone at e
 // Loads the gather kernel eagerly (the module and the function's code), so no
 // lazy load happens at its first launch, inside a save. On failure the device
 // copies small pieces one by one; the reason is kept for cuda_prepare().
-void load_gather(DeviceState* st) {
+void load_gather(DeviceState* st, CUdevice dev) {
     const Api& a = A();
     // The queries that may throw come first: a throw fails device_state (retried by the
     // next save), and by then no module is loaded to leak. After the load nothing throws.
     int uva = 0, can_map = 0;
-    CUdevice dev = 0;
-    check(a.DeviceGet(&dev, st->device), "cuDeviceGet");
     check(a.DeviceGetAttribute(&uva, kAttrUnifiedAddressing, dev), "cuDeviceGetAttribute (UVA)");
     check(a.DeviceGetAttribute(&can_map, kAttrCanMapHostMemory, dev), "cuDeviceGetAttribute (map host memory)");
     if (!uva || !can_map) {  // the kernel writes through host pointers == device pointers
@@ -146,7 +144,7 @@ DeviceState* device_state(int device) {
         check(a.DeviceGet(&dev, device), "cuDeviceGet");
         check(a.DeviceGetAttribute(&st->info.cc_major, kAttrComputeCapabilityMajor, dev), "cuDeviceGetAttribute");
         check(a.DeviceGetAttribute(&st->info.cc_minor, kAttrComputeCapabilityMinor, dev), "cuDeviceGetAttribute");
-        load_gather(st.get());
+        load_gather(st.get(), dev);
         undo.st = nullptr;
         g_states[device] = st.release();
     }

@@ -20,6 +20,7 @@ from ckptstore import format as fmt
 from ckptstore import names
 from ckptstore.checkpoint import gc as gc_mod
 from ckptstore.checkpoint.references import MIN_REFERENCE_BYTES
+from ckptstore.checkpoint.restore import latest_manifest
 from ckptstore.checkpoint.retention import Retention
 from ckptstore.cli import main
 from ckptstore.errors import CommitError, FormatError
@@ -609,17 +610,11 @@ def test_drop_in_saves_to_one_path_leave_only_the_attempts_the_visible_checkpoin
     for i in range(16):
         ckptstore.save(slowly_changing(i), path, compression="none").result()
         storage = LocalStorage(str(path))
-        m = storage_manifest(storage)
+        m = latest_manifest(storage)
         assert set(os.listdir(path / names.ATTEMPTS_DIR)) == {m.attempt} | m.earlier_attempts(), i
         loaded = ckptstore.load(path)
         assert all(torch.equal(loaded[k], v) for k, v in slowly_changing(i).items())
     assert m.earlier_attempts()  # it did reference
-
-
-def storage_manifest(storage):
-    from ckptstore.checkpoint.commit import generations, read_manifest
-
-    return read_manifest(storage, generations(storage)[-1])
 
 
 @pytest.mark.parametrize("second_references", [True, False])
@@ -662,7 +657,7 @@ def test_two_drop_in_saves_in_flight_to_one_path_both_commit(tmp_path, monkeypat
     assert reads[1] > 0  # the second save could reference the generation the first one retired
     loaded = ckptstore.load(path)
     assert all(torch.equal(loaded[k], v) for k, v in again.items())
-    m = storage_manifest(LocalStorage(str(path)))
+    m = latest_manifest(LocalStorage(str(path)))
     assert m.generation == 3 and set(os.listdir(path / names.ATTEMPTS_DIR)) == {m.attempt} | m.earlier_attempts()
 
 
@@ -696,7 +691,7 @@ def test_overlapping_drop_in_saves_leave_no_attempt_behind(tmp_path):
         second = ckptstore.save({k: v + 10 * r + 5 for k, v in slowly_changing(0).items()}, path, compression="none")
         first.result(timeout=60)
         second.result(timeout=60)
-    m = storage_manifest(LocalStorage(str(path)))
+    m = latest_manifest(LocalStorage(str(path)))
     assert set(os.listdir(path / names.ATTEMPTS_DIR)) == {m.attempt} | m.earlier_attempts()
     loaded = ckptstore.load(path)
     assert all(torch.equal(loaded[k], v + 45) for k, v in slowly_changing(0).items())

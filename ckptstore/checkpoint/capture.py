@@ -37,7 +37,7 @@ import torch
 
 from ..scopes import Scope
 from .flatten import (DTensorRef, StorageRef, _dtensor_class, _unique, entry_shape, global_pid, global_rebuild,
-                      implied_storage_dtype, index_pid, local_tensor, skeleton_key)
+                      implied_storage_dtype, index_pid, local_tensor, skeleton_key, unsaveable_local_kind)
 
 __all__ = ["Captured", "capture", "pickle_captured"]
 
@@ -143,7 +143,7 @@ def capture(obj, max_depth: int = 200) -> Captured | None:
         local = local_tensor(dt)
         if not local.is_cpu:
             raise _NotPlain  # staging it needs the device path (flatten finds the devices)
-        if local.layout is not _STRIDED or local.is_quantized or local.is_nested:
+        if unsaveable_local_kind(local) is not None:
             raise _NotPlain  # flatten gives these their errors
         key = _unique(path or "tensor", used_global)
         dtensors.append(DTensorRef(key, dt))

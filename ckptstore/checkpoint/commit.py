@@ -391,11 +391,8 @@ def commit(storage: Storage, own: fmt.Vote, world_size: int, created_at: str, me
         listed = _listing_with_newest(storage, generation)
         if listed is None:
             raise CommitError(f"generation {generation} is not the visible one after its commit")
-        # Retiring files: a drop-in save in flight reads references, or holds them, not in between.
-        with references_lock(storage) if retire_files else contextlib.nullcontext():
-            retire_generations(storage, below=generation, live_attempt=attempt, files=retire_files,
-                               keep=manifest.earlier_attempts(), listed=listed,
-                               held=held_attempts(storage, but=attempt) if retire_files else frozenset())
+        retire_generations(storage, below=generation, live_attempt=attempt, files=retire_files,
+                           keep=manifest.earlier_attempts(), listed=listed)
     except Exception as e:  # committed already: a leftover generation is gc's to clean
         warnings.warn(f"{where}: committed generation {generation}, but retiring older ones failed: {e}",
                       RuntimeWarning, stacklevel=2)
@@ -530,16 +527,23 @@ def attempt_files(storage: Storage, attempt: str):
 
 
 def retire_generations(storage: Storage, below: int, live_attempt: str, files: bool = True,
-                       keep=frozenset(), listed: list[int] | None = None, held=frozenset()) -> None:
+                       keep=frozenset(), listed: list[int] | None = None) -> None:
     """Delete generations older than ``below``: every such manifest first, then their
     files (I7: no file goes while a manifest that reads it is left; ``files=False``: the
     manifests only). A retired generation's files go with it, and so do those of the
     earlier attempts it read (``Blob.earlier``: kept for it when it committed, nobody's
     once it is retired). The files of ``live_attempt`` (the new generation's) and of the
     attempts in ``keep`` (earlier ones it refers to) are never deleted, whatever an older
-    manifest claims; those in ``held`` (saves in flight may reference them: held.py)
-    are deferred to the location's next retire. ``listed``: the generations as a
-    listing just made shows them (else one is made)."""
+    manifest claims; those that other saves of this process in flight hold (they may
+    reference them: held.py) are deferred to the location's next retire. Retiring files
+    holds the location's references lock: a drop-in save in flight reads its references,
+    or holds them, not in between. ``listed``: the generations as a listing just made
+    shows them (else one is made)."""
+    with references_lock(storage) if files else contextlib.nullcontext():
+        _retire(storage, below, live_attempt, files, keep, listed)
+
+
+def _retire(storage: Storage, below: int, live_attempt: str, files: bool, keep, listed) -> None:
     retired: set[str] = set()
     for gen in (generations(storage) if listed is None else listed):
         if gen >= below:
@@ -553,8 +557,9 @@ def retire_generations(storage: Storage, below: int, live_attempt: str, files: b
     if not files:
         return
     doomed = (retired | take_deferred(storage)) - set(keep) - {live_attempt}
-    defer(storage, doomed & set(held))
-    for attempt in sorted(doomed - set(held)):  # (parsed: grammar)
+    held = held_attempts(storage, but=live_attempt)
+    defer(storage, doomed & held)
+    for attempt in sorted(doomed - held):  # (parsed: grammar)
         storage.delete_many([info.key for info in attempt_files(storage, attempt)])
 
 

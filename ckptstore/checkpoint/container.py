@@ -55,8 +55,9 @@ def replace_file(store: MemoryStorage, path: str | os.PathLike) -> None:
     propagate as they are (as from torch.save)."""
     path = os.path.realpath(path)  # through a symlink, as torch.save writes through it
     where = os.path.dirname(path)
-    _remove_dead_writers_temps(path)
-    fd, tmp = tempfile.mkstemp(dir=where, prefix=_temp_prefix(path) + f"{os.getpid()}.", suffix=".tmp")
+    prefix = _temp_prefix(path)
+    _remove_dead_writers_temps(where, prefix)
+    fd, tmp = tempfile.mkstemp(dir=where, prefix=prefix + f"{os.getpid()}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as fh:
             write_container(store, fh)
@@ -92,15 +93,14 @@ def _temp_prefix(path: str) -> str:
     return f".{os.path.basename(path)}.{_pid_space()}."
 
 
-def _remove_dead_writers_temps(path: str) -> None:
-    """Delete the temporary files that writers of this host and PID namespace, now dead
-    (SIGKILL, power), left beside ``path``; a live process's, another host's or
-    namespace's, and names of another form stay."""
-    if _pid_space().endswith("-0"):
+def _remove_dead_writers_temps(where: str, prefix: str) -> None:
+    """Delete the temporary files named ``prefix``<pid>... in directory ``where`` that
+    writers of this host and PID namespace, now dead (SIGKILL, power), left; a live
+    process's, another host's or namespace's, and names of another form stay."""
+    if prefix.endswith("-0."):  # the PID namespace is unknown: no pid can be judged
         return
-    prefix = _temp_prefix(path)
     try:
-        names = os.listdir(os.path.dirname(path))
+        names = os.listdir(where)
     except OSError:
         return
     for name in names:
@@ -117,7 +117,7 @@ def _remove_dead_writers_temps(path: str) -> None:
         except (PermissionError, OverflowError, ValueError):
             continue
         try:
-            os.unlink(os.path.join(os.path.dirname(path), name))
+            os.unlink(os.path.join(where, name))
         except OSError:
             pass
 

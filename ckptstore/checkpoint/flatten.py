@@ -281,6 +281,18 @@ def _contiguous_stride(shape) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
+def unsaveable_local_kind(local: torch.Tensor) -> str | None:
+    """Why a DTensor's local tensor cannot be saved as its global chunks ("quantized",
+    "nested", a layout), or None: the chunks hold raw bytes only, so a quantized
+    tensor's scales, a sparse one's indices would be lost and the checkpoint would not
+    load."""
+    if local.is_quantized:
+        return "quantized"
+    if local.is_nested:
+        return "nested"
+    return None if local.layout == torch.strided else str(local.layout)
+
+
 def _has_typed_storage(dtype: torch.dtype) -> bool:
     """Whether torch pickles this dtype over a legacy typed storage class (the map
     ``TypedStorage._pickle_storage_type`` reads; no TypedStorage made, so no warning
@@ -372,14 +384,12 @@ def flatten(obj, on_storage: Callable[[StorageRef], None], pickle_protocol: int 
             raise SerializationError("DTensors can only be saved through Store.save")
         key = _unique(dtensor_paths.get(id(dt), (f"dtensor.{len(placeholders)}",))[0], used[GLOBAL])
         local = local_tensor(dt)
-        if local.layout != torch.strided or local.is_quantized or local.is_nested:
-            # Its chunks would hold the raw bytes only: a quantized tensor's scales, a
-            # sparse one's indices would be lost, and the checkpoint would not load.
-            kind = "quantized" if local.is_quantized else "nested" if local.is_nested else str(local.layout)
+        kind = unsaveable_local_kind(local)
+        if kind is not None:
             raise UnserializableTensorError(f"cannot save DTensor {key!r}: its local tensor is {kind}; "
                                             "only strided, unquantized local tensors can be saved")
         on_dtensor(DTensorRef(key, dt))
-        location = torch.serialization.location_tag(local_tensor(dt).untyped_storage())
+        location = torch.serialization.location_tag(local.untyped_storage())
         value = placeholders[id(dt)] = _global_stand_in(key, dt.dtype, tuple(dt.shape), location, dt.requires_grad,
                                                         global_refs)
         return value
@@ -517,4 +527,4 @@ def region_byte_offset(shape, offsets, itemsize: int) -> int:
 
 __all__ = ["DTensorRef", "GLOBAL", "LOCAL", "LocalBox", "StorageRef", "UnserializableTensorError", "dtensor_boxes",
            "flatten", "global_pid", "global_rebuild", "global_skeleton", "implied_storage_dtype", "index_pid", "local_tensor", "parse_skeleton_key", "plan_chunks", "region_byte_offset",
-           "skeleton_key", "tensor_paths"]
+           "skeleton_key", "tensor_paths", "unsaveable_local_kind"]
