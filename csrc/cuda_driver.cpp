@@ -67,6 +67,7 @@ Loaded load() {
     bind(lib, a.EventDestroy, "cuEventDestroy_v2", missing);
     bind(lib, a.ModuleLoadData, "cuModuleLoadData", missing);
     bind(lib, a.ModuleGetFunction, "cuModuleGetFunction", missing);
+    bind(lib, a.ModuleUnload, "cuModuleUnload", missing);
     bind(lib, a.FuncGetAttribute, "cuFuncGetAttribute", missing);
     bind(lib, a.LaunchKernel, "cuLaunchKernel", missing);
     if (!missing.empty()) {

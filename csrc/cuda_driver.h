@@ -76,6 +76,7 @@ struct Api {
     CUresult (*EventDestroy)(CUevent);
     CUresult (*ModuleLoadData)(CUmodule*, const void*);
     CUresult (*ModuleGetFunction)(CUfunction*, CUmodule, const char*);
+    CUresult (*ModuleUnload)(CUmodule);
     CUresult (*FuncGetAttribute)(int*, int, CUfunction);
     CUresult (*LaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                              unsigned, CUstream, void**, void**);

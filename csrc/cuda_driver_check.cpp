@@ -57,6 +57,7 @@ CKPT_EXPECT(cuEventSynchronize, CUevent);
 CKPT_EXPECT(cuEventDestroy_v2, CUevent);
 CKPT_EXPECT(cuModuleLoadData, CUmodule*, const void*);
 CKPT_EXPECT(cuModuleGetFunction, CUfunction*, CUmodule, const char*);
+CKPT_EXPECT(cuModuleUnload, CUmodule);
 CKPT_EXPECT(cuFuncGetAttribute, int*, CUfunction_attribute, CUfunction);
 CKPT_EXPECT(cuLaunchKernel, CUfunction, unsigned int, unsigned int, unsigned int, unsigned int, unsigned int,
             unsigned int, unsigned int, CUstream, void**, void**);

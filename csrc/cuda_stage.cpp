@@ -110,8 +110,9 @@ void load_gather(DeviceState* st, CUdevice dev) {
         int threads = 0;  // cuFuncGetAttribute also loads the function under lazy loading
         r = a.FuncLoad ? a.FuncLoad(fn) : a.FuncGetAttribute(&threads, kFuncAttrMaxThreadsPerBlock, fn);
     }
-    if (r != kSuccess) {
+    if (r != kSuccess) {  // the module is of no use without its function: unloaded, not leaked
         st->info.gather_error = std::string("loading ") + kGatherEntry + " failed: " + error_text(r);
+        a.ModuleUnload(mod);
         return;
     }
     st->gather = fn;

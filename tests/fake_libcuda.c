@@ -5,9 +5,10 @@
  * is a plain address); copies and the gather run at once, on the calling thread.
  * Knobs (environment): FAKE_CUDA_DRIVER (cuDriverGetVersion, default 12040),
  * FAKE_CUDA_NO_DEVICE=1 (cuInit fails), FAKE_CUDA_HANG=1 (events never complete),
- * FAKE_CUDA_NO_GATHER=1 (cuModuleLoadData fails), FAKE_CUDA_FAIL=<entry point> (cuEventCreate or
- * cuDeviceGetAttribute fails with CUDA_ERROR_OUT_OF_MEMORY). Counters: fake_cuda_counter(): launches,
- * copies, host frees, streams alive, events alive. */
+ * FAKE_CUDA_NO_GATHER=1 (cuModuleLoadData fails), FAKE_CUDA_FAIL=<entry point> (cuEventCreate,
+ * cuDeviceGetAttribute, cuModuleGetFunction or cuFuncLoad fails with CUDA_ERROR_OUT_OF_MEMORY).
+ * Counters: fake_cuda_counter(): launches, copies, host frees, streams alive, events alive,
+ * modules loaded. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -15,14 +16,14 @@
 typedef int CUresult;
 static int g_ctx_token; /* the one primary context */
 static __thread void* t_current;
-static long g_launches, g_memcpys, g_frees, g_streams, g_events;
+static long g_launches, g_memcpys, g_frees, g_streams, g_events, g_modules;
 
 static int env_on(const char* k) { const char* v = getenv(k); return v && *v == '1'; }
 
 static int fails(const char* entry) { const char* v = getenv("FAKE_CUDA_FAIL"); return v && !strcmp(v, entry); }
 
 long fake_cuda_counter(int which) {
-    long c[] = {g_launches, g_memcpys, g_frees, g_streams, g_events};
+    long c[] = {g_launches, g_memcpys, g_frees, g_streams, g_events, g_modules};
     return c[which];
 }
 
@@ -73,11 +74,18 @@ CUresult cuEventDestroy_v2(void* e) { free(e); __atomic_sub_fetch(&g_events, 1, 
 CUresult cuModuleLoadData(void** m, const void* image) {
     if (env_on("FAKE_CUDA_NO_GATHER") || !strstr((const char*)image, ".visible .entry ckpt_gather(")) return 218;
     *m = &g_ctx_token;
+    __atomic_add_fetch(&g_modules, 1, __ATOMIC_SEQ_CST);
     return 0;
 }
-CUresult cuModuleGetFunction(void** f, void* m, const char* name) { (void)m; *f = &g_ctx_token; return strcmp(name, "ckpt_gather") ? 500 : 0; }
+CUresult cuModuleUnload(void* m) { (void)m; __atomic_sub_fetch(&g_modules, 1, __ATOMIC_SEQ_CST); return 0; }
+CUresult cuModuleGetFunction(void** f, void* m, const char* name) {
+    (void)m;
+    if (fails("cuModuleGetFunction")) return 2;
+    *f = &g_ctx_token;
+    return strcmp(name, "ckpt_gather") ? 500 : 0;
+}
 CUresult cuFuncGetAttribute(int* v, int a, void* f) { (void)a; (void)f; *v = 1024; return 0; }
-CUresult cuFuncLoad(void* f) { (void)f; return 0; }
+CUresult cuFuncLoad(void* f) { (void)f; return fails("cuFuncLoad") ? 2 : 0; }
 /* The gather kernel's contract: descs[c] = {src, dst, n} for c < count. */
 CUresult cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                         unsigned shm, void* s, void** params, void** extra) {

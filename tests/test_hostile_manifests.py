@@ -654,10 +654,12 @@ def test_hostile_skeletons_are_format_errors(tmp_path, skeleton):
     with pytest.raises(FormatError) as ei:
         ckptstore.load(loc)
     assert loc in str(ei.value) and "skeleton" in str(ei.value)
+    [problem] = ckptstore.verify(loc)  # its hash matches: only the rebuild finds it
+    assert (problem.rank, problem.key) == (0, None) and problem.message in str(ei.value)
 
 
-def _pickled_oversized_rebuild() -> bytes:
-    """Only allow-listed calls: _rebuild_tensor_v2 of 2**20 floats over the 4,096 stored."""
+def _pickled_oversized_rebuild(stored_floats: int = 4096) -> bytes:
+    """Only allow-listed calls: _rebuild_tensor_v2 of 2**20 floats over the ones stored."""
     import io
     import pickle
     from collections import OrderedDict
@@ -666,7 +668,7 @@ def _pickled_oversized_rebuild() -> bytes:
 
     class Pickler(pickle.Pickler):
         def persistent_id(self, o):
-            return ("storage", torch.FloatStorage, "l:w", "cpu", 4096) if o is storage else None
+            return ("storage", torch.FloatStorage, "l:w", "cpu", stored_floats) if o is storage else None
 
         def reducer_override(self, o):
             if o is tensor:
@@ -695,6 +697,29 @@ def test_a_skeleton_that_rebuilds_past_its_storage_is_a_format_error_and_resume_
     with pytest.raises(RuntimeError, match="cuda") as missing:  # map_location's error stays torch's
         store.load(1, map_location="cuda:0")
     assert not isinstance(missing.value, FormatError)
+
+
+@pytest.mark.parametrize("stored", [0, 1024])
+def test_a_rebuild_past_its_stored_bytes_is_refused_wherever_the_storage_could_grow(tmp_path, stored):
+    """torch grows a resizable storage to fit what a rebuild asks for. A load's storage
+    of an empty tensor was resizable (uninitialised memory came back as the tensor), and
+    so are the meta storages of map_location="meta", of a FakeTensorMode load and of
+    verify's rebuild: each must refuse the skeleton, naming the tensor."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    loc = str(tmp_path / "c")
+    ckptstore.save({"w": torch.zeros(stored)}, loc, compression="none").result()
+    _plant_skeleton(loc, _pickled_oversized_rebuild(stored))
+    with pytest.raises(FormatError, match="malformed object skeleton"):
+        ckptstore.load(loc)
+    grown = f"rebuilds tensor 'w' over {4 << 20} bytes, {4 * stored} stored"
+    with pytest.raises(FormatError, match=grown):
+        ckptstore.load(loc, map_location="meta")
+    with FakeTensorMode(), pytest.raises(FormatError, match=grown):
+        ckptstore.load(loc)
+    [problem] = ckptstore.verify(loc)
+    assert (problem.rank, problem.key) == (0, None) and grown in problem.message
+    assert str(problem).startswith(f"{loc}: rank 0 skeleton in ") and str(problem).count(loc) == 1
 
 
 def test_a_tensor_claiming_more_than_its_frame_states_is_a_format_error_even_where_it_cannot_be_allocated(tmp_path):

@@ -151,6 +151,21 @@ def test_a_device_whose_setup_fails_leaves_no_stream_or_event_behind(fake_driver
     assert (r["streams"], r["events"]) == (0, 0)
 
 
+@pytest.mark.parametrize("entry", ["cuModuleGetFunction", "cuFuncLoad"])
+def test_a_gather_kernel_that_fails_to_load_unloads_its_module(fake_driver, entry):
+    """The module loaded but its function did not: the device copies piece by piece,
+    says why, and holds no module it cannot use."""
+    r = run(fake_driver, """
+    import ctypes, json
+    from ckptstore import native
+    fake = ctypes.CDLL("libcuda.so.1")
+    print(json.dumps({"prep": native.cuda_prepare(0), "modules": fake.fake_cuda_counter(5)}))
+    """, FAKE_CUDA_FAIL=entry)
+    assert r["prep"]["gather"] is False
+    assert r["prep"]["gather_error"] == "loading ckpt_gather failed: CUDA_ERROR_OUT_OF_MEMORY (fake)"
+    assert r["modules"] == 0
+
+
 def test_pinned_slabs_are_freed_by_the_reclaimer_under_pressure_and_by_trim(fake_driver):
     r = run(fake_driver, """
     import ctypes, json

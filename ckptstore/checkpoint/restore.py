@@ -75,7 +75,7 @@ def _tensor_reads(tensors: dict[str, fmt.TensorEntry], where: str, reads: list[B
             _check_stated_sizes(storage, entry, f"{where}: tensor {key!r}")
             raise MemoryError(f"{where}: tensor {key!r} needs {nbytes} bytes, which cannot be "
                               f"allocated here: {e}") from e
-        view = memoryview(data.numpy()) if nbytes else memoryview(bytearray())
+        view = memoryview(data.numpy())  # (also what makes the storage fixed-size: _check_not_grown)
         what = f"{where}: tensor {key!r}"
         chunks = entry.chunks
         if len(chunks) == 1 and chunks[0].sizes == entry.shape:  # the whole tensor (most tensors)
@@ -233,9 +233,12 @@ def _into_regions(c: fmt.Chunk, dtype: torch.dtype, targets: list, raw: torch.Te
 
 def restore(storage: Storage, manifest: fmt.Manifest, rank: int, map_location=None,
             weights_only: bool = True, pool=None, pickle_load_args=None, globals_as_meta: bool = False,
-            pickle_module=pickle):
+            pickle_module=pickle, meta: bool = False):
     """Rebuild the object rank ``rank`` saved. Global tensors come back whole
-    (consolidated) or, with ``globals_as_meta``, as meta tensors for a template to fill."""
+    (consolidated) or, with ``globals_as_meta``, as meta tensors for a template to fill.
+    ``meta``: every tensor comes back on the meta device and only the skeleton is read
+    (what verify rebuilds a skeleton with); a rebuild that has no meta kernel (quantized,
+    nested tensors) raises its NotImplementedError as it is."""
     from ..runtime import runtime
 
     pool = pool or runtime().readers
@@ -248,8 +251,9 @@ def restore(storage: Storage, manifest: fmt.Manifest, rank: int, map_location=No
         raise FormatError(f"{where}: big-endian checkpoints are not supported")
     # Every extent checked against its file before anything is allocated for it: a
     # manifest claiming more than its files hold costs nothing.
-    wanted = [(c.blob, f"{where}: tensor {key!r}") for key, e in state.tensors.items() for c in e.chunks]
-    if not globals_as_meta:
+    wanted = [] if meta else [(c.blob, f"{where}: tensor {key!r}") for key, e in state.tensors.items()
+                              for c in e.chunks]
+    if not (globals_as_meta or meta):
         wanted += [(c.blob, f"{where}: tensor {key!r}") for key, e in manifest.tensors.items() for c in e.chunks]
     wanted.append((state.skeleton, f"{where}: object skeleton of rank {rank}"))
     check_extents(storage, wanted, pool)
@@ -263,8 +267,8 @@ def restore(storage: Storage, manifest: fmt.Manifest, rank: int, map_location=No
     # Under a FakeTensorMode (torch.compile, export, meta initialisation) torch.load reads
     # no tensor bytes: it rebuilds fake tensors over meta storages. So does this, reading
     # only the skeleton (as real bytes, its hash checked).
-    fake = torch._guards.detect_fake_mode(None) is not None
-    tensor_reads = _meta_storages if fake else functools.partial(_tensor_reads, where=where, reads=reads,
+    fake = not meta and torch._guards.detect_fake_mode(None) is not None
+    tensor_reads = _meta_storages if fake or meta else functools.partial(_tensor_reads, where=where, reads=reads,
                                                                       storage=storage)
     with gc_paused(), _real_tensors(fake):
         raw = tensor_reads(state.tensors)
@@ -280,7 +284,10 @@ def restore(storage: Storage, manifest: fmt.Manifest, rank: int, map_location=No
         fake_devices[id(untyped)] = _fake_location(location, map_location)
         return untyped
 
-    restore_location = keep_meta if fake else torch.serialization._get_restore_location(map_location)
+    if meta:
+        restore_location = _as_is
+    else:
+        restore_location = keep_meta if fake else torch.serialization._get_restore_location(map_location)
     placement_errors: list[BaseException] = []  # map_location's own: raised as torch raises them
 
     def place(untyped, location):
@@ -289,7 +296,17 @@ def restore(storage: Storage, manifest: fmt.Manifest, rank: int, map_location=No
         except BaseException as e:
             placement_errors.append(e)
             raise
-    loaded: dict[str, torch.storage.TypedStorage] = {}
+    loaded: dict[str, torch.storage.TypedStorage] = {}  # by skeleton key
+    # Storages a rebuild could grow, and the bytes they held: the meta storages, and any
+    # map_location made (a load's own CPU storages are fixed-size: shared with numpy).
+    growable: list[tuple[str, torch.UntypedStorage, int]] = []
+    watch = meta or fake or map_location is not None
+
+    def hand_out(ref: str, key: str, typed: torch.storage.TypedStorage, on_meta: bool = False):
+        loaded[ref] = typed
+        if watch or on_meta:
+            growable.append((key, typed._untyped_storage, typed._untyped_storage.nbytes()))
+        return typed
 
     local_keys: list[str] | None = None  # made on the first index persistent id
     local_ref = skeleton_key(LOCAL, "")  # the prefix, formatted once (an enum's format is Python code)
@@ -313,7 +330,7 @@ def restore(storage: Storage, manifest: fmt.Manifest, rank: int, map_location=No
             dtype = implied_storage_dtype(fmt.dtype_from_name(state.tensors[key].dtype))
             typed = torch.storage.TypedStorage(wrap_storage=place(raw[key], "cpu"), dtype=dtype,
                                                _internal=True)
-            loaded[ref] = typed
+            hand_out(ref, key, typed)
         return typed
 
     def persistent_load(pid):
@@ -337,8 +354,7 @@ def restore(storage: Storage, manifest: fmt.Manifest, rank: int, map_location=No
                 raise FormatError(f"{where}: the skeleton names global tensor {key!r}, which the manifest lacks")
             typed = torch.storage.TypedStorage(wrap_storage=torch.UntypedStorage(numel * dtype.itemsize, device="meta"),
                                                dtype=dtype, _internal=True)
-            loaded[ref] = typed
-            return typed
+            return hand_out(ref, key, typed, on_meta=True)
         table = raw_globals if scope == GLOBAL else raw
         if key not in table:
             raise FormatError(f"{where}: the skeleton names tensor {key!r}, which the manifest lacks")
@@ -346,8 +362,7 @@ def restore(storage: Storage, manifest: fmt.Manifest, rank: int, map_location=No
         if untyped.nbytes() != numel * dtype.itemsize:
             raise FormatError(f"{where}: tensor {key!r} holds {untyped.nbytes()} bytes, skeleton expects {numel * dtype.itemsize}")
         typed = torch.storage.TypedStorage(wrap_storage=place(untyped, location), dtype=dtype, _internal=True)
-        loaded[ref] = typed
-        return typed
+        return hand_out(ref, key, typed)
 
     args = {"encoding": "utf-8", **(pickle_load_args or {})}
     if weights_only:
@@ -358,6 +373,7 @@ def restore(storage: Storage, manifest: fmt.Manifest, rank: int, map_location=No
     try:
         with gc_paused():  # rebuilds every tensor: no whole-heap collections meanwhile
             result = unpickler.load()
+        _check_not_grown(growable, where)
     except CkptStoreError:
         raise
     except pickle.UnpicklingError as e:
@@ -372,7 +388,8 @@ def restore(storage: Storage, manifest: fmt.Manifest, rank: int, map_location=No
         raise FormatError(f"{where}: the object skeleton ends early: {e}") from e
     except (TypeError, ValueError, AttributeError, IndexError, KeyError, OverflowError, RecursionError,
             RuntimeError) as e:
-        if not weights_only or any(e is p for p in placement_errors) or _out_of_memory(e):
+        if (not weights_only or any(e is p for p in placement_errors) or _out_of_memory(e)
+                or (meta and isinstance(e, NotImplementedError))):
             # The checkpoint's own classes ran (opted in): their errors are theirs. A
             # map_location to a missing device, or a rebuild that allocates more than
             # the machine has (a quantized tensor's), fails as it does in torch.load.
@@ -387,6 +404,20 @@ def restore(storage: Storage, manifest: fmt.Manifest, rank: int, map_location=No
     if fake:
         _place_fake_tensors(result, fake_devices)
     return result
+
+
+def _as_is(untyped, location):
+    return untyped
+
+
+def _check_not_grown(growable: list[tuple[str, torch.UntypedStorage, int]], where: str) -> None:
+    """FormatError when a rebuild reached past a tensor's stored bytes: torch grows a
+    resizable storage to fit the tensor a rebuild asks for, where a fixed-size one
+    makes the rebuild fail."""
+    for key, untyped, nbytes in growable:
+        if untyped.nbytes() != nbytes:
+            raise FormatError(f"{where}: malformed object skeleton: it rebuilds tensor {key!r} over "
+                              f"{untyped.nbytes()} bytes, {nbytes} stored")
 
 
 _OOM = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError  # (torch.OutOfMemoryError: 2.5+)

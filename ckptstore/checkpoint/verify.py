@@ -1,5 +1,6 @@
 """Check a committed checkpoint without loading it: every file present at the right
-size and, in full mode, every blob read, decoded and its xxh3-128 matched."""
+size and, in full mode, every blob read, decoded and its xxh3-128 matched, and every
+rank's skeleton rebuilt over meta tensors (no tensor bytes), as a load would rebuild it."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ import torch
 from dataclasses import dataclass
 
 from .. import format as fmt
-from ..errors import CkptStoreError
+from ..errors import CkptStoreError, UnsafeLoadError
 from ..storage import Storage, open_storage
 from .reader import BlobRead, check_blobs, extent_problem, file_sizes
-from .restore import latest_manifest
+from .restore import latest_manifest, restore
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,30 @@ def verify_manifest(storage: Storage, manifest: fmt.Manifest, quick: bool = Fals
     for rank, key, blob, err in known:
         if err is not None:
             problems.append(Problem(where, rank, key, blob.file, blob.offset, err))
+    if not quick:
+        damaged = {p.rank for p in problems if p.key is None}  # skeletons already reported
+        for state in manifest.ranks:
+            if state.rank not in damaged:
+                problem = _rebuild_problem(storage, manifest, state, pool)
+                if problem is not None:
+                    problems.append(Problem(where, state.rank, None, state.skeleton.file, state.skeleton.offset,
+                                            problem))
     return problems
+
+
+def _rebuild_problem(storage: Storage, manifest: fmt.Manifest, state: fmt.RankState, pool) -> str | None:
+    """What a load of this rank would fail on in its skeleton (a rebuild past a tensor's
+    stored bytes, a storage the manifest lacks, a malformed pickle), found by rebuilding
+    it over meta storages; None when it rebuilds, or when it cannot be checked without
+    its tensors' bytes (no meta kernel: quantized, nested) or without running code the
+    weights-only unpickler refuses (its loader opts in to that)."""
+    try:
+        restore(storage, manifest, state.rank, pool=pool, meta=True)
+    except (NotImplementedError, UnsafeLoadError):
+        return None
+    except CkptStoreError as e:
+        return str(e).removeprefix(f"{storage.describe()}: ")  # a Problem names the checkpoint itself
+    return None
 
 
 def _identity(storage: Storage, blob: fmt.Blob) -> tuple:
