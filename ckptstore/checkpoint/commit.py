@@ -548,11 +548,12 @@ def _retire(storage: Storage, below: int, live_attempt: str, files: bool, keep, 
     for gen in (generations(storage) if listed is None else listed):
         if gen >= below:
             break
-        try:
-            old = read_manifest(storage, gen)
-            retired |= {old.attempt} | old.earlier_attempts()
-        except (CkptStoreError, ValueError):
-            pass  # unreadable: drop the manifest, leave its files to gc
+        if files:  # (read only for what it names: store steps leave files to gc)
+            try:
+                old = read_manifest(storage, gen)
+                retired |= {old.attempt} | old.earlier_attempts()
+            except (CkptStoreError, ValueError):
+                pass  # unreadable: drop the manifest, leave its files to gc
         storage.delete(names.manifest_name(gen))
     if not files:
         return
