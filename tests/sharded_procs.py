@@ -650,17 +650,27 @@ def tp_load(rank, world, events, roots):
 
 
 def load_one_rank_checkpoints(rank, world, events, store_root, dropin_path):
-    """Load a 1-rank Store checkpoint and a 1-rank drop-in checkpoint on every rank."""
+    """Load a 1-rank Store checkpoint (whole, and into a template of DTensors) and a
+    1-rank drop-in checkpoint on every rank."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         state, info = ckptstore.Store(store_root).load(return_info=True)
     with warnings.catch_warnings(record=True) as caught_dropin:
         warnings.simplefilter("always")
         weights = ckptstore.load(dropin_path)
+    # One process's weights into a sharded model (FSDP2's DTensors): each rank its rows.
+    mesh, _ = mesh_for((world,))
+    template = {"w": distribute_tensor(torch.zeros(6), mesh, [Shard(0)]),
+                "r": distribute_tensor(torch.zeros(6), mesh, [Replicate()])}
+    sharded = ckptstore.Store(store_root).load(template=template)
+    start, length = chunk_rows(6, world, rank)
+    rows = slice(start, start + length)
     return {"step": state["step"], "resharded": info.resharded, "rank_state_of": info.rank_state_of,
             "warnings": [w.category.__name__ for w in caught],
             "dropin_warnings": [w.category.__name__ for w in caught_dropin],
-            "dropin_ok": bool(torch.equal(weights["w"], torch.arange(6.0)))}
+            "dropin_ok": bool(torch.equal(weights["w"], torch.arange(6.0))),
+            "sharded_ok": bool(torch.equal(sharded["w"].to_local(), torch.arange(6.0)[rows])
+                               and torch.equal(sharded["r"].to_local(), torch.arange(6.0) * 2))}
 
 
 # --------------------------------------------------------------------- torch.distributed.checkpoint

@@ -188,3 +188,42 @@ def test_a_lock_a_parents_thread_held_at_the_fork_does_not_hold_the_child(tmp_pa
     finally:
         done.set()
         t.join()
+
+
+_QUARANTINE_IN_CHILD = """
+import json, os, sys
+import torch
+from ckptstore import native
+MiB = 1 << 20
+
+def lend_and_free():
+    pool = native.HostPool(4 * MiB, slab_bytes=4 * MiB)
+    pool.free(pool.try_alloc(MiB))
+    return pool.stats()["quarantined"]
+
+native._C.quarantine_host_range(1 << 12, 1 << 47)  # every address a slab can have
+torch.set_num_threads(1)
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:
+    os.write(w, json.dumps(lend_and_free()).encode())
+    os._exit(0)
+os.close(w)
+child = json.loads(os.read(r, 100))
+os.waitpid(pid, 0)
+print(json.dumps({"child": child, "parent": lend_and_free()}))
+"""
+
+
+@pytest.mark.skipif(not native.NATIVE, reason="needs the native extension")
+def test_a_forked_child_starts_with_no_quarantined_memory():
+    """The parent's quarantined ranges (where a timed-out device copy may still land)
+    are not the child's: its slabs there are its own memory, lent and reused as usual."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _QUARANTINE_IN_CHILD], cwd="/", capture_output=True, text=True,
+                         timeout=HANG_GUARD_S)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == {"child": 0, "parent": 1 << 20}

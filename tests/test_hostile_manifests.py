@@ -699,6 +699,36 @@ def test_a_skeleton_that_rebuilds_past_its_storage_is_a_format_error_and_resume_
     assert not isinstance(missing.value, FormatError)
 
 
+def test_a_rebuild_that_allocates_more_than_the_machine_has_fails_as_torch_fails(tmp_path):
+    """A quantized tensor's rebuild allocates its own tensor: one larger than memory is
+    the machine's limit (torch's RuntimeError, as torch.load raises it), not a malformed
+    skeleton; resume must not pass over a checkpoint a bigger machine loads."""
+    import io
+    import pickle
+    from collections import OrderedDict
+
+    storage, tensor = object(), object()
+
+    class Pickler(pickle.Pickler):
+        def persistent_id(self, o):
+            return ("storage", torch.QInt8Storage, "l:w", "cpu", 4) if o is storage else None
+
+        def reducer_override(self, o):
+            if o is tensor:
+                return torch._utils._rebuild_qtensor, (storage, 0, (1 << 50,), (1,),
+                                                      (torch.per_tensor_affine, 0.1, 0), False, OrderedDict())
+            return NotImplemented
+
+    buf = io.BytesIO()
+    Pickler(buf, protocol=2).dump({"w": tensor})
+    loc = str(tmp_path / "c")
+    ckptstore.save({"w": torch.zeros(4, dtype=torch.int8)}, loc, compression="none").result()
+    _plant_skeleton(loc, buf.getvalue())
+    with pytest.raises(RuntimeError, match="allocate") as ei:
+        ckptstore.load(loc)
+    assert not isinstance(ei.value, FormatError)
+
+
 @pytest.mark.parametrize("stored", [0, 1024])
 def test_a_rebuild_past_its_stored_bytes_is_refused_wherever_the_storage_could_grow(tmp_path, stored):
     """torch grows a resizable storage to fit what a rebuild asks for. A load's storage

@@ -584,7 +584,7 @@ def test_strided_shard_boxes_match_torchs_own_splitting_on_every_rank():
 
 def test_a_one_rank_store_checkpoint_resumed_on_two_ranks_warns_a_dropin_file_does_not(tmp_path):
     root = tmp_path / "store"
-    ckptstore.Store(str(root)).save(5, {"w": torch.ones(4), "step": 5}).result()
+    ckptstore.Store(str(root)).save(5, {"w": torch.arange(6.0), "r": torch.arange(6.0) * 2, "step": 5}).result()
     dropin = tmp_path / "weights"
     ckptstore.save({"w": torch.arange(6.0)}, str(dropin)).result()
     results = sp.run_job(sp.load_one_rank_checkpoints, 2, tmp_path / "out", str(root), str(dropin))
@@ -592,3 +592,4 @@ def test_a_one_rank_store_checkpoint_resumed_on_two_ranks_warns_a_dropin_file_do
         assert (res["step"], res["resharded"], res["rank_state_of"]) == (5, True, 0), rank
         assert res["warnings"].count("WorldSizeChangedWarning") == 1, (rank, res["warnings"])
         assert "WorldSizeChangedWarning" not in res["dropin_warnings"] and res["dropin_ok"], rank
+        assert res["sharded_ok"], rank  # rank-local weights loaded into DTensors: each rank its shard

@@ -61,7 +61,12 @@ def fill_template(template, loaded, manifest: fmt.Manifest, storage: Storage, po
                 raise TemplateMismatchError(f"{where}: tensor {path!r} has shape {list(old.shape)} in the checkpoint, "
                                   f"{list(t.shape)} in the template")
             with torch.no_grad():
-                (t.to_local() if _is_dtensor(t) else t).copy_(old)
+                if _is_dtensor(t):  # a rank-local tensor saved whole: each box takes its region of it
+                    local = t.to_local()
+                    for box in dtensor_boxes(t, f"{where}: cannot load into DTensor {path!r} of the template"):
+                        local[box.index].copy_(old[tuple(slice(o, o + n) for o, n in zip(box.offsets, box.sizes))])
+                else:
+                    t.copy_(old)
             return t
         if tuple(entry.shape) != tuple(t.shape):
             raise TemplateMismatchError(f"{where}: tensor {path!r} has shape {list(entry.shape)} in the checkpoint, "
