@@ -150,6 +150,8 @@ def _earlier_references(storage: Storage, hold: Hold) -> dict:
         if not generations(storage):
             return {}
         manifest = latest_manifest(storage)
+        if manifest.step is not None:  # a store's step, saved over by path: its blobs are the store's
+            return {}
         hold.take({manifest.attempt} | manifest.earlier_attempts())
         return index_references(manifest, 0)
 

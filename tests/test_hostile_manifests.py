@@ -658,8 +658,8 @@ def test_hostile_skeletons_are_format_errors(tmp_path, skeleton):
     assert (problem.rank, problem.key) == (0, None) and problem.message in str(ei.value)
 
 
-def _pickled_oversized_rebuild(stored_floats: int = 4096) -> bytes:
-    """Only allow-listed calls: _rebuild_tensor_v2 of 2**20 floats over the ones stored."""
+def _pickled_oversized_rebuild(stored_floats: int = 4096, size=(1 << 20,), stride=(1,), offset=0) -> bytes:
+    """Only allow-listed calls: _rebuild_tensor_v2 (2**20 floats) over the floats stored."""
     import io
     import pickle
     from collections import OrderedDict
@@ -672,7 +672,7 @@ def _pickled_oversized_rebuild(stored_floats: int = 4096) -> bytes:
 
         def reducer_override(self, o):
             if o is tensor:
-                return torch._utils._rebuild_tensor_v2, (storage, 0, (1 << 20,), (1,), False, OrderedDict())
+                return torch._utils._rebuild_tensor_v2, (storage, offset, size, stride, False, OrderedDict())
             return NotImplemented
 
     buf = io.BytesIO()
@@ -699,10 +699,11 @@ def test_a_skeleton_that_rebuilds_past_its_storage_is_a_format_error_and_resume_
     assert not isinstance(missing.value, FormatError)
 
 
-def test_a_rebuild_that_allocates_more_than_the_machine_has_fails_as_torch_fails(tmp_path):
-    """A quantized tensor's rebuild allocates its own tensor: one larger than memory is
-    the machine's limit (torch's RuntimeError, as torch.load raises it), not a malformed
-    skeleton; resume must not pass over a checkpoint a bigger machine loads."""
+def test_a_rebuild_that_allocates_more_than_its_checkpoint_stored_is_a_format_error(tmp_path):
+    """A quantized tensor's rebuild allocates its own tensor, sized by the skeleton. One
+    that fails asking for more than the rank stored in all is the skeleton's fault (a
+    sound one never asks that): a FormatError, which resume passes over, where a failure
+    within what was stored stays the machine's limit (torch's RuntimeError)."""
     import io
     import pickle
     from collections import OrderedDict
@@ -721,12 +722,17 @@ def test_a_rebuild_that_allocates_more_than_the_machine_has_fails_as_torch_fails
 
     buf = io.BytesIO()
     Pickler(buf, protocol=2).dump({"w": tensor})
-    loc = str(tmp_path / "c")
-    ckptstore.save({"w": torch.zeros(4, dtype=torch.int8)}, loc, compression="none").result()
+    root = str(tmp_path / "s")
+    store = ckptstore.Store(root, compression="none")
+    for step in (1, 2):
+        store.save(step, {"w": torch.full((4,), step, dtype=torch.int8)}).result()
+    loc = os.path.join(root, names.step_dir_name(2))
     _plant_skeleton(loc, buf.getvalue())
-    with pytest.raises(RuntimeError, match="allocate") as ei:
+    with pytest.raises(FormatError, match=r"malformed object skeleton: RuntimeError: .*allocate"):
         ckptstore.load(loc)
-    assert not isinstance(ei.value, FormatError)
+    with pytest.warns(CheckpointSkippedWarning, match="step 2"):
+        state, info = store.resume()
+    assert info.step == 1 and torch.equal(state["w"], torch.full((4,), 1, dtype=torch.int8))
 
 
 @pytest.mark.parametrize("stored", [0, 1024])
@@ -750,6 +756,19 @@ def test_a_rebuild_past_its_stored_bytes_is_refused_wherever_the_storage_could_g
     [problem] = ckptstore.verify(loc)
     assert (problem.rank, problem.key) == (0, None) and grown in problem.message
     assert str(problem).startswith(f"{loc}: rank 0 skeleton in ") and str(problem).count(loc) == 1
+
+
+def test_verify_finds_a_rebuild_whose_strides_reach_past_its_storage(tmp_path):
+    """Meta's set_ checks no bounds (a stride of 2**62 passes it and grows nothing): the
+    load refuses such a skeleton, so verify must say so too."""
+    loc = str(tmp_path / "c")
+    ckptstore.save({"w": torch.zeros(1024)}, loc, compression="none").result()
+    _plant_skeleton(loc, _pickled_oversized_rebuild(1024, size=(3,), stride=(1 << 62,), offset=1000))
+    with pytest.raises(FormatError, match="overflowed"):
+        ckptstore.load(loc)
+    [problem] = ckptstore.verify(loc)
+    assert "rebuilds tensor 'w' (shape [3], strides [4611686018427387904], offset 1000) past the 4096 bytes" \
+        in problem.message
 
 
 def test_a_tensor_claiming_more_than_its_frame_states_is_a_format_error_even_where_it_cannot_be_allocated(tmp_path):
@@ -782,10 +801,15 @@ def test_cli_reads_a_single_file_container(tmp_path):
     listing = json.loads(cli("ls", "--json", str(path)).stdout)
     assert [(r["committed"], r["url"]) for r in listing] == [(True, str(path))]
     assert cli("verify", str(path)).exit_code == 0
+    assert ckptstore.verify(str(path)) == [] and ckptstore.verify(path) == []  # the library, as the CLI
     data = bytearray(path.read_bytes())
     data[len(data) // 3] ^= 0xFF
     path.write_bytes(bytes(data))
     assert cli("verify", str(path)).exit_code == 1
+    assert ckptstore.verify(str(path))
+    torch.save({"w": torch.ones(2)}, path)
+    [problem] = ckptstore.verify(str(path))
+    assert "not a ckptstore container" in problem.message
     assert cli("gc", str(path)).exit_code == 2
 
 

@@ -143,18 +143,25 @@ def test_resaving_a_step_never_references_that_step(tmp_path):
     assert [p.name for p in step1.iterdir()] == [m.attempt] and same(store.load(1), model_state(1))
 
 
+@pytest.mark.parametrize("how", ["store", "drop-in"])
 @pytest.mark.parametrize("incremental", [False, True])
-def test_resaving_a_step_that_later_steps_reference_keeps_its_files_for_them(tmp_path, incremental):
+def test_resaving_a_step_that_later_steps_reference_keeps_its_files_for_them(tmp_path, incremental, how):
     """An incremental run saved steps 1-4 (2-4 reference step 1's frozen layers); a later
-    run re-saves step 1 (a rollback, a schedule restarted). Its commit retired the old
-    generation with its files when the re-save itself made no references
-    (incremental=False): steps 2-4 stayed listed and could no longer load."""
+    run re-saves step 1 (a rollback, a schedule restarted), through a Store or by its
+    path with ckptstore.save. Its commit retired the old generation with its files when
+    the re-save itself made no references (incremental=False) or was a drop-in save:
+    steps 2-4 stayed listed and could no longer load. A drop-in save over the step with
+    incremental=True failed (it referenced the step's blobs as a store step does)."""
     root = tmp_path / "s"
     store = ckptstore.Store(root, compression="none")
     for step in range(1, 5):
         store.save(step, model_state(step)).result()
     assert [b.step for _, _, b in store.manifest(3).blobs() if b.step is not None]  # it does reference step 1
-    ckptstore.Store(root, compression="none", incremental=incremental).save(1, model_state(1)).result()
+    if how == "store":
+        ckptstore.Store(root, compression="none", incremental=incremental).save(1, model_state(1)).result()
+    else:
+        ckptstore.save(model_state(1), store.location(1).describe(), compression="none",
+                       incremental=incremental).result()
     assert ckptstore.Store(root).steps() == [1, 2, 3, 4]
     for step in range(1, 5):
         assert same(ckptstore.Store(root).load(step), model_state(step))

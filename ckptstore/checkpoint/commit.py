@@ -534,7 +534,8 @@ def retire_generations(storage: Storage, below: int, live_attempt: str, files: b
     earlier attempts it read (``Blob.earlier``: kept for it when it committed, nobody's
     once it is retired). The files of ``live_attempt`` (the new generation's) and of the
     attempts in ``keep`` (earlier ones it refers to) are never deleted, whatever an older
-    manifest claims; those that other saves of this process in flight hold (they may
+    manifest claims, nor are those of a retired store step (a drop-in save over one:
+    other steps may read them; gc judges them); those that other saves of this process in flight hold (they may
     reference them: held.py) are deferred to the location's next retire. Retiring files
     holds the location's references lock: a drop-in save in flight reads its references,
     or holds them, not in between. ``listed``: the generations as a listing just made
@@ -551,7 +552,8 @@ def _retire(storage: Storage, below: int, live_attempt: str, files: bool, keep, 
         if files:  # (read only for what it names: store steps leave files to gc)
             try:
                 old = read_manifest(storage, gen)
-                retired |= {old.attempt} | old.earlier_attempts()
+                if old.step is None:  # a store's step (a drop-in save over one): other steps may read its files
+                    retired |= {old.attempt} | old.earlier_attempts()
             except (CkptStoreError, ValueError):
                 pass  # unreadable: drop the manifest, leave its files to gc
         storage.delete(names.manifest_name(gen))

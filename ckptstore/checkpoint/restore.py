@@ -13,6 +13,7 @@ import functools
 import io
 import math
 import pickle
+import re
 import types
 
 import torch
@@ -129,22 +130,43 @@ def _fake_location(location: str, map_location):
 def _place_fake_tensors(result, devices: dict[int, torch.device]) -> None:
     """Give each fake tensor the device its storage was saved on (``devices``: by the
     id of the meta storage it was rebuilt over); torch's own ``_rebuild_tensor_v2``
-    does it per tensor, the plain ``_rebuild_tensor`` of no-grad tensors does not.
-    Walks containers and objects' attributes once each (a skeleton may share one list
-    many times, or hold itself: the walk stays linear in the distinct objects)."""
+    does it per tensor, the plain ``_rebuild_tensor`` of no-grad tensors does not."""
     from torch._subclasses.fake_tensor import FakeTensor
 
+    for t in _tensors_in(result):
+        if isinstance(t, FakeTensor):
+            device = devices.get(id(t.untyped_storage()))
+            if device is not None:
+                t.fake_device = device
+
+
+def _check_meta_extents(result, growable: list[tuple[str, torch.UntypedStorage, int]], where: str) -> None:
+    """FormatError for a meta tensor that reaches past its storage: meta's set_ checks
+    no bounds (a stride of 2**62 passes it), where a load's CPU one refuses."""
+    keys = {id(untyped): key for key, untyped, _ in growable}
+    for t in _tensors_in(result):
+        if not t.is_meta or t.layout != torch.strided or not t.numel():
+            continue
+        storage = t.untyped_storage()
+        reach = (t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * t.element_size()
+        if reach > storage.nbytes():
+            raise FormatError(f"{where}: malformed object skeleton: it rebuilds tensor "
+                              f"{keys.get(id(storage), '?')!r} (shape {list(t.shape)}, strides {list(t.stride())}, "
+                              f"offset {t.storage_offset()}) past the {storage.nbytes()} bytes stored")
+
+
+def _tensors_in(result):
+    """Every tensor in ``result``. Walks containers and objects' attributes once each (a
+    skeleton may share one list many times, or hold itself: the walk stays linear in
+    the distinct objects)."""
     seen: set[int] = set()
     todo = [result]
     while todo:
         o = todo.pop()
-        if isinstance(o, FakeTensor):
-            device = devices.get(id(o.untyped_storage()))
-            if device is not None:
-                o.fake_device = device
+        if isinstance(o, torch.Tensor):
+            yield o
             continue
-        if isinstance(o, (str, bytes, int, float, bool, type, types.ModuleType, torch.Tensor)) or o is None \
-                or id(o) in seen:
+        if isinstance(o, (str, bytes, int, float, bool, type, types.ModuleType)) or o is None or id(o) in seen:
             continue
         seen.add(id(o))
         if isinstance(o, dict):
@@ -388,7 +410,7 @@ def restore(storage: Storage, manifest: fmt.Manifest, rank: int, map_location=No
         raise FormatError(f"{where}: the object skeleton ends early: {e}") from e
     except (TypeError, ValueError, AttributeError, IndexError, KeyError, OverflowError, RecursionError,
             RuntimeError) as e:
-        if (not weights_only or any(e is p for p in placement_errors) or _out_of_memory(e)
+        if (not weights_only or any(e is p for p in placement_errors) or _machines_limit(e, state, manifest)
                 or (meta and isinstance(e, NotImplementedError))):
             # The checkpoint's own classes ran (opted in): their errors are theirs. A
             # map_location to a missing device, or a rebuild that allocates more than
@@ -401,6 +423,8 @@ def restore(storage: Storage, manifest: fmt.Manifest, rank: int, map_location=No
     _validate_sparse = getattr(torch._utils, "_validate_loaded_sparse_tensors", None)
     if _validate_sparse is not None:
         _validate_sparse()
+    if meta:
+        _check_meta_extents(result, growable, where)
     if fake:
         _place_fake_tensors(result, fake_devices)
     return result
@@ -425,6 +449,20 @@ _OOM = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError  
 
 def _out_of_memory(e: BaseException) -> bool:
     return isinstance(e, _OOM) or (isinstance(e, RuntimeError) and "allocate" in str(e))
+
+
+_TRIED = re.compile(r"tried to allocate (\d+) bytes", re.IGNORECASE)  # torch's CPU allocator says so
+
+
+def _machines_limit(e: BaseException, state: fmt.RankState, manifest: fmt.Manifest) -> bool:
+    """Whether ``e`` is an allocation failure a sound skeleton could meet: the machine's
+    limit. A rebuild asking for more than the rank's tensors stored in all (a quantized
+    tensor's, sized by the skeleton) is the skeleton's fault."""
+    if not _out_of_memory(e):
+        return False
+    found = _TRIED.search(str(e))
+    stored = sum(t.nbytes for t in state.tensors.values()) + sum(t.nbytes for t in manifest.tensors.values())
+    return not found or int(found.group(1)) <= stored
 
 
 def _real_tensors(fake: bool):

@@ -4,14 +4,15 @@ rank's skeleton rebuilt over meta tensors (no tensor bytes), as a load would reb
 
 from __future__ import annotations
 
+import os
 import threading
 
 import torch
 from dataclasses import dataclass
 
 from .. import format as fmt
-from ..errors import CkptStoreError, UnsafeLoadError
-from ..storage import Storage, open_storage
+from ..errors import CkptStoreError, NotACheckpointError, UnsafeLoadError
+from ..storage import Storage, is_url, open_storage
 from .reader import BlobRead, check_blobs, extent_problem, file_sizes
 from .restore import latest_manifest, restore
 
@@ -142,10 +143,28 @@ def _buffer(n: int) -> memoryview:
 
 
 def verify(location, quick: bool = False) -> list[Problem]:
-    """Verify the visible checkpoint at a path or URL; returns the problems found."""
-    storage = location if isinstance(location, Storage) else open_storage(location)
+    """Verify the visible checkpoint at a path or URL (a single-file container too);
+    returns the problems found."""
+    try:
+        storage = location if isinstance(location, Storage) else _open(location)
+    except CkptStoreError as e:
+        return [Problem(str(location), None, None, None, None, str(e))]
     try:
         manifest = latest_manifest(storage)
     except CkptStoreError as e:
         return [Problem(storage.describe(), None, None, None, None, str(e))]
     return verify_manifest(storage, manifest, quick)
+
+
+def _open(location) -> Storage:
+    """The store at ``location``; a local regular file is read as a container (what a
+    save over a plain file writes), as load reads it."""
+    from .container import read_container_file
+
+    if not is_url(location) and os.path.isfile(location):
+        store = read_container_file(location)
+        if store is None:
+            raise NotACheckpointError(f"{os.fspath(location)}: a file that is not a ckptstore container "
+                                      "(a torch.save file? verify checks ckptstore checkpoints)")
+        return store
+    return open_storage(location)
