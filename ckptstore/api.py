@@ -336,6 +336,8 @@ def _load_storage(storage: Storage, map_location, weights_only: bool, rank: int 
             raise FormatError(f"{storage.describe()}: the manifest says step {manifest.step}, its directory "
                               f"step {step}")
         info = _load_info(storage, manifest, rank, group)
+        if info.step is None and step is not None:  # a drop-in save over a step's directory: still that step
+            info = dataclasses.replace(info, step=step)
         try:
             # a version 4 root: the loading rank's index, and the others' that its global tensors need
             manifest = for_load(storage, manifest, info.rank_state_of, template is None, runtime().readers)
@@ -530,7 +532,9 @@ class Store:
     def note_committed(self, manifest: fmt.Manifest) -> None:
         """Incremental saves: the next one may reference ``manifest``'s chunks (a
         committed checkpoint of this store: the last save's, or the step a resume loaded)."""
-        if self.incremental:
+        if self.incremental and manifest.step is None:  # a drop-in save over a step's directory:
+            self._references, self._reference_base = {}, None  # its references are no step's to take
+        elif self.incremental:
             self._references = index_references(manifest, rank_and_world(self.process_group)[0])
             self._reference_base = (manifest.step, manifest.generation)
 

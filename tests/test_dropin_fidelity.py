@@ -388,6 +388,23 @@ def test_a_load_under_a_fake_tensor_mode_gives_fake_tensors_as_torch(tmp_path, t
     assert ours["w"][0] == "FakeTensor" and ours["step"] == 7
 
 
+def test_a_load_under_a_fake_tensor_mode_gives_sparse_tensors_as_torch(tmp_path):
+    """A sparse fake tensor has no storage to place by: the placement walk passed over
+    it and failed ("Cannot access storage of SparseTensorImpl") where torch.load works."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    obj = {"coo": torch.eye(4).to_sparse(), "w": torch.randn(3)}
+    saved = io.BytesIO()
+    torch.save(obj, saved)
+    saved.seek(0)
+    ckptstore.save(obj, tmp_path / "ckpt").result(timeout=60)
+    with FakeTensorMode():
+        theirs = torch.load(saved)
+        ours = ckptstore.load(tmp_path / "ckpt")
+    assert ours["coo"].layout == theirs["coo"].layout == torch.sparse_coo
+    assert tuple(ours["coo"].shape) == (4, 4) and type(ours["w"]).__name__ == "FakeTensor"
+
+
 def test_a_fake_load_reads_no_tensor_bytes_but_checks_the_skeleton(tmp_path):
     """Tensor bytes are not read under a FakeTensorMode (damage there goes unnoticed, as
     the load touches none of it), but the skeleton is read and its hash checked."""

@@ -646,7 +646,10 @@ def _pickled_persistent_id(pid) -> bytes:
     _pickled_persistent_id(("storage", torch.FloatStorage, "l:w", "cpu", -1)),
     b"",
     b"\x80\x02}q\x00",
-], ids=["int type", "list ref", "int location", "no numel", "negative numel", "empty", "truncated"])
+    b"\x80\x02J\x01",
+    b"\x80\x02\xff\xfe\xfd.",
+], ids=["int type", "list ref", "int location", "no numel", "negative numel", "empty", "truncated",
+        "cut integer", "not a pickle"])
 def test_hostile_skeletons_are_format_errors(tmp_path, skeleton):
     loc = str(tmp_path / "c")
     ckptstore.save({"w": torch.zeros(1024)}, loc, compression="none").result()
@@ -764,11 +767,18 @@ def test_verify_finds_a_rebuild_whose_strides_reach_past_its_storage(tmp_path):
     loc = str(tmp_path / "c")
     ckptstore.save({"w": torch.zeros(1024)}, loc, compression="none").result()
     _plant_skeleton(loc, _pickled_oversized_rebuild(1024, size=(3,), stride=(1 << 62,), offset=1000))
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
     with pytest.raises(FormatError, match="overflowed"):
         ckptstore.load(loc)
+    reach = "rebuilds tensor 'w' (shape [3], strides [4611686018427387904], offset 1000) past the 4096 bytes"
     [problem] = ckptstore.verify(loc)
-    assert "rebuilds tensor 'w' (shape [3], strides [4611686018427387904], offset 1000) past the 4096 bytes" \
-        in problem.message
+    assert reach in problem.message
+    with pytest.raises(FormatError) as on_meta:  # meta storages, however they came: the same check
+        ckptstore.load(loc, map_location="meta")
+    with FakeTensorMode(), pytest.raises(FormatError) as fake:
+        ckptstore.load(loc)
+    assert reach in str(on_meta.value) and reach in str(fake.value)
 
 
 def test_a_tensor_claiming_more_than_its_frame_states_is_a_format_error_even_where_it_cannot_be_allocated(tmp_path):
@@ -843,3 +853,22 @@ def test_s3_root_prefix_obeys_the_key_grammar():
     for bad in ("s3://bucket/a/../victim", "s3://bucket/a//b", "s3://bucket/./x"):
         with pytest.raises(FormatError):
             open_storage(bad, endpoint_url="http://127.0.0.1:9")
+
+
+@pytest.mark.parametrize("message, machines", [
+    ("DefaultCPUAllocator: can't allocate memory: you tried to allocate 4096 bytes.", True),
+    ("DefaultCPUAllocator: can't allocate memory: you tried to allocate 4097000 bytes.", False),
+    ("CUDA out of memory. Tried to allocate 1024.00 GiB. GPU 0 has a total capacity of 79 GiB", False),
+    ("CUDA out of memory. Tried to allocate 3.00 KiB. GPU 0 has a total capacity of 79 GiB", True),
+    ("cannot allocate", True),  # an allocator that does not say how much: the machine's limit
+])
+def test_an_allocation_failure_is_the_skeletons_fault_only_beyond_what_the_rank_stored(message, machines):
+    """4 KiB stored: asking for more (in bytes, or in torch's CUDA units) is a malformed
+    skeleton's doing; within it, or unknown, the machine's limit."""
+    from types import SimpleNamespace
+
+    from ckptstore.checkpoint.restore import _machines_limit
+
+    entry = SimpleNamespace(nbytes=4096)
+    state, manifest = SimpleNamespace(tensors={"w": entry}), SimpleNamespace(tensors={})
+    assert _machines_limit(RuntimeError(message), state, manifest) is machines

@@ -171,6 +171,21 @@ def test_resaving_a_step_that_later_steps_reference_keeps_its_files_for_them(tmp
         assert same(ckptstore.Store(root).load(step), model_state(step))
 
 
+def test_a_store_resumes_from_a_step_saved_over_by_path_and_saves_on(tmp_path):
+    """A drop-in save over the newest step's directory leaves a manifest with no step
+    there: resume reported step None, and the next save took that manifest's drop-in
+    references as a step's and failed."""
+    root = tmp_path / "s"
+    store = ckptstore.Store(root, compression="none")
+    store.save(1, model_state(1)).result()
+    ckptstore.save(model_state(2), store.location(1).describe(), compression="none").result()
+    again = ckptstore.Store(root, compression="none")
+    state, info = again.resume()
+    assert info.step == 1 and same(state, model_state(2))
+    again.save(2, model_state(3)).result()
+    assert same(ckptstore.Store(root).load(2), model_state(3)) and verified(root)
+
+
 def test_consolidate_follows_references(tmp_path):
     store = ckptstore.Store(tmp_path / "s")
     for step in (1, 2):

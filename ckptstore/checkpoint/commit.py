@@ -552,7 +552,7 @@ def _retire(storage: Storage, below: int, live_attempt: str, files: bool, keep, 
         if files:  # (read only for what it names: store steps leave files to gc)
             try:
                 old = read_manifest(storage, gen)
-                if old.step is None:  # a store's step (a drop-in save over one): other steps may read its files
+                if old.step is None:  # a drop-in's own files; a store step's (others may read them) are gc's
                     retired |= {old.attempt} | old.earlier_attempts()
             except (CkptStoreError, ValueError):
                 pass  # unreadable: drop the manifest, leave its files to gc

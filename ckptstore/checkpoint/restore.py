@@ -13,7 +13,9 @@ import functools
 import io
 import math
 import pickle
+import pickletools
 import re
+import struct
 import types
 
 import torch
@@ -110,10 +112,19 @@ def _check_stated_sizes(storage: Storage, entry: fmt.TensorEntry, what: str) -> 
 _ZSTD_HEADER_MAX = 18  # a zstd frame header's largest size (magic 4 + descriptor 1 + window 1 + dict id 4 + size 8)
 
 
-def _meta_storages(tensors: dict[str, fmt.TensorEntry]) -> dict[str, torch.UntypedStorage]:
-    """Meta storages of ``tensors``' sizes: what a load under a FakeTensorMode rebuilds
-    its tensors over, as torch.load does, reading none of their bytes."""
-    return {key: torch.UntypedStorage(entry.nbytes, device="meta") for key, entry in tensors.items()}
+class _MetaStorages:
+    """Meta storages of ``tensors``' sizes, each made when the skeleton first names it:
+    what a load under a FakeTensorMode rebuilds its tensors over, as torch.load does,
+    reading none of their bytes (and verify, whose ranks name few of the global ones)."""
+
+    def __init__(self, tensors: dict[str, fmt.TensorEntry]):
+        self._tensors = tensors
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._tensors
+
+    def __getitem__(self, key: str) -> torch.UntypedStorage:
+        return torch.UntypedStorage(self._tensors[key].nbytes, device="meta")  # (loaded[] keeps one per key)
 
 
 def _fake_location(location: str, map_location):
@@ -134,20 +145,22 @@ def _place_fake_tensors(result, devices: dict[int, torch.device]) -> None:
     from torch._subclasses.fake_tensor import FakeTensor
 
     for t in _tensors_in(result):
-        if isinstance(t, FakeTensor):
+        if isinstance(t, FakeTensor) and t.layout == torch.strided:  # (a sparse one has no storage)
             device = devices.get(id(t.untyped_storage()))
             if device is not None:
                 t.fake_device = device
 
 
 def _check_meta_extents(result, growable: list[tuple[str, torch.UntypedStorage, int]], where: str) -> None:
-    """FormatError for a meta tensor that reaches past its storage: meta's set_ checks
-    no bounds (a stride of 2**62 passes it), where a load's CPU one refuses."""
+    """FormatError for a tensor over a meta storage (a fake one's too) that reaches past
+    it: meta's set_ checks no bounds (a stride of 2**62 passes it), a CPU one does."""
     keys = {id(untyped): key for key, untyped, _ in growable}
     for t in _tensors_in(result):
-        if not t.is_meta or t.layout != torch.strided or not t.numel():
+        if t.layout != torch.strided or not t.numel():
             continue
         storage = t.untyped_storage()
+        if storage.device.type != "meta":
+            continue
         reach = (t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * t.element_size()
         if reach > storage.nbytes():
             raise FormatError(f"{where}: malformed object skeleton: it rebuilds tensor "
@@ -289,9 +302,10 @@ def restore(storage: Storage, manifest: fmt.Manifest, rank: int, map_location=No
     # Under a FakeTensorMode (torch.compile, export, meta initialisation) torch.load reads
     # no tensor bytes: it rebuilds fake tensors over meta storages. So does this, reading
     # only the skeleton (as real bytes, its hash checked).
-    fake = not meta and torch._guards.detect_fake_mode(None) is not None
-    tensor_reads = _meta_storages if fake or meta else functools.partial(_tensor_reads, where=where, reads=reads,
-                                                                      storage=storage)
+    fake = not meta and torch._guards.detect_fake_mode(None) is not None  # (meta: its caller has none)
+    over_meta = fake or meta
+    tensor_reads = _MetaStorages if over_meta else functools.partial(_tensor_reads, where=where, reads=reads,
+                                                                     storage=storage)
     with gc_paused(), _real_tensors(fake):
         raw = tensor_reads(state.tensors)
         raw_globals = {} if globals_as_meta else tensor_reads(dict(manifest.tensors))
@@ -322,11 +336,10 @@ def restore(storage: Storage, manifest: fmt.Manifest, rank: int, map_location=No
     # Storages a rebuild could grow, and the bytes they held: the meta storages, and any
     # map_location made (a load's own CPU storages are fixed-size: shared with numpy).
     growable: list[tuple[str, torch.UntypedStorage, int]] = []
-    watch = meta or fake or map_location is not None
 
-    def hand_out(ref: str, key: str, typed: torch.storage.TypedStorage, on_meta: bool = False):
+    def hand_out(ref: str, key: str, typed: torch.storage.TypedStorage, read=None):
         loaded[ref] = typed
-        if watch or on_meta:
+        if over_meta or typed._untyped_storage is not read:
             growable.append((key, typed._untyped_storage, typed._untyped_storage.nbytes()))
         return typed
 
@@ -350,9 +363,9 @@ def restore(storage: Storage, manifest: fmt.Manifest, rank: int, map_location=No
         typed = loaded.get(ref)
         if typed is None:
             dtype = implied_storage_dtype(fmt.dtype_from_name(state.tensors[key].dtype))
-            typed = torch.storage.TypedStorage(wrap_storage=place(raw[key], "cpu"), dtype=dtype,
-                                               _internal=True)
-            hand_out(ref, key, typed)
+            untyped = raw[key]
+            typed = torch.storage.TypedStorage(wrap_storage=place(untyped, "cpu"), dtype=dtype, _internal=True)
+            hand_out(ref, key, typed, untyped)
         return typed
 
     def persistent_load(pid):
@@ -374,9 +387,12 @@ def restore(storage: Storage, manifest: fmt.Manifest, rank: int, map_location=No
         if scope == GLOBAL and globals_as_meta:
             if key not in manifest.tensors:
                 raise FormatError(f"{where}: the skeleton names global tensor {key!r}, which the manifest lacks")
+            if manifest.tensors[key].nbytes != numel * dtype.itemsize:
+                raise FormatError(f"{where}: global tensor {key!r} holds {manifest.tensors[key].nbytes} bytes, "
+                                  f"skeleton expects {numel * dtype.itemsize}")
             typed = torch.storage.TypedStorage(wrap_storage=torch.UntypedStorage(numel * dtype.itemsize, device="meta"),
                                                dtype=dtype, _internal=True)
-            return hand_out(ref, key, typed, on_meta=True)
+            return hand_out(ref, key, typed)
         table = raw_globals if scope == GLOBAL else raw
         if key not in table:
             raise FormatError(f"{where}: the skeleton names tensor {key!r}, which the manifest lacks")
@@ -384,7 +400,7 @@ def restore(storage: Storage, manifest: fmt.Manifest, rank: int, map_location=No
         if untyped.nbytes() != numel * dtype.itemsize:
             raise FormatError(f"{where}: tensor {key!r} holds {untyped.nbytes()} bytes, skeleton expects {numel * dtype.itemsize}")
         typed = torch.storage.TypedStorage(wrap_storage=place(untyped, location), dtype=dtype, _internal=True)
-        return hand_out(ref, key, typed)
+        return hand_out(ref, key, typed, untyped)
 
     args = {"encoding": "utf-8", **(pickle_load_args or {})}
     if weights_only:
@@ -399,7 +415,7 @@ def restore(storage: Storage, manifest: fmt.Manifest, rank: int, map_location=No
     except CkptStoreError:
         raise
     except pickle.UnpicklingError as e:
-        if weights_only:
+        if weights_only and _parses(stream.getvalue()):  # a pickle the allow-list refuses, not a broken one
             raise UnsafeLoadError(
                 f"{where}: weights_only=True refused this checkpoint: {e}. Load it with "
                 "weights_only=False only if you trust its source, or allow the type with "
@@ -409,12 +425,13 @@ def restore(storage: Storage, manifest: fmt.Manifest, rank: int, map_location=No
     except EOFError as e:
         raise FormatError(f"{where}: the object skeleton ends early: {e}") from e
     except (TypeError, ValueError, AttributeError, IndexError, KeyError, OverflowError, RecursionError,
-            RuntimeError) as e:
+            RuntimeError, struct.error) as e:
         if (not weights_only or any(e is p for p in placement_errors) or _machines_limit(e, state, manifest)
-                or (meta and isinstance(e, NotImplementedError))):
+                or (isinstance(e, NotImplementedError) and _any_meta(over_meta, growable))):
             # The checkpoint's own classes ran (opted in): their errors are theirs. A
-            # map_location to a missing device, or a rebuild that allocates more than
-            # the machine has (a quantized tensor's), fails as it does in torch.load.
+            # map_location to a missing device, a rebuild that allocates more than the
+            # machine has (a quantized tensor's), or one with no meta kernel (a
+            # quantized or nested tensor's, on meta storages) fails as in torch.load.
             raise
         # The allow-list runs no code of the checkpoint's: these come from a malformed
         # skeleton (rebuild functions given arguments of the wrong kind or size, a
@@ -423,7 +440,7 @@ def restore(storage: Storage, manifest: fmt.Manifest, rank: int, map_location=No
     _validate_sparse = getattr(torch._utils, "_validate_loaded_sparse_tensors", None)
     if _validate_sparse is not None:
         _validate_sparse()
-    if meta:
+    if _any_meta(over_meta, growable):
         _check_meta_extents(result, growable, where)
     if fake:
         _place_fake_tensors(result, fake_devices)
@@ -432,6 +449,22 @@ def restore(storage: Storage, manifest: fmt.Manifest, rank: int, map_location=No
 
 def _as_is(untyped, location):
     return untyped
+
+
+def _any_meta(over_meta: bool, growable: list[tuple[str, torch.UntypedStorage, int]]) -> bool:
+    """Whether tensors were rebuilt over meta storages (a meta or fake load, or a
+    map_location to meta)."""
+    return over_meta or any(untyped.device.type == "meta" for _, untyped, _ in growable)
+
+
+def _parses(data: bytes) -> bool:
+    """Whether ``data`` is a well-formed pickle (read, never run: pickletools)."""
+    try:
+        for _ in pickletools.genops(data):
+            pass
+    except Exception:
+        return False
+    return True
 
 
 def _check_not_grown(growable: list[tuple[str, torch.UntypedStorage, int]], where: str) -> None:
@@ -451,7 +484,10 @@ def _out_of_memory(e: BaseException) -> bool:
     return isinstance(e, _OOM) or (isinstance(e, RuntimeError) and "allocate" in str(e))
 
 
-_TRIED = re.compile(r"tried to allocate (\d+) bytes", re.IGNORECASE)  # torch's CPU allocator says so
+# What torch's allocators say: "tried to allocate 1125899906842624 bytes" (CPU),
+# "Tried to allocate 1024.00 GiB" (CUDA).
+_TRIED = re.compile(r"tried to allocate (\d+(?:\.\d+)?) ?(bytes|B|KiB|MiB|GiB|TiB|PiB)\b", re.IGNORECASE)
+_UNITS = {"bytes": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "pib": 1 << 50}
 
 
 def _machines_limit(e: BaseException, state: fmt.RankState, manifest: fmt.Manifest) -> bool:
@@ -461,8 +497,11 @@ def _machines_limit(e: BaseException, state: fmt.RankState, manifest: fmt.Manife
     if not _out_of_memory(e):
         return False
     found = _TRIED.search(str(e))
+    if not found:
+        return True
+    asked = float(found.group(1)) * _UNITS[found.group(2).lower()]
     stored = sum(t.nbytes for t in state.tensors.values()) + sum(t.nbytes for t in manifest.tensors.values())
-    return not found or int(found.group(1)) <= stored
+    return asked <= stored * 1.01  # (a rounded figure: "1024.00 GiB")
 
 
 def _real_tensors(fake: bool):

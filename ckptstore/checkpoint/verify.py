@@ -14,7 +14,7 @@ from .. import format as fmt
 from ..errors import CkptStoreError, NotACheckpointError, UnsafeLoadError
 from ..storage import Storage, is_url, open_storage
 from .reader import BlobRead, check_blobs, extent_problem, file_sizes
-from .restore import latest_manifest, restore
+from .restore import _real_tensors, latest_manifest, restore
 
 
 @dataclass(frozen=True)
@@ -92,9 +92,13 @@ def verify_manifest(storage: Storage, manifest: fmt.Manifest, quick: bool = Fals
             problems.append(Problem(where, rank, key, blob.file, blob.offset, err))
     if not quick:
         damaged = {p.rank for p in problems if p.key is None}  # skeletons already reported
+        verdicts: dict[tuple, str | None] = {}  # ranks alike (data parallel) are rebuilt once
         for state in manifest.ranks:
             if state.rank not in damaged:
-                problem = _rebuild_problem(storage, manifest, state, pool)
+                alike = (state.skeleton.xxh3_128, tuple((k, e.dtype, tuple(e.shape)) for k, e in state.tensors.items()))
+                if alike not in verdicts:
+                    verdicts[alike] = _rebuild_problem(storage, manifest, state, pool)
+                problem = verdicts[alike]
                 if problem is not None:
                     problems.append(Problem(where, state.rank, None, state.skeleton.file, state.skeleton.offset,
                                             problem))
@@ -108,11 +112,14 @@ def _rebuild_problem(storage: Storage, manifest: fmt.Manifest, state: fmt.RankSt
     its tensors' bytes (no meta kernel: quantized, nested) or without running code the
     weights-only unpickler refuses (its loader opts in to that)."""
     try:
-        restore(storage, manifest, state.rank, pool=pool, meta=True)
+        with _real_tensors(torch._guards.detect_fake_mode(None) is not None):  # meta ones, not fakes
+            restore(storage, manifest, state.rank, pool=pool, meta=True)
     except (NotImplementedError, UnsafeLoadError):
         return None
     except CkptStoreError as e:
         return str(e).removeprefix(f"{storage.describe()}: ")  # a Problem names the checkpoint itself
+    except Exception as e:  # whatever a load would fail on, verify reports (and goes on)
+        return f"the object skeleton does not rebuild: {type(e).__name__}: {e}"
     return None
 
 
