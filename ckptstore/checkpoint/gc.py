@@ -184,7 +184,8 @@ def plan(storage: Storage, policy: Retention = Retention(), grace: float = DEFAU
             if info.age(now) < grace:
                 continue  # may belong to a save still in flight, or be a released one's
             files, size = _attempt_keys(loc, attempt)
-            why = "released" if info.released else "aborted" if info.aborted else "never committed"
+            # (no manifest: never committed, or a dropped step's kept for a step that read them)
+            why = "released" if info.released else "aborted" if info.aborted else "has no manifest"
             result.deletions.append(Deletion("attempt", label, files, size,
                                              f"attempt {attempt} {why}, idle {info.age(now):.0f}s",
                                              seen, (attempt,)))
