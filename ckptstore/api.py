@@ -239,14 +239,17 @@ def _save_in_memory(obj, rt, options: SaveOptions) -> tuple[SaveFuture, MemorySt
 
 
 def load(f, map_location=None, pickle_module: Any = None, *, weights_only: bool | None = None,
-         rank: int | None = None, storage_options: dict | None = None, **pickle_load_args) -> Any:
+         mmap: bool | None = None, rank: int | None = None, storage_options: dict | None = None,
+         **pickle_load_args) -> Any:
     """Load what ``save`` (or ``torch.save``) wrote, checking every byte read.
 
     ``map_location`` takes torch.load's forms (str, device, dict, callable). With
     ``weights_only=True`` (the default, unless ``pickle_module`` is given, as in
     torch.load) only torch's allow-list of types is rebuilt; pass ``weights_only=False``
     only for checkpoints you trust. ``pickle_module`` then unpickles the object skeleton.
-    A file written by ``torch.save`` is loaded with ``torch.load``.
+    A file written by ``torch.save`` is loaded with ``torch.load`` (``mmap`` too). A
+    ckptstore checkpoint is read into memory, every byte hash-checked: ``mmap=True``
+    cannot apply there, and warns.
     """
     # torch.load's rules for pickle_module and weights_only, and its error
     if weights_only is None:
@@ -255,12 +258,20 @@ def load(f, map_location=None, pickle_module: Any = None, *, weights_only: bool 
         raise RuntimeError("Can not safely load weights when explicit pickle_module is specified")
     if not weights_only:
         pickle_module = pickle_module or pickle
-    torch_kw = {"map_location": map_location, "pickle_module": pickle_module, "weights_only": weights_only}
+    torch_kw = {"map_location": map_location, "pickle_module": pickle_module, "weights_only": weights_only,
+                **({} if mmap is None else {"mmap": mmap})}
+
+    def ours(storage: Storage):
+        if mmap:
+            warnings.warn(f"{storage.describe()}: mmap=True does not apply to a ckptstore checkpoint: it is read "
+                          "into memory, every byte hash-checked", stacklevel=3)
+        return _load_storage(storage, map_location, weights_only, rank, pickle_load_args,
+                             pickle_module=pickle_module)[0]
+
     if _is_stream(f):
         head = f.read(len(MAGIC))
         if head == MAGIC:  # a container reads front to back: any stream will do
-            return _load_storage(read_container(f, head), map_location, weights_only, rank, pickle_load_args,
-                                 pickle_module=pickle_module)[0]
+            return ours(read_container(f, head))
         try:
             f.seek(-len(head), io.SEEK_CUR)
         except (io.UnsupportedOperation, AttributeError) as e:  # torch.load's type and advice
@@ -273,15 +284,14 @@ def load(f, map_location=None, pickle_module: Any = None, *, weights_only: bool 
         if os.path.isfile(path):
             store = read_container_file(path)
             if store is not None:
-                return _load_storage(store, map_location, weights_only, rank, pickle_load_args,
-                                     pickle_module=pickle_module)[0]
+                return ours(store)
             return torch.load(path, **torch_kw, **pickle_load_args)
         if not os.path.exists(path):
             raise CheckpointNotFoundError(f"{path}: no such file or directory")
         if not os.path.isdir(path):
             raise NotACheckpointError(f"{path}: neither a regular file nor a directory (a FIFO, socket or device)")
     storage = open_storage(f, **(storage_options or {}))
-    return _load_storage(storage, map_location, weights_only, rank, pickle_load_args, pickle_module=pickle_module)[0]
+    return ours(storage)
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ for), or reading it failed; 2 usage error or unreachable store.
 from __future__ import annotations
 
 import json
+import math
 import time
 
 import click
@@ -119,7 +120,7 @@ def render(s: dict) -> str:
 
 
 def _dur(seconds: float | None) -> str:
-    if seconds is None:
+    if seconds is None or not math.isfinite(seconds):
         return "-"
     if seconds < 60:
         return f"{seconds:.1f}s"

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -39,7 +41,8 @@ def _pack(directory: Path) -> dict:
             with safe_open(str(path), framework="pt") as f:
                 metadata[name] = f.metadata() or {}
         else:
-            files[name] = torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8)
+            data = path.read_bytes()  # (torch.frombuffer refuses an empty buffer)
+            files[name] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
     return {"layout": LAYOUT, "weights": weights, "metadata": json.dumps(metadata), "files": files}
 
 
@@ -72,7 +75,23 @@ class CheckpointCallback(TrainerCallback):
     end of training every save is committed."""
 
     def __init__(self, url, **store_options):
-        self.store = Store(url, **store_options)
+        self._url, self._options = url, store_options
+        self._store: Store | None = None
+
+    @property
+    def store(self) -> Store:
+        """The store this process saves into, made on first use. Under torch.distributed
+        only the main process saves (the Trainer's directory is its), and a Store's save
+        is collective over its group: so the group is that process alone, made by it
+        alone (``use_local_synchronization``), never waiting for the other ranks."""
+        if self._store is None:
+            import torch.distributed as dist
+
+            group = None
+            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+                group = dist.new_group([dist.get_rank()], backend="gloo", use_local_synchronization=True)
+            self._store = Store(self._url, process_group=group, **self._options)
+        return self._store
 
     def on_save(self, args, state, control, **kwargs):
         if not state.is_world_process_zero:
@@ -100,10 +119,14 @@ def restore(url, output_dir, step: int | None = None, **store_options) -> str:
         step = steps[-1]
     directory = Path(output_dir) / f"{_PREFIX}{step}"
     if not directory.exists():
-        staging = Path(output_dir) / f".{_PREFIX}{step}.restoring"
-        staging.mkdir(parents=True, exist_ok=False)
-        _unpack(store.load(step), staging)
-        os.replace(staging, directory)  # whole or not at all
+        Path(output_dir).mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=output_dir, prefix=f".{_PREFIX}{step}.restoring-"))
+        try:  # (an earlier restore that failed or was killed left its own: it is no one's)
+            _unpack(store.load(step), staging)
+            os.replace(staging, directory)  # whole or not at all
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
     return str(directory)
 
 

@@ -468,3 +468,16 @@ def test_a_fake_load_of_a_list_holding_itself_places_its_tensor(tmp_path):
         out = ckptstore.load(tmp_path / "c", map_location="cuda:0")
     assert out["l"][1] is out["l"] and isinstance(out["l"][0], FakeTensor)
     assert str(out["l"][0].device) == "cuda:0" and tuple(out["l"][0].shape) == (3,)
+
+
+def test_mmap_is_torch_loads_for_its_files_and_warns_for_a_checkpoint_of_ours(tmp_path):
+    """torch.load's keyword: it reached the skeleton's unpickler as a pickle argument
+    (TypeError), even mmap=False."""
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs.pt"
+    ckptstore.save({"w": torch.arange(3.0)}, ours).result(timeout=60)
+    torch.save({"w": torch.arange(3.0)}, theirs)
+    for mmap in (None, False):
+        assert torch.equal(ckptstore.load(ours, mmap=mmap)["w"], torch.arange(3.0))
+    with pytest.warns(UserWarning, match="mmap=True does not apply"):
+        assert torch.equal(ckptstore.load(ours, mmap=True)["w"], torch.arange(3.0))
+    assert torch.equal(ckptstore.load(theirs, mmap=True)["w"], torch.arange(3.0))

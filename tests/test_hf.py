@@ -80,3 +80,74 @@ def test_restore_refuses_what_it_cannot_restore(tmp_path):
     store.save(2, {"w": torch.ones(2)}).result()
     with pytest.raises(ValueError, match="not a Hugging Face Trainer checkpoint"):
         ckptstore.hf.restore(str(tmp_path / "store"), tmp_path / "out2")
+
+
+def _trainer_dir(out, step: int, extra: dict[str, bytes]):
+    from safetensors.torch import save_file
+
+    directory = out / f"checkpoint-{step}"
+    directory.mkdir(parents=True)
+    save_file({"w": torch.arange(16.0).reshape(4, 4)}, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    for name, data in extra.items():
+        (directory / name).write_bytes(data)
+    return directory
+
+
+def test_an_empty_file_is_saved_and_a_failed_restore_leaves_nothing_in_the_way(tmp_path):
+    """An empty file in checkpoint-N made the callback raise (torch.frombuffer refuses
+    an empty buffer), which stops the Trainer; a restore killed or failed midway left
+    its staging directory, and every later restore of the step failed on it."""
+    from types import SimpleNamespace
+
+    out, url = tmp_path / "out", str(tmp_path / "store")
+    _trainer_dir(out, 4, {"trainer_state.json": b"{}", "empty.txt": b""})
+    callback = ckptstore.hf.CheckpointCallback(url)
+    callback.on_save(SimpleNamespace(output_dir=str(out)), SimpleNamespace(global_step=4, is_world_process_zero=True),
+                     None)
+    ckptstore.wait()
+    back = tmp_path / "back"
+    (back / ".checkpoint-4.restoring").mkdir(parents=True)  # what the killed restore left
+    restored = ckptstore.hf.restore(url, back)
+    assert (tmp_path / "back" / "checkpoint-4" / "empty.txt").read_bytes() == b""
+    assert sorted(p.name for p in (tmp_path / "back" / "checkpoint-4").iterdir()) == \
+        ["empty.txt", "model.safetensors", "trainer_state.json"]
+    assert restored.endswith("checkpoint-4")
+
+
+def _ddp_rank(rank: int, root: str, port: int) -> None:
+    import datetime
+    import os
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+    out = Path(root) / "out"
+    if rank == 0:
+        _trainer_dir(out, 4, {"trainer_state.json": b"{}"})
+    callback = ckptstore.hf.CheckpointCallback(str(Path(root) / "store"))
+    callback.on_save(SimpleNamespace(output_dir=str(out)),
+                     SimpleNamespace(global_step=4, is_world_process_zero=rank == 0), None)
+    t = torch.ones(1) * (rank + 1)
+    dist.all_reduce(t)  # the next training collective: it must meet the other rank's, not a save's
+    ckptstore.wait()
+    assert t.item() == 3.0
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_under_ddp_only_the_main_process_saves_and_no_rank_waits_for_it(tmp_path):
+    """Only world process zero saves the Trainer's directory, and a Store's save is
+    collective over its group: with the default group, rank 0's save waited for a
+    broadcast the others never made (gloo timed out; NCCL would hang)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_ddp_rank, args=(str(tmp_path), port), nprocs=2, join=True)
+    assert ckptstore.Store(str(tmp_path / "store")).steps() == [4]

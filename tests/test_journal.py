@@ -476,3 +476,20 @@ def test_gc_ls_verify_leave_the_journal_alone(tmp_path, layout):
     after = {k: v for k, v in files_below(root).items() if k.startswith(JOURNAL_DIR)}
     assert after == before
     assert [e["kind"] for e in Journal(storage, "run-1").events()][-1] == "failure"
+
+
+def test_summarize_overflowing_figures_are_no_figures_not_a_crash():
+    """Finite journaled values whose sums or quotients overflow (1e308 lost twice, a step
+    time of 5e-324) crashed `status` (round(inf)), or printed JSON's non-standard
+    Infinity."""
+    from ckptstore.cli_status import _dur
+
+    events = [ev("run_start", 0), ev("attempt_start", 1, attempt=0),
+              ev("resume", 2, attempt=0, step=None, skipped=[], first_step_s=1.0),
+              ev("measure", 3, attempt=0, save_blocking_s=1e308, step_s=5e-324),
+              fail(10, 0, "transient", lost_s=1e308), ev("attempt_start", 11, attempt=1),
+              fail(20, 1, "transient", lost_s=1e308)]
+    s = summarize(events, now=30.0)
+    assert s["lost_s"] is None and s["recommended_interval_steps"] is None
+    assert json.loads(json.dumps(s, allow_nan=False)) == s
+    assert _dur(float("inf")) == "-"

@@ -13,6 +13,7 @@ import copy
 import os
 import random
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -96,6 +97,19 @@ def test_our_options_and_torchruns_mix_before_the_script():
                                "--hang-timeout=30", "--max-restarts", "4", "train.py", "--store", "x", "--lr", "1"])
     assert (ours.store, ours.hang_timeout, ours.max_restarts) == ("s3://b/run", 30.0, 4)
     assert theirs == ["--nproc-per-node", "2", "--standalone", "train.py", "--store", "x", "--lr", "1"]
+
+
+def test_torchruns_spelling_of_our_options_is_ours_and_an_abbreviation_is_refused():
+    """torchrun spells --max_restarts with an underscore: it went to torchrun (whose
+    in-place restarts the runbook keeps off) and the supervisor kept its default; an
+    abbreviation argparse would expand did the same."""
+    from ckptstore.cli import main
+
+    ours, theirs = split_argv(["--store", "S", "--nproc-per-node", "2", "--max_restarts=3", "--hang_timeout", "9",
+                               "train.py"])
+    assert (ours.max_restarts, ours.hang_timeout, theirs) == (3, 9.0, ["--nproc-per-node", "2", "train.py"])
+    out = CliRunner().invoke(main, ["run", "--store", "S", "--standalone", "--max-restart", "0", "train.py"])
+    assert out.exit_code == 2 and "--max-restart is not an option" in out.output
 
 
 def test_a_missing_store_is_a_usage_error():
@@ -194,6 +208,49 @@ def test_a_preemption_saves_exits_cleanly_and_restarts(tmp_path, reference):
     assert_bit_identical(job.final, reference)
     teardown = len(every) - len(failures)
     assert nonzero(status(store)["failures_by_class"]) == {"preempted": 1, **({"transient": teardown} if teardown else {})}
+
+
+def test_a_supervisor_killed_outright_takes_its_job_down_with_it(tmp_path):
+    """SIGKILL to `ckptstore run` left the launcher and its ranks training with no one
+    watching (a restarted supervisor would start a second job on the node). Now the
+    launcher gets SIGTERM when its supervisor dies, forwards it, and the ranks save and
+    stop as on a preemption."""
+    store = tmp_path / "store"
+    job = Supervised(store, tmp_path)
+    job.at_step(0, 6)
+    below = psutil.Process(job.proc.pid).children(recursive=True)
+    assert any("ckptstore.supervisor.launch" in " ".join(p.cmdline()) for p in below)
+    job.proc.kill()
+    gone, alive = psutil.wait_procs(below, timeout=120)  # (a hang guard: each exit ends the wait)
+    assert not alive, [p.pid for p in alive]
+    job.finish()
+    assert any("preempted, saved step" in line for line in job.lines), job.output()[-3000:]
+
+
+def test_a_stop_while_the_job_starts_is_a_preemption_not_a_fault(tmp_path):
+    """SIGTERM to the supervisor before torch's launcher has its handlers: the launcher
+    died of the signal with no result, and the attempt was journaled a transient fault
+    (counted in the MTBF, alerted)."""
+    store = tmp_path / "store"
+    job = Supervised(store, tmp_path)
+    while not _attempt_started(store):  # journaled just before the launch
+        try:
+            job.proc.wait(timeout=0.05)  # (returns only if the supervisor ended: a failure)
+            pytest.fail("the supervisor ended before its first attempt:\n" + job.output()[-3000:])
+        except subprocess.TimeoutExpired:
+            pass
+    job.proc.send_signal(signal.SIGTERM)
+    assert job.finish() == 143, job.output()[-3000:]
+    failures = kinds(journal(store), "failure")
+    assert [f["class"] for f in failures] == ["preempted"], reasons(failures)
+    assert status(store)["mtbf_s"] is None
+
+
+def _attempt_started(store) -> bool:
+    try:
+        return any(e["kind"] == "attempt_start" for e in journal(store))
+    except Exception:  # no run journaled yet
+        return False
 
 
 def test_an_unhealthy_node_is_journaled_alerted_and_exits_with_its_own_code(tmp_path):

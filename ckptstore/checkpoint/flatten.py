@@ -445,7 +445,7 @@ def _global_stand_in(key: str, dtype: torch.dtype, shape: tuple[int, ...], locat
     in for its storage (registered in ``global_refs`` for the persistent id), rebuilt by
     the call torch.save itself uses for the dtype. The value keeps the stand-in alive."""
     if _has_typed_storage(dtype):
-        stand_in = torch.storage.TypedStorage(math.prod(shape), dtype=dtype, device="meta")
+        stand_in = torch.storage.TypedStorage(math.prod(shape), dtype=dtype, device="meta", _internal=True)
         global_refs[stand_in._untyped_storage._cdata] = (skeleton_key(GLOBAL, key), location)
     else:
         stand_in = torch.UntypedStorage(math.prod(shape) * dtype.itemsize, device="meta")

@@ -38,6 +38,10 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+class _Refused(Exception):
+    pass
+
+
 def split_argv(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     """(our options, torchrun's argv with the script and its arguments)."""
     from torch.distributed.run import get_args_parser
@@ -52,6 +56,13 @@ def split_argv(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         if not tok.startswith("-") or tok == "--":
             rest += argv[i:]  # the script and its arguments
             break
+        if name.startswith("--") and name.replace("_", "-") in our_opts:  # torchrun's spelling of ours
+            name = name.replace("_", "-")
+            tok = name + tok[len(name):]
+        elif name.startswith("--") and name not in theirs and any(o.startswith(name) for o in our_opts):
+            # argparse would read an abbreviation as torchrun's option, or as nobody's
+            raise _Refused(f"ckptstore run: {name} is not an option; spell it out "
+                           f"({', '.join(sorted(o for o in our_opts if o.startswith(name)))})")
         if name in our_opts:
             mine.append(tok)
             takes = ours._option_string_actions[name].nargs != 0
@@ -92,6 +103,9 @@ def run_command(argv) -> None:
     try:
         opts, launcher = split_argv(argv)
         launch_args = parse_args([a for a in launcher])  # refuses what torchrun would refuse
+    except _Refused as e:
+        click.echo(str(e), err=True)
+        sys.exit(2)
     except SystemExit as e:
         sys.exit(2 if e.code else 0)
     nproc = launch_args.nproc_per_node

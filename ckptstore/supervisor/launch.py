@@ -14,7 +14,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+
+from .progress import die_with_parent
+
+ENV_SUPERVISOR = "CKPTSTORE_SUPERVISOR_PID"  # the supervisor this launcher must not outlive
 
 
 def _failure(f) -> dict:
@@ -45,11 +50,19 @@ def _write(path: str, result: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     result_path, rest = argv[0], argv[1:]
+    # A supervisor killed outright (SIGKILL) must not leave its job training unwatched
+    # (a restarted supervisor would start a second one): SIGTERM then, which torch's
+    # launcher forwards to the workers (they save and stop), as a stop does.
+    die_with_parent(signal.SIGTERM)
+    supervisor = os.environ.get(ENV_SUPERVISOR)
+    if supervisor and str(os.getppid()) != supervisor:  # it died before the line above
+        return 128 + int(signal.SIGTERM)
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     args = torchrun.parse_args(rest)
+    args.max_restarts = 0  # the supervisor relaunches; torchrun's in-place restarts stay off (runbook)
     try:
         torchrun.run(args)
     except ChildFailedError as e:

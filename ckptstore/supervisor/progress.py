@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 
 ENV_DIR = "CKPTSTORE_PROGRESS_DIR"
@@ -84,7 +85,7 @@ def guard_worker() -> None:
     supervisor classifies the failure from the traceback without parsing logs."""
     if not os.environ.get(ENV_DIR):
         return
-    _die_with_parent()
+    die_with_parent(signal.SIGKILL)
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if path:
         import sys
@@ -116,12 +117,12 @@ def _write_error_file(path: str, exc_type, exc, tb) -> None:
         pass
 
 
-def _die_with_parent() -> None:
+def die_with_parent(signum: int) -> None:
+    """Have the kernel send ``signum`` to this process when its parent dies (Linux)."""
     try:
         import ctypes
-        import signal
 
         PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0)
     except (OSError, AttributeError):
         pass  # not Linux: the supervisor kills the launcher's process group instead

@@ -29,6 +29,7 @@ from ..storage import Storage, open_storage
 from .classify import Verdict, classify
 from .health import EXIT_UNHEALTHY, HealthLimits, check_node, checks_json, healthy
 from .journal import Journal, new_run_id
+from .launch import ENV_SUPERVISOR
 from .progress import ENV_DIR, read_progress
 from .status import newest_checkpoint
 
@@ -139,10 +140,16 @@ class Supervisor:
     # ------------------------------------------------------------------ one attempt
     def _attempt(self, attempt: int, started: float) -> Verdict:
         work = tempfile.mkdtemp(prefix=f"ckptstore-run-{attempt}-")
+        try:
+            return self._attempt_in(work, attempt, started)
+        finally:  # however the attempt ends (a run timeout returns from inside it)
+            shutil.rmtree(work, ignore_errors=True)
+
+    def _attempt_in(self, work: str, attempt: int, started: float) -> Verdict:
         progress_dir = os.path.join(work, "progress")
         os.mkdir(progress_dir)
         result_path = os.path.join(work, "result.json")
-        env = dict(os.environ, **{ENV_DIR: progress_dir})
+        env = dict(os.environ, **{ENV_DIR: progress_dir, ENV_SUPERVISOR: str(os.getpid())})
         cmd = [sys.executable, "-m", "ckptstore.supervisor.launch", result_path, "--max-restarts=0",
                *self.launcher_args]
         launched = time.monotonic()
@@ -193,11 +200,13 @@ class Supervisor:
                                   exit_code=code)
             elif code == 0:
                 verdict = Verdict("finished", "the script finished")
+            elif self._stop_signal is not None:  # told to stop before the ranks could say so (launching)
+                verdict = Verdict("preempted", f"stopped by {signal.Signals(self._stop_signal).name} "
+                                  "before the job could save", exit_code=code)
             else:
                 result = _read_json(result_path) or {"failures": {}, "launcher_error": f"exit code {code}"}
                 verdict = classify(result, watch.max_step, self._previous_sig)
         verdict.evidence.update(evidence)
-        shutil.rmtree(work, ignore_errors=True)
         return verdict
 
     def _log_resume(self, attempt: int, watch: "_ProgressWatch", progress: dict, launched_t: float) -> bool:

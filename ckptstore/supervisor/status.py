@@ -125,9 +125,22 @@ def summarize(events: list[dict], now: float, checkpoint: dict | None = None) ->
     if c is not None:
         interval = math.sqrt(2.0 * c * (out["mtbf_s"] if observed else PRIOR_MTBF_S))
         out["recommended_interval_s"] = interval
-        if out["step_s"] is not None:
-            out["recommended_interval_steps"] = max(1, round(interval / out["step_s"]))
-    return out
+        steps = interval / out["step_s"] if out["step_s"] else None
+        if steps is not None and math.isfinite(steps):
+            out["recommended_interval_steps"] = max(1, round(steps))
+    return _finite(out)
+
+
+def _finite(o):
+    """``o`` with every float that is not finite (a journaled 1e308 summed, or divided by
+    a tiny one) made None: no figure, rather than a crash or JSON's non-standard Infinity."""
+    if isinstance(o, float):
+        return o if math.isfinite(o) else None
+    if isinstance(o, dict):
+        return {k: _finite(v) for k, v in o.items()}
+    if isinstance(o, list):
+        return [_finite(v) for v in o]
+    return o
 
 
 def _downtime(resumes: list[dict], fails: list[dict], resume0: dict | None, start: float, end: float):
