@@ -41,8 +41,8 @@ def _pack(directory: Path) -> dict:
             with safe_open(str(path), framework="pt") as f:
                 metadata[name] = f.metadata() or {}
         else:
-            data = path.read_bytes()  # (torch.frombuffer refuses an empty buffer)
-            files[name] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+            data = bytearray(path.read_bytes())  # (torch.frombuffer refuses an empty one)
+            files[name] = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
     return {"layout": LAYOUT, "weights": weights, "metadata": json.dumps(metadata), "files": files}
 
 

@@ -437,9 +437,10 @@ def test_a_fake_load_reads_no_tensor_bytes_but_checks_the_skeleton(tmp_path):
 
 def test_placing_fake_tensors_visits_each_object_once():
     """A skeleton may share one list many times (a few hundred bytes for 2**40 paths) or
-    hold itself: placing the fake tensors walks each object once, so a hostile checkpoint
-    cannot make a fake load hang or overflow the stack."""
-    from ckptstore.checkpoint.restore import _place_fake_tensors
+    hold itself: the walk that finds the tensors a fake load places (and checks) visits
+    each object once, so a hostile checkpoint cannot make a fake load hang or overflow
+    the stack."""
+    from ckptstore.checkpoint.restore import _tensors_in
 
     iterations = []
 
@@ -451,11 +452,11 @@ def test_placing_fake_tensors_visits_each_object_once():
     shared = Counting([torch.ones(1)])
     for _ in range(40):
         shared = Counting([shared, shared])
-    _place_fake_tensors({"x": shared}, {})
+    list(_tensors_in({"x": shared}))
     assert len(iterations) == 41
     looped: list = [torch.ones(1)]
     looped.append(looped)
-    _place_fake_tensors({"x": looped}, {})  # no RecursionError
+    list(_tensors_in({"x": looped}))  # no RecursionError
 
 
 def test_a_fake_load_of_a_list_holding_itself_places_its_tensor(tmp_path):

@@ -535,8 +535,9 @@ def retire_generations(storage: Storage, below: int, live_attempt: str, files: b
     once it is retired). The files of ``live_attempt`` (the new generation's) and of the
     attempts in ``keep`` (earlier ones it refers to) are never deleted, whatever an older
     manifest claims, nor are those of a retired store step (a drop-in save over one:
-    other steps may read them; gc judges them); those that other saves of this process in flight hold (they may
-    reference them: held.py) are deferred to the location's next retire. Retiring files
+    other steps may read them; gc judges them); those that other saves of this process
+    in flight hold (they may reference them: held.py) are deferred to the location's
+    next retire. Retiring files
     holds the location's references lock: a drop-in save in flight reads its references,
     or holds them, not in between. ``listed``: the generations as a listing just made
     shows them (else one is made)."""

@@ -138,24 +138,25 @@ def _fake_location(location: str, map_location):
     return torch.device(location)
 
 
-def _place_fake_tensors(result, devices: dict[int, torch.device]) -> None:
+def _place_fake_tensors(tensors: list[torch.Tensor], devices: dict[int, torch.device]) -> None:
     """Give each fake tensor the device its storage was saved on (``devices``: by the
     id of the meta storage it was rebuilt over); torch's own ``_rebuild_tensor_v2``
     does it per tensor, the plain ``_rebuild_tensor`` of no-grad tensors does not."""
     from torch._subclasses.fake_tensor import FakeTensor
 
-    for t in _tensors_in(result):
+    for t in tensors:
         if isinstance(t, FakeTensor) and t.layout == torch.strided:  # (a sparse one has no storage)
             device = devices.get(id(t.untyped_storage()))
             if device is not None:
                 t.fake_device = device
 
 
-def _check_meta_extents(result, growable: list[tuple[str, torch.UntypedStorage, int]], where: str) -> None:
+def _check_meta_extents(tensors: list[torch.Tensor], growable: list[tuple[str, torch.UntypedStorage, int]],
+                        where: str) -> None:
     """FormatError for a tensor over a meta storage (a fake one's too) that reaches past
     it: meta's set_ checks no bounds (a stride of 2**62 passes it), a CPU one does."""
     keys = {id(untyped): key for key, untyped, _ in growable}
-    for t in _tensors_in(result):
+    for t in tensors:
         if t.layout != torch.strided or not t.numel():
             continue
         storage = t.untyped_storage()
@@ -440,10 +441,11 @@ def restore(storage: Storage, manifest: fmt.Manifest, rank: int, map_location=No
     _validate_sparse = getattr(torch._utils, "_validate_loaded_sparse_tensors", None)
     if _validate_sparse is not None:
         _validate_sparse()
-    if _any_meta(over_meta, growable):
-        _check_meta_extents(result, growable, where)
-    if fake:
-        _place_fake_tensors(result, fake_devices)
+    if _any_meta(over_meta, growable):  # (a fake load's too: one walk for both)
+        tensors = list(_tensors_in(result))
+        _check_meta_extents(tensors, growable, where)
+        if fake:
+            _place_fake_tensors(tensors, fake_devices)
     return result
 
 
