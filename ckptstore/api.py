@@ -38,6 +38,7 @@ from .checkpoint.indexes import expand, for_load
 from .checkpoint.reshard import fill_template
 from .checkpoint.restore import latest_manifest, restore
 from .checkpoint.save import SaveFuture, SaveOptions, start_save
+from .checkpoint.weights_only import resolve_weights_only
 from .codecs import CompressionPolicy
 from .checkpoint import gc
 from .names import PIN_NAME
@@ -75,10 +76,11 @@ def _is_stream(f) -> bool:
     return hasattr(f, "write") or hasattr(f, "read")
 
 
-def save(obj: Any, f, pickle_module: Any = pickle, pickle_protocol: int = 2, *,
+def save(obj: Any, f, pickle_module: Any = pickle, pickle_protocol: int = 2,
+         _use_new_zipfile_serialization: bool = True, _disable_byteorder_record: bool = False, *,
          compression: str | CompressionPolicy = "auto", commit_timeout: float = 600.0,
          chunk_bytes: int | None = None, storage_options: dict | None = None,
-         incremental: bool = True, stream=None) -> SaveFuture:
+         incremental: bool = True, stream=None, warn_unsafe: bool = False) -> SaveFuture:
     """Save ``obj`` like ``torch.save``; returns once its tensors are staged.
 
     ``f`` is a local path, a ``memory://`` or (with the S3 backend) ``s3://`` URL, or a
@@ -100,10 +102,23 @@ def save(obj: Any, f, pickle_module: Any = pickle, pickle_protocol: int = 2, *,
     thread (its current stream is the default one, which waits for no other stream).
     See docs/native.md, "Which stream a save waits for". A state without CUDA tensors
     ignores it and makes no CUDA call.
+
+    torch.save's ``_use_new_zipfile_serialization`` and ``_disable_byteorder_record``
+    are taken and change nothing (ckptstore writes its own format, whose manifest
+    always records the byte order). Inside ``torch.serialization.skip_data()`` the
+    object goes to ``torch.save`` itself (a file or stream only), whose format that
+    feature is about. ``warn_unsafe=True``: warn (UnsafeForWeightsOnlyWarning) when the
+    default load, weights_only=True, will refuse what was saved; torch.save, and so this,
+    is silent (``Store.save`` warns).
     """
     stream = check_stream(stream, "ckptstore.save")
+    if getattr(getattr(torch.serialization, "_serialization_tls", None), "skip_data", False):  # (torch >= 2.5)
+        return _save_with_torch(obj, f, pickle_module, pickle_protocol, _use_new_zipfile_serialization,
+                                _disable_byteorder_record)
     lifecycle.raise_earlier_failure()
     options = _options(compression, commit_timeout, chunk_bytes, pickle_protocol)
+    if not warn_unsafe:
+        options = dataclasses.replace(options, warn_unsafe=False)
     if stream is not None:
         options = dataclasses.replace(options, stream=stream)
     if pickle_module is not pickle:  # SaveOptions' default is pickle
@@ -229,6 +244,20 @@ def tensors_in(obj):
             stack.extend(o.values() if isinstance(o, Mapping) else o)
 
 
+def _save_with_torch(obj, f, *args) -> SaveFuture:
+    """torch.save itself, to a file or stream (skip_data: a torch zip file with room left
+    for the bytes); a settled future with no manifest."""
+    if not _is_stream(f):
+        if not isinstance(f, (str, os.PathLike)) or is_url(f) or os.path.isdir(f):
+            raise ValueError(f"{f}: a save inside torch.serialization.skip_data() is torch.save's: it needs a "
+                             "file path or a file object, not a checkpoint directory or URL")
+    torch.save(obj, f, *args)
+    future = SaveFuture(str(f), None, "")
+    future._staged.set()
+    future._future.set_result(None)
+    return future
+
+
 def _save_in_memory(obj, rt, options: SaveOptions) -> tuple[SaveFuture, MemoryStorage]:
     """The committed checkpoint of ``obj`` in a new memory store, for a container."""
     store = MemoryStorage()
@@ -251,13 +280,9 @@ def load(f, map_location=None, pickle_module: Any = None, *, weights_only: bool 
     ckptstore checkpoint is read into memory, every byte hash-checked: ``mmap=True``
     cannot apply there, and warns.
     """
-    # torch.load's rules for pickle_module and weights_only, and its error
-    if weights_only is None:
-        weights_only = pickle_module is None
-    if weights_only and pickle_module is not None:
-        raise RuntimeError("Can not safely load weights when explicit pickle_module is specified")
-    if not weights_only:
-        pickle_module = pickle_module or pickle
+    # torch.load's rules for pickle_module and weights_only (its environment variables
+    # too), and its error
+    weights_only, pickle_module = resolve_weights_only(weights_only, pickle_module)
     torch_kw = {"map_location": map_location, "pickle_module": pickle_module, "weights_only": weights_only,
                 **({} if mmap is None else {"mmap": mmap})}
 
@@ -275,9 +300,9 @@ def load(f, map_location=None, pickle_module: Any = None, *, weights_only: bool 
         try:
             f.seek(-len(head), io.SEEK_CUR)
         except (io.UnsupportedOperation, AttributeError) as e:  # torch.load's type and advice
-            raise type(e)(f"{e}. A torch.save file can only be loaded from a seekable stream (a ckptstore "
-                          "container from any). Please pre-load the data into a buffer like io.BytesIO "
-                          "and try to load from it instead.") from e
+            raise type(e)(f"{e}. A ckptstore container loads from any stream, but this is not one. You can only "
+                          "torch.load from a file that is seekable. Please pre-load the data into a buffer "
+                          "like io.BytesIO and try to load from it instead.") from e
         return torch.load(f, **torch_kw, **pickle_load_args)
     if not is_url(f):
         path = os.fspath(f)
@@ -499,7 +524,7 @@ class Store:
             # Tell rank 0 where it waits for votes, so it fails now, not at its timeout.
             write_failure_vote(self.location(step0), attempt, step0, world, rank, error)
             raise error
-        fence = None if self.epoch is None else functools.partial(check_fence, self._epochs, self.epoch)
+        fence = None if self.epoch is None else self._fence
         with self._base_lock:  # (one step with the retention's look at the bases: _apply_retention)
             refs, base = None, self._reference_base if self.incremental and self._references else None
             if self.incremental:
@@ -562,6 +587,8 @@ class Store:
                                  "rank shares; see docs/tiers.md")
             self._one_node = True
         self.local.epoch = self.epoch
+        if self._saves == 0:  # this process's first: count on from the saves since the newest durable step
+            self._saves = self._local_saves_since_durable()
         self._saves += 1  # first: a save that raises on one rank only must not skew the ranks' counts
         future = self.local.save(step, state, metrics, replicated=replicated, stream=stream)
         if split:
@@ -570,6 +597,20 @@ class Store:
             fence = None if self.epoch is None else functools.partial(check_fence, self.storage, self.epoch)
             self._promoter.schedule(future, rank, world, fence)
         return future
+
+    def _local_saves_since_durable(self) -> int:
+        """Local steps newer than the durable tier's newest, at most ``durable_every`` - 1:
+        where the count of saves stood when an earlier process of the run stopped. Counted
+        per process from 0, a job restarted more often than every ``durable_every`` saves
+        promoted nothing, and losing the node lost every step. (Every rank reads the same
+        listings before its first save: the counts agree.)"""
+        try:
+            durable = self._committed_steps()
+            newest = durable[-1] if durable else -1
+            since = sum(1 for s in self.local.steps() if s > newest)
+        except CkptStoreError:
+            return 0  # (the durable tier unreadable: count from here)
+        return min(since, self.durable_every - 1)
 
     def _after_local_commit(self, future: SaveFuture, rank: int) -> None:
         """A local save on several nodes committed: sweep this rank's files that no
@@ -606,10 +647,28 @@ class Store:
             protect = self._kept_here(committed)
         if self.epoch is not None:
             try:
-                check_fence(self._epochs, self.epoch)
+                if not self._fence():
+                    return  # (a local tier's: its run cannot be checked now; retention can wait)
             except FencedError:
                 return  # a newer run owns the store now, and its retention with it
         gc.collect(self.storage, self.keep, self.grace, protect=protect, immediate=True)
+
+    def _fence(self) -> bool:
+        """FencedError when a newer run claimed the store. A local tier's runs are claimed
+        on the durable tier: when that cannot be read (an S3 outage) the local commit goes
+        on, with a warning (False), since the local tier is what keeps training
+        checkpointed through the outage; its promotion checks again on the durable tier."""
+        try:
+            check_fence(self._epochs, self.epoch)
+        except FencedError:
+            raise
+        except CkptStoreError as e:
+            if self._epochs is self.storage:
+                raise
+            warnings.warn(f"{self.url}: the durable tier, where runs are claimed, cannot be read ({e}); this local "
+                          "tier's commit goes on without that check", RuntimeWarning, stacklevel=2)
+            return False
+        return True
 
     def _kept_here(self, committed: int | None = None) -> dict[int, str]:
         """Steps this process needs whatever the policy says: a local tier's promotions
@@ -700,6 +759,7 @@ class Store:
         checkpoint's global (sharded) tensors come back whole. ``return_info=True``
         returns ``(state, LoadInfo)``.
         """
+        weights_only = resolve_weights_only(weights_only, None)[0]  # (TORCH_FORCE_WEIGHTS_ONLY_LOAD)
         for tries in range(RELOADS):
             chosen = self._resolve(step)
             try:
@@ -760,7 +820,8 @@ class Store:
         """
         from .resume import resume
 
-        return resume(self, template, map_location=map_location, weights_only=weights_only,
+        return resume(self, template, map_location=map_location,
+                      weights_only=resolve_weights_only(weights_only, None)[0],
                       validate=validate, mark_skipped=mark_skipped, claim=claim)
 
 

@@ -313,6 +313,9 @@ def gc(url, keep_last, keep_every, keep_within, keep_best, grace, dry_run, as_js
         if not dry_run:
             with _progress(len(p.deletions), "deleting", as_json) as bar:
                 gc_mod.execute(storage, p, on_deleted=lambda d: bar.update(1))
+        else:  # what execute would also do: as gc.collect's dry run lists them
+            p.aborted_uploads = storage.abort_stale_uploads(grace, dry_run=True)
+            p.empty_dirs = gc_mod.empty_dirs(storage, grace, dry_run=True)
     except CkptStoreError as e:
         _fail(str(e), EXIT_PROBLEM)
     if as_json:
@@ -329,6 +332,10 @@ def gc(url, keep_last, keep_every, keep_within, keep_best, grace, dry_run, as_js
         click.echo(f"left    foreign    {_printable(key)}: not a name ckptstore writes (symlink, special file or unknown)")
     if p.held_back:
         click.echo(f"held    data: {_printable(p.held_back)}")
+    for key in p.aborted_uploads:
+        click.echo(f"{'would abort' if dry_run else 'aborted'} upload {_printable(key)}: a multipart upload left open")
+    for key in p.empty_dirs:
+        click.echo(f"{verb} empty dir  {_printable(key)}/: left by a save killed before its first file")
     released = f"; released {_human_bytes(p.released_bytes)} (a gc run after the grace deletes it)" \
         if p.released_bytes else ""
     click.echo(f"{verb} {len(done)} item(s), {_human_bytes(p.bytes)}{released}; kept {len(p.kept)} checkpoint(s)")

@@ -78,8 +78,10 @@ class IntegrityError(CkptStoreError):
     """Stored bytes do not match their recorded length or xxh3-128 hash."""
 
 
-class SerializationError(CkptStoreError, TypeError):
-    """An object cannot be saved (unsupported type or unpicklable)."""
+class SerializationError(CkptStoreError, TypeError, AttributeError, pickle.PicklingError):
+    """An object cannot be saved (unsupported type or unpicklable). torch.save raises
+    the pickler's TypeError, AttributeError ("Can't pickle local object") or
+    PicklingError for these: this is each of them."""
 
 
 class UnsafeLoadError(CkptStoreError, pickle.UnpicklingError):
@@ -94,6 +96,13 @@ class TemplateMismatchError(FormatError):
 # --- commit ----------------------------------------------------------------------------
 class CommitError(CkptStoreError):
     """The two-phase commit did not commit this save."""
+
+
+class BaseRetiredError(CommitError):
+    """An incremental save's base checkpoint was deleted while it ran (a gc beside the
+    job): this save did not commit, and the next one writes everything. A later save
+    warns of it (RuntimeWarning) instead of raising it; the save's own future raises
+    it, and so does ``wait()`` unless a later save warned of it already."""
 
 
 class CommitTimeoutError(CommitError, TimeoutError):

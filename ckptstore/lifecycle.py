@@ -12,17 +12,20 @@ aborted, never later than the timeout."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import signal
 import threading
 import time
+import warnings
+import weakref
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 
 from .checkpoint import exiting
 from .checkpoint.save import SaveFuture
 from .config import config
-from .errors import CkptStoreError
+from .errors import BaseRetiredError, CkptStoreError
 
 # Reentrant: the SIGTERM handler runs on the main thread, maybe while it holds the lock.
 _lock = threading.RLock()
@@ -31,6 +34,30 @@ _preparing: set[Future] = set()  # staging warm-ups in flight (ckptstore.prepare
 _unobserved_failures: list[SaveFuture] = []
 _hooks_installed = False
 _left_by_parent: list = []
+_wait_listeners: list[weakref.WeakMethod] = []
+
+
+def on_wait(method) -> None:
+    """Call ``method(True)`` when this process starts waiting for its in-flight saves
+    (``wait()``, the exit drain) and ``method(False)`` when it stops: a Checkpointer
+    tells a supervisor it is saving, not hung. Held weakly."""
+    with _lock:
+        _wait_listeners[:] = [m for m in _wait_listeners if m() is not None]
+        _wait_listeners.append(weakref.WeakMethod(method))
+
+
+@contextlib.contextmanager
+def _waiting():
+    with _lock:
+        busy = bool(_inflight)
+        listeners = [m for m in (ref() for ref in _wait_listeners) if m is not None] if busy else []
+    for m in listeners:
+        m(True)
+    try:
+        yield
+    finally:
+        for m in listeners:
+            m(False)
 
 
 def exit_timeout() -> float:
@@ -88,6 +115,13 @@ def raise_earlier_failure() -> None:
         pending = [f for f in _unobserved_failures if not f.observed and not getattr(f, "promotion", False)]
         _unobserved_failures[:] = [f for f in _unobserved_failures
                                    if not f.observed and getattr(f, "promotion", False)]
+    # A save whose incremental base a gc beside the job deleted: documented, and this
+    # save writes everything; the job goes on, told of the step it did not get.
+    for f in [f for f in pending if isinstance(f._future.exception(), BaseRetiredError)]:
+        pending.remove(f)
+        f.observed = True
+        warnings.warn(f"an earlier save to {f.where} (step {f.step}) did not commit: {f._future.exception()}",
+                      RuntimeWarning, stacklevel=3)
     if pending:
         first = pending[0]
         first.observed = True
@@ -100,15 +134,16 @@ def wait(timeout: float | None = None) -> None:
     waited for here, or of an earlier one nobody has looked at)."""
     deadline = None if timeout is None else time.monotonic() + timeout
     waited: list[SaveFuture] = []
-    while True:
-        with _lock:
-            pending = [f for f in _inflight if f not in waited]
-        if not pending:
-            break
-        for f in pending:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            f.exception(left)  # TimeoutError when the deadline passes
-            waited.append(f)
+    with _waiting():
+        while True:
+            with _lock:
+                pending = [f for f in _inflight if f not in waited]
+            if not pending:
+                break
+            for f in pending:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                f.exception(left)  # TimeoutError when the deadline passes
+                waited.append(f)
     with _lock:
         failed = [f for f in _unobserved_failures if not f.observed]
         _unobserved_failures.clear()
@@ -121,7 +156,8 @@ def wait(timeout: float | None = None) -> None:
 
 def drain(timeout: float) -> bool:
     """The exit drain (see :func:`_drain`); says on stderr which saves it gives up on."""
-    done = _drain(timeout)
+    with _waiting():
+        done = _drain(timeout)
     if not done:
         _report_abandoned(timeout)
     return done

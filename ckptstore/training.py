@@ -106,8 +106,10 @@ class Checkpointer:
         # Under `ckptstore run`: progress for the supervisor (hangs, lost work, intervals).
         self._rank = rank_and_world(self.store.process_group)[0]
         self._reporter = ProgressReporter.from_env(self._rank)
+        self._waiting_from: str | None = None  # the state a wait for saves reported over
         if self._reporter is not None:
             guard_worker()
+            lifecycle.on_wait(self._on_wait)
         self._last_step_time: float | None = None
         self._step_s: float | None = None  # smoothed training step time
         self._save_blocking_s: float | None = None
@@ -126,6 +128,8 @@ class Checkpointer:
         self.info = info
         self._report("train", None if info.step is None else info.step, force=True, resumed_step=info.step,
                      resumed_tier=info.tier, resumed_age_s=info.age_s, skipped=[s.step for s in info.skipped])
+        if self._reporter is not None and info.step is not None:
+            self._reporter.note_committed(info.step, time.time() - (info.age_s or 0.0))
         if state is None:
             return 0
         self._load_state_dict(state)
@@ -194,6 +198,10 @@ class Checkpointer:
                                  stream=stream)
         self._save_blocking_s = time.monotonic() - began
         self._report("train", step)
+        if self._reporter is not None:  # where the next attempt resumes (a local tier's commit too)
+            reporter = self._reporter
+            future.add_done_callback(
+                lambda f: reporter.note_committed(step, time.time()) if f._future.exception() is None else None)
         if self.on_commit is not None:
             on_commit = self.on_commit
             # (not f.exception(): that would mark a failure seen, and the next save would not raise it)
@@ -210,6 +218,18 @@ class Checkpointer:
         if self._reporter is not None:
             self._reporter.report(state, step, force, step_s=self._step_s,
                                   save_blocking_s=self._save_blocking_s, **fields)
+
+    def _on_wait(self, waiting: bool) -> None:
+        """While the process waits for its saves (``ckptstore.wait()`` after the loop,
+        the exit drain), a supervisor sees this rank saving: the final commit of a slow
+        upload is no hang."""
+        if waiting and self._reporter.record["state"] == "train":
+            self._waiting_from = "train"
+            self._report("saving", force=True)
+        elif not waiting and self._waiting_from is not None:
+            if self._reporter.record["state"] == "saving":
+                self._report(self._waiting_from, force=True)
+            self._waiting_from = None
 
     def close(self) -> None:
         """Restore the signal handlers; in-flight saves keep going (``ckptstore.wait()``)."""

@@ -370,7 +370,7 @@ def test_fast_path_blocking_work_is_independent_of_pickling(tmp_path, monkeypatc
 
 def test_other_pickle_protocols_take_the_slow_path_and_its_warning(tmp_path):
     with pytest.warns(ckptstore.UnsafeForWeightsOnlyWarning, match="FRAME"):
-        ckptstore.save({"w": torch.ones(2)}, str(tmp_path / "c"), pickle_protocol=4).result()
+        ckptstore.save({"w": torch.ones(2)}, str(tmp_path / "c"), pickle_protocol=4, warn_unsafe=True).result()
 
 
 def test_sizes_round_up_nothing(tmp_path):

@@ -482,3 +482,149 @@ def test_mmap_is_torch_loads_for_its_files_and_warns_for_a_checkpoint_of_ours(tm
     with pytest.warns(UserWarning, match="mmap=True does not apply"):
         assert torch.equal(ckptstore.load(ours, mmap=True)["w"], torch.arange(3.0))
     assert torch.equal(ckptstore.load(theirs, mmap=True)["w"], torch.arange(3.0))
+
+
+# ---------------------------------------------------------------------------- session 33
+
+
+def test_save_takes_torch_saves_private_keywords(tmp_path):
+    """PyTorch's TestSerialization passes _use_new_zipfile_serialization on every save."""
+    for kw in ({"_use_new_zipfile_serialization": True}, {"_use_new_zipfile_serialization": False},
+               {"_disable_byteorder_record": True}):
+        buf = io.BytesIO()
+        ckptstore.save([torch.arange(3)], buf, **kw).result()
+        buf.seek(0)
+        assert torch.equal(ckptstore.load(buf)[0], torch.arange(3)), kw
+    # positionally too, in torch.save's order
+    buf = io.BytesIO()
+    ckptstore.save(torch.ones(2), buf, pickle, 2, True, False)
+    buf.seek(0)
+    assert torch.equal(ckptstore.load(buf), torch.ones(2))
+
+
+@pytest.mark.parametrize("target", ["path", "buffer"])
+def test_the_force_weights_only_environment_variables(tmp_path, monkeypatch, target):
+    buf = io.BytesIO()
+    ckptstore.save(torch.nn.Linear(2, 3), tmp_path / "ckpt" if target == "path" else buf).result()
+    where = tmp_path / "ckpt" if target == "path" else buf
+
+    def load(**kw):
+        buf.seek(0)
+        return ckptstore.load(where, **kw)
+
+    monkeypatch.setenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "1")
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        load(weights_only=False)  # forced: the caller's False does not open the door
+    monkeypatch.delenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD")
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "true")
+    with pytest.warns(UserWarning, match="TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"):
+        assert isinstance(load(), torch.nn.Linear)  # weights_only not passed: forced off
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        load(weights_only=True)  # passed: the caller's word stands
+    monkeypatch.setenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "1")
+    with pytest.raises(RuntimeError, match="Only one of"):
+        load()
+
+
+@pytest.mark.filterwarnings("ignore::ckptstore.errors.UnsafeForWeightsOnlyWarning")  # saved unsafe on purpose
+def test_force_weights_only_reaches_store_loads(tmp_path, monkeypatch):
+    store = ckptstore.Store(tmp_path / "run")
+    store.save(1, {"m": torch.nn.Linear(2, 2)}).result()
+    assert isinstance(store.load(weights_only=False)["m"], torch.nn.Linear)
+    monkeypatch.setenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "yes")
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        store.load(weights_only=False)
+
+
+def test_weights_only_refusals_keep_torch_loads_words(tmp_path):
+    """torch.load's messages, which code and PyTorch's tests match on."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    for protocol, words in ((2, r"add_safe_globals\(\[torch.testing._internal.two_tensor.TwoTensor\]\)"),
+                            (5, "file an issue with the following so that we can make `weights_only=True`")):
+        sd = {"t": TwoTensor(torch.randn(2), torch.randn(2))}
+        for fn in (torch.save, ckptstore.save):
+            buf = io.BytesIO()
+            fn(sd, buf, pickle_protocol=protocol)
+            buf.seek(0)
+            with pytest.warns(UserWarning, match="pickle protocol") if protocol == 5 else _nothing():
+                with pytest.raises(pickle.UnpicklingError, match=words):
+                    (torch.load if fn is torch.save else ckptstore.load)(buf, weights_only=True)
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_map_location_reaches_wrapper_subclasses():
+    """torch's _rebuild_wrapper_subclass reads map_location from serialization's
+    thread-local, which torch.load sets (PyTorch's test_tensor_subclass_map_location)."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    buf = io.BytesIO()
+    ckptstore.save(TwoTensor(torch.ones(2), torch.zeros(2)), buf)
+    with torch.serialization.safe_globals([TwoTensor]):
+        buf.seek(0)
+        meta = ckptstore.load(buf, map_location="meta")
+        assert meta.device.type == "meta" and meta.a.device.type == "meta"
+        buf.seek(0)
+        with pytest.raises(RuntimeError, match="Callable map_location not supported"):
+            ckptstore.load(buf, map_location=lambda s, loc: s)
+    assert torch.serialization._serialization_tls.map_location is None  # left as found
+
+
+def test_map_location_meta_device_with_an_index():
+    buf = io.BytesIO()
+    ckptstore.save({"w": torch.ones(3)}, buf)
+    buf.seek(0)
+    assert ckptstore.load(buf, map_location=torch.device("meta", 0))["w"].device.type == "meta"
+
+
+def test_skip_data_saves_through_torch(tmp_path):
+    """skip_data is about torch's zip format (room left for the bytes): inside it the
+    drop-in is torch.save, and the load gives what torch.load gives."""
+    t = torch.randn(2, 3)
+    for target in (io.BytesIO(), tmp_path / "file.pt"):
+        with torch.serialization.skip_data():
+            future = ckptstore.save(t, target)
+        assert future.done() and future.result() is None
+        if isinstance(target, io.BytesIO):
+            target.seek(0)
+        assert torch.equal(ckptstore.load(target), torch.zeros(2, 3))
+    (tmp_path / "dir").mkdir()
+    with torch.serialization.skip_data(), pytest.raises(ValueError, match="skip_data"):
+        ckptstore.save(t, tmp_path / "dir")
+
+
+def test_pickling_errors_are_the_builtin_types_torch_raises():
+    class Local:
+        pass
+
+    for obj, builtin in ((Local(), AttributeError), (lambda: 0, AttributeError)):
+        with pytest.raises(builtin) as torch_raised:
+            torch.save(obj, io.BytesIO())
+        with pytest.raises(type(torch_raised.value)) as ours:
+            ckptstore.save(obj, io.BytesIO())
+        assert isinstance(ours.value, SerializationError) and "Can't pickle" in str(ours.value)
+    with pytest.raises(pickle.PicklingError):
+        ckptstore.save(_module_lambda, io.BytesIO())
+
+
+_module_lambda = lambda: 0  # noqa: E731 (pickled by a name that does not find it)
+
+
+def test_unseekable_stream_error_keeps_torch_loads_advice():
+    class NoSeek:
+        def __init__(self, data):
+            self._b = io.BytesIO(data)
+
+        def read(self, n=-1):
+            return self._b.read(n)
+
+    with pytest.raises(AttributeError, match=".*You can only torch.load from a file that is seekable. Please "
+                       "pre-load the data into a buffer like io.BytesIO and try to load from it instead."):
+        ckptstore.load(NoSeek(b"data"))

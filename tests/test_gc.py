@@ -450,6 +450,53 @@ def test_gc_leaves_no_empty_directories(tmp_path):
     assert sorted(os.listdir(root)) == [fmt.step_dir_name(3)]
 
 
+def test_gc_removes_the_empty_directories_of_a_save_killed_before_its_first_file(tmp_path):
+    """A SIGKILL after the writer made attempts/<id>/ but before its first file: no file,
+    so no attempt, so gc never deleted it and ls listed an uncommitted 0 B step forever.
+    Once idle for the grace they go; a young one, a user's empty directory and what a
+    symlink points at stay."""
+    root = tmp_path / "store"
+    ckptstore.Store(root).save(1, {"w": torch.ones(2)}).result()
+    killed = [root / fmt.step_dir_name(2) / "attempts" / "20261204T164816-de84fe25617f",
+              root / fmt.step_dir_name(3) / "attempts", root / fmt.step_dir_name(4),
+              root / fmt.step_dir_name(1) / "attempts" / "20261204T164817-0123456789ab"]
+    young = root / fmt.step_dir_name(5) / "attempts" / "20261204T164818-0123456789ab"
+    users = root / fmt.step_dir_name(6) / "attempts" / "notes"
+    nested = [root / "users_data" / fmt.step_dir_name(8), root / "users_data" / "attempts"]  # not where saves write
+    outside = tmp_path / "outside" / "attempts" / "20261204T164819-0123456789ab"
+    for d in (*killed, young, users, outside, *nested):
+        d.mkdir(parents=True)
+    (root / fmt.step_dir_name(7)).symlink_to(tmp_path / "outside", target_is_directory=True)
+    old = time.time() - 2 * 3600
+    for d in [*killed, users, outside, outside.parent, outside.parent.parent, *nested]:
+        for p in (d, *[q for q in d.parents if root in q.parents]):
+            os.utime(p, (old, old), follow_symlinks=False)
+    assert fmt.step_dir_name(2) in {loc.name for loc in scan_store(LocalStorage(str(root)))}  # "uncommitted 0 B"
+
+    dry = cli("gc", str(root), "--grace", "1h", "--dry-run")
+    assert dry.exit_code == 0 and f"would delete empty dir  {fmt.step_dir_name(2)}/attempts/" in dry.output
+    assert killed[0].exists()
+    out = cli("gc", str(root), "--grace", "1h", "--json")
+    assert out.exit_code == 0, out.output
+    removed = set(json.loads(out.output)["empty_dirs"])
+    assert {fmt.step_dir_name(2), fmt.step_dir_name(3), fmt.step_dir_name(4),
+            f"{fmt.step_dir_name(1)}/attempts/20261204T164817-0123456789ab"} <= removed
+    assert sorted(os.listdir(root)) == [fmt.step_dir_name(1), fmt.step_dir_name(5), fmt.step_dir_name(6),
+                                        fmt.step_dir_name(7), "users_data"]
+    assert young.exists() and users.exists() and outside.exists()  # young, not ours, outside the store
+    assert all(d.exists() for d in nested)
+    # grace 0 (a Store's own retention): a directory a save made minutes ago stays
+    fresh = root / fmt.step_dir_name(9) / "attempts" / "20261204T164820-0123456789ab"
+    fresh.mkdir(parents=True)
+    for age, listed in ((300, []), (1200, [str(fresh.relative_to(root)), str(fresh.parent.relative_to(root)),
+                                           fmt.step_dir_name(9)])):
+        for p in (fresh, fresh.parent, fresh.parent.parent):
+            os.utime(p, (time.time() - age,) * 2)
+        assert gc_mod.empty_dirs(LocalStorage(str(root)), 0, dry_run=True) == listed
+    assert ckptstore.Store(root).steps() == [1]
+    torch.testing.assert_close(ckptstore.Store(root).load(1)["w"], torch.ones(2))
+
+
 # ---------------------------------------------------------------------------- Store retention, pins
 def test_store_keep_applies_retention_after_each_commit(tmp_path):
     root = str(tmp_path / "store")

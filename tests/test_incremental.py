@@ -23,7 +23,7 @@ from ckptstore.checkpoint.references import MIN_REFERENCE_BYTES
 from ckptstore.checkpoint.restore import latest_manifest
 from ckptstore.checkpoint.retention import Retention
 from ckptstore.cli import main
-from ckptstore.errors import CommitError, FormatError
+from ckptstore.errors import BaseRetiredError, CommitError, FormatError
 from ckptstore.storage import LocalStorage
 
 
@@ -400,6 +400,42 @@ def test_a_gc_elsewhere_dropping_the_base_before_the_commit_checks_it_refuses_th
     store.save(2, model_state(2)).result()
     m = store.manifest(2)
     assert not [b for _, _, b in m.blobs() if b.step is not None] and same(store.load(2), model_state(2))
+
+
+def test_a_commit_refused_for_its_dropped_base_does_not_stop_the_training_loop(tmp_path):
+    """The README's loop never looks at a save's future: the next save raised this
+    documented refusal as "an earlier save failed" and the job died. It warns instead;
+    the refused save's own future still raises it."""
+    root = tmp_path / "s"
+    store = rolled_back_to_step_1(root)
+    fired = hooked(store, "stat", lambda view, key: key.endswith(".bin"), gc_elsewhere(root))
+    refused = store.save(2, model_state(2))
+    assert refused.wait_settled(60) and fired
+    with pytest.warns(RuntimeWarning, match=r"step 2\) did not commit: .*references come from was deleted"):
+        store.save(4, model_state(4)).result()
+    assert store.steps() == [3, 4] and same(store.load(4), model_state(4))
+    with pytest.raises(BaseRetiredError):
+        refused.result()
+
+
+def test_every_rank_of_a_commit_refused_for_its_dropped_base_gets_that_error(tmp_path):
+    """Rank 0 finds the base gone; the other ranks learn it from the abort: each raises
+    BaseRetiredError, so a later save of each warns and they all go on together (a plain
+    CommitError there made the next save raise on those ranks only)."""
+    from ckptstore.checkpoint.commit import _conclude, abort, check_base
+
+    storage = LocalStorage(str(tmp_path / "s")).child(fmt.step_dir_name(2))
+    attempt = names.new_attempt_id()
+    with pytest.raises(BaseRetiredError) as refused:
+        check_base(storage, (1, 1))
+    abort(storage, attempt, str(refused.value))
+    with pytest.raises(BaseRetiredError, match="references come from was deleted"):
+        _conclude(storage, attempt, None, set(), "here")
+    other = names.new_attempt_id()
+    abort(storage, other, "rank 1 voted failure")
+    with pytest.raises(CommitError) as plain:
+        _conclude(storage, other, None, set(), "here")
+    assert not isinstance(plain.value, BaseRetiredError)
 
 
 def test_a_base_dropped_before_the_save_starts_makes_it_write_everything(tmp_path):

@@ -368,3 +368,29 @@ def test_cuda_rederived_is_deterministic_and_per_rank():
 
     assert cuda_draws(1) == cuda_draws(1)
     assert cuda_draws(1) != cuda_draws(2)
+
+
+def test_ckptstores_waits_draw_nothing_from_the_programs_random_stream():
+    """The commit's polls (every rank of a multi-rank save, on background threads) and
+    the S3 retry backoff jittered their sleeps with the global generator: a resumed run
+    then drew other numbers than an uninterrupted one."""
+    from ckptstore.checkpoint.commit import Deadline
+
+    random.seed(1234)
+    expected = random.Random(1234).random()
+    deadline = Deadline(60.0, start=1e-6, cap=1e-6)
+    for _ in range(3):
+        assert deadline.sleep_or_expire()
+    assert random.random() == expected
+
+
+def test_the_s3_retry_backoff_draws_nothing_from_the_programs_random_stream(monkeypatch):
+    import time
+
+    from ckptstore.storage.s3 import errors as s3_errors
+
+    monkeypatch.setattr(time, "sleep", lambda s: None)
+    random.seed(99)
+    expected = random.Random(99).random()
+    s3_errors._backoff(3)
+    assert random.random() == expected

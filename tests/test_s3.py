@@ -849,8 +849,15 @@ def test_cli_gc_aborts_stale_multipart_uploads_under_the_store(s3env, bucket, ad
     ckptstore.Store(url).save(1, {"w": torch.zeros(10)}).result()
     admin.create_multipart_upload(Bucket=bucket, Key="run/step-000000000002/attempts/x/data-r00000-s00.bin")
     admin.create_multipart_upload(Bucket=bucket, Key="elsewhere/data.bin")
-    r = run_cli(s3env, "gc", url, "--grace", "1h", "--json")  # moto dates uploads in 2010: stale
+    key = "step-000000000002/attempts/x/data-r00000-s00.bin"
+    r = run_cli(s3env, "gc", url, "--grace", "1h", "--dry-run")  # moto dates uploads in 2010: stale
     assert r.returncode == 0, r.stderr
+    assert f"would abort upload {key}" in r.stdout  # (the dry run listed none)
+    r = run_cli(s3env, "gc", url, "--grace", "1h", "--dry-run", "--json")
+    assert json.loads(r.stdout)["stale_uploads"] == [key] and len(uploads(admin, bucket)) == 2
+    r = run_cli(s3env, "gc", url, "--grace", "1h", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["stale_uploads"] == [key]
     assert uploads(admin, bucket) == ["elsewhere/data.bin"]
 
 

@@ -366,3 +366,49 @@ def test_a_two_tier_store_saves_whole_checkpoints(tmp_path):
     for tier in (store.local, store):
         m = latest_manifest(tier.location(2))
         assert not [b for _, _, b in m.blobs() if b.step is not None]
+
+
+def test_a_durable_tier_outage_leaves_local_saves_going(tmp_path, monkeypatch):
+    """Runs are claimed on the durable tier, and every local commit (and the local
+    retention) checked that claim there: with S3 unreachable the local saves failed too,
+    and a Checkpointer's next save raised, where the local tier is what keeps a job
+    checkpointed through the outage."""
+    from ckptstore.checkpoint import fencing
+    from ckptstore.errors import TransientStorageError
+
+    store = ckptstore.Store(tmp_path / "durable", local=tmp_path / "local", durable_every=100,
+                            local_keep=Retention(last=2))
+    store.resume(claim=True)
+    store.save(1, {"w": torch.ones(2)}).result()
+    ckptstore.wait()
+    real = fencing.epochs
+
+    def outage(storage):
+        if storage.describe().startswith(str(tmp_path / "durable")):
+            raise TransientStorageError(f"{storage.describe()}: EndpointConnectionError (the outage)")
+        return real(storage)
+
+    monkeypatch.setattr(fencing, "epochs", outage)
+    with pytest.warns(RuntimeWarning, match="durable tier, where runs are claimed, cannot be read"):
+        for step in (2, 3):
+            store.save(step, {"w": torch.full((2,), float(step))}).result()
+    assert store.local.steps() == [2, 3] or store.local.steps() == [1, 2, 3]
+    torch.testing.assert_close(store.load(3)["w"], torch.full((2,), 3.0))
+    monkeypatch.setattr(fencing, "epochs", real)
+    store.save(4, {"w": torch.full((2,), 4.0)}).result()  # the outage over: fenced as before
+    assert store.local.steps() == [3, 4]
+
+
+def test_durable_every_counts_across_restarts(tmp_path):
+    """Counted per process from 0, a job restarted every 2 saves with durable_every=3
+    never promoted anything: losing the node lost every step."""
+    durable, local = tmp_path / "durable", tmp_path / "local"
+    step = 0
+    for restart in range(4):  # each process: resume, two saves, gone
+        store = ckptstore.Store(durable, local=local, durable_every=3)
+        state, info = store.resume(claim=True)
+        for _ in range(2):
+            step += 1
+            store.save(step, {"w": torch.full((2,), float(step))}).result()
+        ckptstore.wait()
+    assert ckptstore.Store(durable).steps() == [3, 6]

@@ -1,5 +1,7 @@
-"""Save warns (UnsafeForWeightsOnlyWarning) when the default load, weights_only=True,
-will refuse what it saved; never for ordinary training state. Each warning is checked
+"""Store.save (and ckptstore.save with warn_unsafe=True) warns
+(UnsafeForWeightsOnlyWarning) when the default load, weights_only=True, will refuse what
+it saved; never for ordinary training state; the drop-in save, by default, is as silent
+as torch.save. Each warning is checked
 against a real load: a warning must be followed by UnsafeLoadError, silence by a load
 that works.
 """
@@ -43,7 +45,7 @@ def _save(obj, path, **kw):
     """ckptstore.save, returning the UnsafeForWeightsOnlyWarnings it issued."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        ckptstore.save(obj, path, **kw).result()
+        ckptstore.save(obj, path, warn_unsafe=True, **kw).result()
     return [w for w in caught if issubclass(w.category, UnsafeForWeightsOnlyWarning)]
 
 
@@ -113,14 +115,14 @@ def test_numpy_rng_state_warns_and_the_default_load_indeed_refuses(tmp_path):
 
 def test_a_user_class_warns_until_it_is_registered(tmp_path):
     with pytest.warns(UnsafeForWeightsOnlyWarning, match=re.escape(_name(Point))) as record:
-        ckptstore.save({"p": Point()}, tmp_path / "a").result()
+        ckptstore.save({"p": Point()}, tmp_path / "a", warn_unsafe=True).result()
     assert record[0].message.types == {_name(Point): 1}
     assert not _loads_by_default(tmp_path / "a")
 
     with torch.serialization.safe_globals([Point]):
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            ckptstore.save({"p": Point(3.0)}, tmp_path / "b").result()
+            ckptstore.save({"p": Point(3.0)}, tmp_path / "b", warn_unsafe=True).result()
         assert ckptstore.load(tmp_path / "b") == {"p": Point(3.0)}
     # The registration ended with the context: the allow-list is not cached past it.
     assert _save({"p": Point()}, tmp_path / "c")
@@ -163,12 +165,24 @@ def test_warns_exactly_when_the_default_load_refuses(tmp_path, name, value):
     assert bool(warned) == refused, f"{name}: warned={bool(warned)} but load refused={refused}"
 
 
+def test_dropin_save_is_silent_as_torch_save(tmp_path):
+    """torch.save warns of nothing (PyTorch's test_serialization_save_warnings): nor does
+    the drop-in, unless asked; the load still refuses, with torch.load's words."""
+    for target in (tmp_path / "dir", io.BytesIO()):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            ckptstore.save(torch.nn.Linear(2, 3), target).result()
+    with pytest.raises(UnsafeLoadError, match="Weights only load failed"):
+        ckptstore.load(tmp_path / "dir")
+    assert isinstance(ckptstore.load(tmp_path / "dir", weights_only=False), torch.nn.Linear)
+
+
 def test_dropin_save_warns_at_the_callers_line(tmp_path):
     unsafe = {"rng": np.random.get_state()}
     (tmp_path / "old.pt").write_bytes(b"not a checkpoint")  # a plain file: replaced by a container
     for target in (tmp_path / "dir", io.BytesIO(), tmp_path / "old.pt"):
         with pytest.warns(UnsafeForWeightsOnlyWarning) as record:
-            ckptstore.save(unsafe, target).result()
+            ckptstore.save(unsafe, target, warn_unsafe=True).result()
         assert len(record) == 1
         assert record[0].filename == __file__, f"{target}: warning points at {record[0].filename}"
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import random
 import time
 import warnings
@@ -40,6 +41,7 @@ from .. import format as fmt
 from .. import names
 from ..errors import (
     AlreadyExistsError,
+    BaseRetiredError,
     CkptStoreError,
     CommitConflictError,
     CommitError,
@@ -57,6 +59,11 @@ from ..format_index import INDEX_VERSION
 from . import exiting
 from .held import defer, held_attempts, references_lock, take_deferred
 from .indexes import build_root
+
+# Jitter from a generator of our own: the program's `random` stream stays its own (a
+# resumed run draws what an uninterrupted one draws; rng.py saves that stream).
+_jitter = random.Random()
+os.register_at_fork(after_in_child=_jitter.seed)  # (forked ranks must not poll in lockstep)
 
 
 # Every rank of a multi-rank save beats its heartbeat this often from its start to its
@@ -92,7 +99,7 @@ class Deadline:
         left = self.end - time.monotonic()
         if left <= 0:
             return False
-        time.sleep(min(self.delay * random.uniform(0.5, 1.0), left))
+        time.sleep(min(self.delay * _jitter.uniform(0.5, 1.0), left))
         self.delay = min(self.delay * 2, self.cap)
         return True
 
@@ -472,6 +479,9 @@ def check_sizes(storage: Storage, need: dict[str, int], what: str, claimed_by: s
                               f"name {need[name]}; nothing was committed")
 
 
+_BASE_RETIRED = "references come from was deleted while it ran"  # (the abort reason the other ranks read)
+
+
 def check_base(storage: Storage, base: tuple[int, int]) -> None:
     """The manifest an incremental save's references came from is still there. gc
     releases the files of a manifest it deletes and deletes them only after its grace
@@ -480,9 +490,9 @@ def check_base(storage: Storage, base: tuple[int, int]) -> None:
     step, generation = base
     here = storage.sibling(names.step_dir_name(step))
     if not here.exists(names.manifest_name(generation)):
-        raise CommitError(f"{here.describe(names.manifest_name(generation))}: the checkpoint this save's "
-                          "references come from was deleted while it ran (a gc run by another process?); "
-                          "nothing was committed, and the next save writes everything")
+        raise BaseRetiredError(f"{here.describe(names.manifest_name(generation))}: the checkpoint this save's "
+                               f"{_BASE_RETIRED} (a gc run by another process?); nothing was committed, and "
+                               "the next save writes everything")
 
 
 def merge_shards(votes: list[fmt.Vote]) -> dict[str, fmt.TensorEntry]:
@@ -679,10 +689,15 @@ def _conclude(storage: Storage, attempt: str, outcome: dict | None, seen: set[in
         if m.attempt == attempt:
             return m
     if outcome is not None and "aborted" in outcome:
-        raise CommitError(f"{where}: rank 0 did not commit attempt {attempt}: {outcome['aborted']}")
-    if storage.exists(names.abort_name(attempt)):
-        raise CommitError(f"{where}: rank 0 did not commit attempt {attempt}: {read_abort_reason(storage, attempt)}")
-    return None
+        reason = str(outcome["aborted"])
+    elif storage.exists(names.abort_name(attempt)):
+        reason = read_abort_reason(storage, attempt)
+    else:
+        return None
+    # Every rank raises what rank 0 raised for a retired base: a later save of each warns
+    # of it and goes on, and the ranks stay together in their next collective save.
+    error = BaseRetiredError if _BASE_RETIRED in reason else CommitError
+    raise error(f"{where}: rank 0 did not commit attempt {attempt}: {reason}")
 
 
 def _judge_committer(storage: Storage, attempt: str, rank: int, watch: PeerWatch, where: str,

@@ -308,7 +308,8 @@ _NEVER_STORAGE = frozenset({int, float, bool, str, bytes, tuple, list, dict, typ
 def flatten(obj, on_storage: Callable[[StorageRef], None], pickle_protocol: int = 2, *,
             on_dtensor: Callable[[DTensorRef], None] | None = None,
             replicated: Callable[[str], bool] | None = None, pickle_module=pickle,
-            on_paths: Callable[[dict, dict], None] | None = None, paths: tuple[dict, dict] | None = None) -> bytes:
+            on_paths: Callable[[dict, dict], None] | None = None, paths: tuple[dict, dict] | None = None,
+            warn_unsafe: bool = True) -> bytes:
     """Pickle ``obj``; call ``on_storage`` once per distinct storage and ``on_dtensor``
     once per DTensor, in pickling order.
 
@@ -322,7 +323,7 @@ def flatten(obj, on_storage: Callable[[StorageRef], None], pickle_protocol: int 
     tensors reachable through containers: a save's size estimate); ``paths``: those
     maps when the caller has them already (one walk, not two).
     Warns once (UnsafeForWeightsOnlyWarning) when the default load, weights_only=True,
-    will refuse the result: see :mod:`.weights_only`.
+    will refuse the result (see :mod:`.weights_only`), unless ``warn_unsafe`` is False.
     """
     paths, dtensor_paths = tensor_paths(obj) if paths is None else paths
     if on_paths is not None:
@@ -395,7 +396,7 @@ def flatten(obj, on_storage: Callable[[StorageRef], None], pickle_protocol: int 
         return value
 
     # Notes what the default load (weights_only=True) will refuse; warns once, below.
-    audit = WeightsOnlyAudit(pickle_protocol)
+    audit = WeightsOnlyAudit(pickle_protocol, enabled=warn_unsafe)
 
     class _Pickler(pickle_module.Pickler):
         def persistent_id(self, o):
@@ -425,7 +426,7 @@ def flatten(obj, on_storage: Callable[[StorageRef], None], pickle_protocol: int 
         raise
     except RuntimeError as e:  # torch refused a tensor (ZeroTensor, ...): keep the builtin type
         raise UnserializableTensorError(f"cannot save object: {e}") from e
-    except (pickle.PicklingError, TypeError, AttributeError) as e:
+    except (pickle.PicklingError, TypeError, AttributeError) as e:  # (SerializationError is all three)
         raise SerializationError(f"cannot save object: {e}") from e
     skeleton = buf.getvalue()
     audit.warn(skeleton)  # outside the try: a warning turned error propagates as itself

@@ -67,6 +67,7 @@ class GcPlan:
     grace: float = DEFAULT_GRACE  # an attempt idle less long stays (checked again at execution)
     clock_offset: float = 0.0  # plan(now=...) minus the time it ran: execute keeps that clock
     aborted_uploads: list[str] = field(default_factory=list)
+    empty_dirs: list[str] = field(default_factory=list)  # left by saves killed before their first file
     foreign: list[str] = field(default_factory=list)  # entries gc never touches (symlinks, foreign names)
     held_back: str | None = None  # why no data of the store is deleted this run (a manifest unreadable)
 
@@ -90,6 +91,7 @@ class GcPlan:
             "released_bytes": self.released_bytes,
             "held_back": self.held_back,
             "stale_uploads": self.aborted_uploads,
+            "empty_dirs": self.empty_dirs,
             "foreign": self.foreign,
         }
 
@@ -430,6 +432,17 @@ def execute(storage: Storage, gc_plan: GcPlan, on_deleted=None) -> None:
             on_deleted(d)
     if gc_plan.stale_upload_age is not None:
         gc_plan.aborted_uploads = storage.abort_stale_uploads(gc_plan.stale_upload_age)
+        gc_plan.empty_dirs = empty_dirs(storage, gc_plan.stale_upload_age)
+
+
+# A save makes its attempt's directory, then its first file: however short the grace (0
+# for a Store's own retention), an empty one younger than this may be a save's next step.
+EMPTY_DIR_MIN_AGE = 600.0
+
+
+def empty_dirs(storage: Storage, grace: float, dry_run: bool = False) -> list[str]:
+    """Remove (or list) the empty directories of saves killed before their first file."""
+    return storage.remove_stale_empty_dirs(max(grace, EMPTY_DIR_MIN_AGE), dry_run=dry_run)
 
 
 def _keep_files_of(d: Deletion, attempts: set[str]) -> None:
@@ -455,6 +468,7 @@ def collect(storage: Storage, policy: Retention = Retention(), grace: float = DE
     p = plan(storage, policy, grace, protect=protect, immediate=immediate)
     if dry_run:
         p.aborted_uploads = storage.abort_stale_uploads(grace, dry_run=True)
+        p.empty_dirs = empty_dirs(storage, grace, dry_run=True)
     else:
         execute(storage, p)
     return p

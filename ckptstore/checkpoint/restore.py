@@ -36,6 +36,7 @@ from ..storage import Storage
 from .commit import generations, read_manifest
 from .flatten import GLOBAL, LOCAL, implied_storage_dtype, parse_skeleton_key, region_byte_offset, skeleton_key
 from .reader import BlobRead, check_extents, read_blobs
+from .weights_only import weights_only_refusal
 
 
 def latest_manifest(storage: Storage) -> fmt.Manifest:
@@ -277,6 +278,8 @@ def restore(storage: Storage, manifest: fmt.Manifest, rank: int, map_location=No
     nested tensors) raises its NotImplementedError as it is."""
     from ..runtime import runtime
 
+    if isinstance(map_location, torch.device) and map_location.type == "meta":
+        map_location = "meta"  # as torch.load: meta:0 is the meta device (no index to restore to)
     pool = pool or runtime().readers
     where = storage.describe()
     try:
@@ -409,28 +412,36 @@ def restore(storage: Storage, manifest: fmt.Manifest, rank: int, map_location=No
     else:
         unpickler = _full_unpickler(pickle_module)(stream, **args)
     unpickler.persistent_load = persistent_load
+    # torch's rebuilds of tensors not over a storage (wrapper subclasses, numpy-made)
+    # read map_location from serialization's thread-local, as torch.load sets it
+    tls = getattr(torch.serialization, "_serialization_tls", None)
+    outer_map_location = getattr(tls, "map_location", None)
     try:
-        with gc_paused():  # rebuilds every tensor: no whole-heap collections meanwhile
-            result = unpickler.load()
+        if tls is not None:
+            tls.map_location = map_location
+        try:
+            with gc_paused():  # rebuilds every tensor: no whole-heap collections meanwhile
+                result = unpickler.load()
+        finally:
+            if tls is not None:
+                tls.map_location = outer_map_location
         _check_not_grown(growable, where)
     except CkptStoreError:
         raise
     except pickle.UnpicklingError as e:
         if weights_only and _parses(stream.getvalue()):  # a pickle the allow-list refuses, not a broken one
-            raise UnsafeLoadError(
-                f"{where}: weights_only=True refused this checkpoint: {e}. Load it with "
-                "weights_only=False only if you trust its source, or allow the type with "
-                "torch.serialization.add_safe_globals([...])."
-            ) from e
+            raise UnsafeLoadError(f"{where}: {weights_only_refusal(e)}") from e
         raise FormatError(f"{where}: cannot unpickle the object skeleton: {e}") from e
     except EOFError as e:
         raise FormatError(f"{where}: the object skeleton ends early: {e}") from e
     except (TypeError, ValueError, AttributeError, IndexError, KeyError, OverflowError, RecursionError,
             RuntimeError, struct.error) as e:
         if (not weights_only or any(e is p for p in placement_errors) or _machines_limit(e, state, manifest)
-                or (isinstance(e, NotImplementedError) and _any_meta(over_meta, growable))):
+                or (isinstance(e, NotImplementedError) and _any_meta(over_meta, growable))
+                or (callable(map_location) and "map_location" in str(e))):
             # The checkpoint's own classes ran (opted in): their errors are theirs. A
-            # map_location to a missing device, a rebuild that allocates more than the
+            # map_location to a missing device (or a callable one, which torch's rebuild
+            # of a wrapper subclass refuses), a rebuild that allocates more than the
             # machine has (a quantized tensor's), or one with no meta kernel (a
             # quantized or nested tensor's, on meta storages) fails as in torch.load.
             raise

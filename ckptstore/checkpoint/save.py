@@ -40,6 +40,9 @@ class SaveOptions:
     # What the device copies wait for: None (each device's current stream), a
     # torch.cuda.Stream or {device index: stream}, checked by staging.check_stream.
     stream: Any = None
+    # Warn (UnsafeForWeightsOnlyWarning) when the default load will refuse the object:
+    # Store.save does; the drop-in save is silent, as torch.save, unless asked.
+    warn_unsafe: bool = True
 
 
 class SaveFuture:
@@ -137,7 +140,8 @@ def start_save(obj, storage: Storage, *, rt: Runtime, attempt: str, step: int | 
     try:
         staged = snapshot(obj, writer, rt.staging_pool, options.chunk_bytes, options.pickle_protocol,
                           rank=rank, world_size=world_size, replicated=options.replicated,
-                          pickle_module=options.pickle_module, stream=options.stream)
+                          pickle_module=options.pickle_module, stream=options.stream,
+                          warn_unsafe=options.warn_unsafe)
     except BaseException as e:
         writer.abort()
         _refuse(storage, attempt, step, world_size, rank, e)

@@ -57,10 +57,10 @@ class Snapshot:
 def snapshot(obj, writer: RankWriter, pool: StagingPool | Callable[[frozenset], StagingPool],
              chunk_bytes: int = DEFAULT_CHUNK_BYTES, pickle_protocol: int = 2, *, rank: int = 0,
              world_size: int = 1, replicated: list[str] | tuple[str, ...] = (), pickle_module=pickle,
-             stream=None) -> Snapshot:
+             stream=None, warn_unsafe: bool = True) -> Snapshot:
     """Stage ``obj``. When this returns, every byte the checkpoint will hold sits in
     staging memory (or is already written), so the caller may modify its tensors.
-    ``pickle_module`` pickles the skeleton, as in torch.save.
+    ``pickle_module`` pickles the skeleton, as in torch.save; ``warn_unsafe``: flatten's.
 
     ``pool``: the staging pool, or a function of the set of CUDA device indexes the
     state's tensors live on that returns it (``Runtime.staging_pool``: pinned only for
@@ -180,7 +180,7 @@ def snapshot(obj, writer: RankWriter, pool: StagingPool | Callable[[frozenset], 
         if captured is None:
             skeleton = flatten(obj, on_storage, pickle_protocol, on_dtensor=on_dtensor, replicated=is_replicated,
                                pickle_module=pickle_module, paths=paths, on_paths=lambda found, dtensors: _hint_size(
-                                   writer, functools.partial(_tensor_bytes, found, dtensors)))
+                                   writer, functools.partial(_tensor_bytes, found, dtensors)), warn_unsafe=warn_unsafe)
         else:
             _hint_size(writer, functools.partial(_captured_bytes, captured))
             _stage_captured(captured, out, writer, copier, on_storage, on_dtensor, limit)

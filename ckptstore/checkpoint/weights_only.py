@@ -31,6 +31,7 @@ import copyreg
 import os
 import pickle
 import pickletools
+import re
 import sys
 import types
 import warnings
@@ -114,10 +115,10 @@ class WeightsOnlyAudit:
     the pickler's ``reducer_override`` for objects outside :data:`AS_IS`, then :meth:`warn`
     with the finished pickle."""
 
-    def __init__(self, protocol: int):
+    def __init__(self, protocol: int, enabled: bool = True):
         # (a protocol that is no int: the pickler itself refuses it)
         self.protocol = pickle.HIGHEST_PROTOCOL if isinstance(protocol, int) and protocol < 0 else protocol
-        self.allowed = allow_list()
+        self.allowed = allow_list() if enabled else None  # (None: nothing noted, nothing warned)
         self.types: dict[str, int] = {}  # refused instances: type name -> count
         self.globals: dict[str, None] = {}  # refused global names, in order met
         # Protocol 3 writes bytes with opcodes the unpickler does not read, and the C
@@ -275,3 +276,47 @@ def _caller_stacklevel() -> int:
 
 
 __all__ = ["AS_IS", "AllowList", "WeightsOnlyAudit", "allow_list"]
+
+
+# --------------------------------------------------------------------------- load side
+_TRUE = ("1", "y", "yes", "true")
+# torch's unpickler named what it refused (a global, a blocked module, a type to import)
+_NAMED_REFUSAL = re.compile(r"GLOBAL \S+ was not an allowed global|whose module \S+ is blocked|\S+ must be \S+ to load")
+
+
+def resolve_weights_only(weights_only: bool | None, pickle_module) -> tuple[bool, object]:
+    """(weights_only, pickle_module) by torch.load's rules: the default is True unless a
+    ``pickle_module`` is given; ``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` forces True, and
+    ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` forces False where the caller passed nothing
+    (with torch's warning); True with a ``pickle_module`` is torch's RuntimeError."""
+    unset = weights_only is None
+    if unset:
+        weights_only = pickle_module is None
+    force = os.getenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "0").lower() in _TRUE
+    force_no = os.getenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "0").lower() in _TRUE
+    if force and force_no:
+        raise RuntimeError("Only one of `TORCH_FORCE_WEIGHTS_ONLY_LOAD` or `TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD` "
+                           "should be set, but both were set.")
+    if force:
+        weights_only = True
+    elif force_no and unset:
+        warnings.warn("Environment variable TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD detected: the `weights_only` "
+                      "argument was not passed to load, so weights_only=False.", UserWarning, stacklevel=3)
+        weights_only = False
+    if weights_only and pickle_module is not None:
+        raise RuntimeError("Can not safely load weights when explicit pickle_module is specified")
+    return weights_only, (pickle_module if weights_only else pickle_module or pickle)
+
+
+def weights_only_refusal(error: BaseException) -> str:
+    """The message of a load that weights_only=True refused: torch.load's opening words
+    (code written for torch.load matches on them), the unpickler's own, and the way out."""
+    text = str(error)
+    way_out = ("Load it with weights_only=False only if you trust its source, or allow the type with "
+               "torch.serialization.add_safe_globals([...]).")
+    if _NAMED_REFUSAL.search(text):
+        return f"Weights only load failed: weights_only=True refused this checkpoint. {text} {way_out}"
+    return ("Weights only load failed: weights_only=True refused this checkpoint (torch's weights-only unpickler "
+            "does not read it). If it holds only tensors and torch's own types, please file an issue with the "
+            "following so that we can make `weights_only=True` compatible with your use case (PyTorch's issue "
+            f"tracker: the unpickler is torch's): WeightsUnpickler error: {text}. {way_out}")

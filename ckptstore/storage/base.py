@@ -264,6 +264,13 @@ class Storage(abc.ABC):
         ``older_than`` seconds ago; returns their keys. Stores without them: nothing."""
         return []
 
+    def remove_stale_empty_dirs(self, older_than: float, dry_run: bool = False) -> list[str]:
+        """Remove the empty directories a save killed before its first file left
+        (``attempts/<id>/``, ``attempts/``, and a ``step-N/`` that held only those),
+        unchanged for ``older_than`` seconds; returns their keys. Stores without
+        directories: nothing."""
+        return []
+
     def describe(self, key: str = "") -> str:
         """A human-readable location for error messages."""
         return f"{self.url.rstrip('/')}/{key}" if key else self.url

@@ -45,11 +45,13 @@ import errno
 import os
 import stat as _stat
 import threading
+import time
 from contextlib import contextmanager
 from typing import Iterator
 
 from ..errors import (
     AlreadyExistsError,
+    CkptStoreError,
     NotRegularObjectError,
     ObjectNotFoundError,
     StorageError,
@@ -523,6 +525,70 @@ class LocalStorage(Storage):
         if not _stat.S_ISREG(st.st_mode):
             raise NotRegularObjectError(f"{where}: {_what(st.st_mode)}, not a regular file")
         return ObjectInfo(key, st.st_size, st.st_mtime)
+
+    def remove_stale_empty_dirs(self, older_than: float, dry_run: bool = False) -> list[str]:
+        """Only where a save makes them: ``attempts/<id>/``, ``attempts/`` and ``step-N/``
+        at the root, ``step-N/attempts/`` and ``step-N/attempts/<id>/``; nothing else is
+        listed, nothing through a symlink is touched."""
+        from ..names import ATTEMPTS_DIR, is_attempt_id, parse_step_dir_name
+
+        cutoff = time.time() - older_than
+
+        def listing(rel: str) -> tuple[list[str], bool, bool] | None:
+            """(subdirectory names, whether it holds anything else, whether it is old
+            enough); None when it cannot be listed. Symlinks are entries, never followed."""
+            try:
+                entries = list(os.scandir(os.path.join(self.root, rel)))
+                old = os.lstat(os.path.join(self.root, rel)).st_mtime <= cutoff
+            except OSError:
+                return None
+            subdirs = [e.name for e in entries if e.is_dir(follow_symlinks=False)]
+            return subdirs, len(subdirs) < len(entries), old
+
+        order: list[str] = []  # children before their parents; listed before any removal
+
+        def attempts_dir(rel: str) -> bool:  # attempts/ and its attempts/<id>/
+            found = listing(rel)
+            if found is None:
+                return False
+            subdirs, others, old = found
+            empty = [f"{rel}/{d}" for d in subdirs if is_attempt_id(d) and listing(f"{rel}/{d}") == ([], False, True)]
+            order.extend(empty)
+            if others or not old or len(empty) < len(subdirs):
+                return False
+            order.append(rel)
+            return True
+
+        top = listing("")
+        for name in top[0] if top else []:  # the store's attempts/ (a checkpoint path) and its step-N/
+            if name == ATTEMPTS_DIR:
+                attempts_dir(name)
+            elif parse_step_dir_name(name) is not None:
+                found = listing(name)
+                if found is None:
+                    continue
+                subdirs, others, old = found
+                emptied = subdirs == [ATTEMPTS_DIR] and attempts_dir(f"{name}/{ATTEMPTS_DIR}")
+                if not others and old and (not subdirs or emptied):
+                    order.append(name)
+        if dry_run:
+            return order
+        removed = []
+        for rel in order:  # children first; rmdir refuses one that is no longer empty
+            try:
+                parts = self._parts(rel)
+                fds = self._dirs(parts[:-1], rel)
+            except (OSError, CkptStoreError):  # (a name no key may have: not ours to touch)
+                continue
+            try:
+                os.rmdir(parts[-1] if fds else self._top + parts[-1], dir_fd=fds[-1] if fds else None)
+                removed.append(rel)
+            except OSError:
+                pass
+            finally:
+                for d in fds:
+                    os.close(d)
+        return removed
 
     def delete(self, key: str) -> None:
         """Remove ``key`` (missing: nothing to do). A symlink is unlinked itself, never

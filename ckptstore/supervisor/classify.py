@@ -30,6 +30,16 @@ TRANSIENT_PATTERNS = [
     r"RendezvousClosedError", r"RendezvousTimeoutError",
 ]
 _TRANSIENT = re.compile("|".join(f"(?:{p})" for p in TRANSIENT_PATTERNS))
+# NCCL's own verdict on a call the program got wrong: the same error on every retry.
+_MISUSE = re.compile(r"ncclInvalidUsage|ncclInvalidArgument|NCCL error[^\n]*invalid (usage|argument)")
+
+
+def _machinery(error: str, traceback: str) -> bool:
+    """Whether a rank's error is the machinery's (transient): its message or its
+    traceback (chained exceptions included: a cleanup that failed while handling a lost
+    peer is that fault's consequence) names a transient fault, and NCCL did not say the
+    program called it wrongly."""
+    return not _MISUSE.search(error) and bool(_TRANSIENT.search(error) or _TRANSIENT.search(traceback))
 _NUMBERS = re.compile(r"0x[0-9a-fA-F]+|\d+(?:\.\d+)?")
 
 
@@ -64,8 +74,7 @@ def classify(result: dict, step: int | None, previous_signature: str | None) -> 
     # A rank's own exception is the most specific evidence; the errors of the machinery
     # (a peer's connection closed) and the SIGTERM the launcher sends the surviving
     # ranks are consequences of some other rank's failure.
-    own = {r: f for r, f in errors.items()
-           if not (_TRANSIENT.search(f["error"]) or _TRANSIENT.search(f.get("traceback") or ""))}
+    own = {r: f for r, f in errors.items() if not _machinery(f["error"], f.get("traceback") or "")}
     if own:
         r, f = min(own.items(), key=lambda kv: (kv[1].get("timestamp") or 0, kv[0]))
         sig = signature(f["error"], step)

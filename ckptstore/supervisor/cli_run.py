@@ -59,10 +59,12 @@ def split_argv(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         if name.startswith("--") and name.replace("_", "-") in our_opts:  # torchrun's spelling of ours
             name = name.replace("_", "-")
             tok = name + tok[len(name):]
-        elif name.startswith("--") and name not in theirs and any(o.startswith(name) for o in our_opts):
-            # argparse would read an abbreviation as torchrun's option, or as nobody's
-            raise _Refused(f"ckptstore run: {name} is not an option; spell it out "
-                           f"({', '.join(sorted(o for o in our_opts if o.startswith(name)))})")
+        elif name.startswith("--") and name not in theirs and name not in our_opts:
+            # An abbreviation: argparse would read it as torchrun's option (or as nobody's),
+            # and whether it takes a value, so where the script begins, would be a guess.
+            full = sorted(o for o in (*our_opts, *theirs) if o.startswith("--") and o.startswith(name))
+            if full:
+                raise _Refused(f"ckptstore run: {name} is not an option; spell it out ({', '.join(full)})")
         if name in our_opts:
             mine.append(tok)
             takes = ours._option_string_actions[name].nargs != 0

@@ -3,7 +3,10 @@
 ``ckptstore run`` sets ``CKPTSTORE_PROGRESS_DIR`` (a node-local directory) for the job;
 each rank's :class:`~ckptstore.Checkpointer` then keeps ``rank-<R>.json`` there up to
 date: the step reached, what the rank is doing (``loading`` a checkpoint, ``train``,
-``saving``, ``preempted``, ``done``), its step time and the blocking cost of its saves.
+``saving`` (also while ``ckptstore.wait()`` or the exit waits for its saves),
+``preempted``, ``done``), its step time, the blocking cost of its saves, the step it
+resumed from and the newest step it saw committed (where the next attempt resumes,
+a local tier's commits included).
 The supervisor reads these files for hang detection (no rank advanced for the hang
 timeout, saves and loads excepted), lost work and the checkpoint-interval advice.
 
@@ -16,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 
 ENV_DIR = "CKPTSTORE_PROGRESS_DIR"
@@ -32,23 +36,42 @@ class ProgressReporter:
         self.record: dict = {"rank": rank, "pid": os.getpid(), "step": None, "state": "loading",
                              "started_t": time.time()}
         self._last = float("-inf")
+        # A commit's callback reports from a worker thread; reentrant: a SIGTERM handler's
+        # drain may report on the main thread while it is inside a report.
+        self._lock = threading.RLock()
 
     @classmethod
     def from_env(cls, rank: int) -> "ProgressReporter | None":
         directory = os.environ.get(ENV_DIR)
         return cls(directory, rank) if directory else None
 
-    def report(self, state: str, step: int | None = None, force: bool = False, **fields) -> None:
-        now = time.monotonic()
-        # Each new step is written (a few tens of microseconds: lost work is then exact);
-        # a report that says nothing new at most once a second.
-        changed = state != self.record["state"] or (step is not None and step != self.record["step"])
-        if step is not None:
-            self.record["step"] = int(step)
-        self.record.update(fields, state=state, t=time.time())
-        if not (force or changed or now - self._last >= REPORT_EVERY):
-            return
-        self._last = now
+    def report(self, state: str | None = None, step: int | None = None, force: bool = False, **fields) -> None:
+        """``state`` None keeps the current one (a field's news, such as a commit)."""
+        with self._lock:
+            now = time.monotonic()
+            state = self.record["state"] if state is None else state
+            # Each new step is written (a few tens of microseconds: lost work is then exact);
+            # a report that says nothing new at most once a second.
+            changed = state != self.record["state"] or (step is not None and step != self.record["step"])
+            if step is not None:
+                self.record["step"] = int(step)
+            self.record.update(fields, state=state, t=time.time())
+            if not (force or changed or now - self._last >= REPORT_EVERY):
+                return
+            self._last = now
+            self._write()
+
+    def note_committed(self, step: int, committed_t: float) -> None:
+        """A step this rank saw committed (or resumed from, committed at ``committed_t``,
+        unix seconds): written at once when newer than the last one. Not progress: the
+        report's time stays, so a background commit does not hold a hang's clock."""
+        with self._lock:
+            if step <= (self.record.get("committed_step") or -1):
+                return
+            self.record.update(committed_step=int(step), committed_t=committed_t)
+            self._write()
+
+    def _write(self) -> None:
         tmp = f"{self.path}.tmp-{os.getpid()}"
         try:
             with open(tmp, "w") as f:

@@ -33,6 +33,11 @@ from .launch import ENV_SUPERVISOR
 from .progress import ENV_DIR, read_progress
 from .status import newest_checkpoint
 
+# Jitter from a generator of our own: the program's `random` stream stays its own (a
+# resumed run draws what an uninterrupted one draws; rng.py saves that stream).
+_jitter = random.Random()
+os.register_at_fork(after_in_child=_jitter.seed)  # (forked ranks must not poll in lockstep)
+
 # Exit status of `ckptstore run` (docs/runbook.md).
 EXIT_FINISHED = 0
 EXIT_DETERMINISTIC = 10
@@ -86,7 +91,7 @@ class Supervisor:
                     hosts=[socket.gethostname()], policy=policy)
         failure_times: list[float] = []  # of the failures that count against the limits
         stalled, consecutive = 0, 0
-        last_ckpt = self._checkpoint()[0]
+        last_ckpt = self._stored_checkpoint()[0]  # where the last attempt (or the first) resumes
         attempt = 0
         while True:
             checks = check_node(self.store_url, list(self.staging_dirs), self.policy.health)
@@ -105,8 +110,8 @@ class Supervisor:
                 return EXIT_FINISHED
             if outcome.klass == "timeout":
                 return self._give_up(outcome.reason, EXIT_RUN_TIMEOUT, "timeout")
-            ckpt = self._checkpoint()
-            self._record_failure(attempt, outcome, *ckpt)
+            ckpt, ckpt_t = self._resume_point(outcome.evidence)
+            self._record_failure(attempt, outcome, ckpt, ckpt_t)
             if self._stop_signal is not None:
                 return self._stopped()
             if outcome.klass == "deterministic":
@@ -116,12 +121,15 @@ class Supervisor:
             if counted:
                 failure_times.append(now)
                 self._previous_sig = outcome.signature
-            ckpt = ckpt[0]
-            advanced = ckpt != last_ckpt
+            # Progress: a step committed beyond where this attempt started (where its ranks
+            # say they resumed, else the previous failure's resume point); never a step
+            # that went back, nor a store that could not be read.
+            start = outcome.evidence["resumed_step"] if outcome.evidence.get("resume_reported") else last_ckpt
+            advanced = ckpt is not None and (start is None or ckpt > start)
+            last_ckpt = ckpt if ckpt is not None else last_ckpt
             stalled = stalled + 1 if (counted and not advanced) else 0
             # backoff grows only while stuck: a newer checkpoint starts it over
             consecutive = (1 if counted else 0) if advanced else consecutive + counted
-            last_ckpt = ckpt
             if stalled >= self.policy.no_progress_restarts:
                 return self._give_up(f"no checkpoint newer than step {ckpt} in {stalled} failures in a row",
                                      EXIT_NO_PROGRESS, "no_progress")
@@ -192,7 +200,9 @@ class Supervisor:
         watch.update(progress)
         if not resumed_logged:  # the first step came after the last look (a short attempt)
             self._log_resume(attempt, watch, progress, launched_t)
-        evidence = {"step": watch.max_step, "step_s": watch.step_s, "save_blocking_s": watch.save_blocking_s}
+        evidence = {"step": watch.max_step, "step_s": watch.step_s, "save_blocking_s": watch.save_blocking_s,
+                    "resume_reported": watch.resume_reported, "resumed_step": watch.resumed_step,
+                    "committed_step": watch.committed_step, "committed_t": watch.committed_t}
         code = self._proc.returncode
         if verdict is None:
             if any(p.get("state") == "preempted" for p in progress.values()):
@@ -213,7 +223,7 @@ class Supervisor:
         """Journal where the attempt resumed from, once its first step is reported."""
         if watch.first_step_t is None:
             return False
-        r0 = progress.get(0, {})
+        r0 = progress[min(progress)] if progress else {}  # this node's first rank (rank 0 on one node only)
         self._event("resume", attempt=attempt, step=r0.get("resumed_step"), tier=r0.get("resumed_tier"),
                     checkpoint_age_s=r0.get("resumed_age_s"), skipped=r0.get("skipped") or [], first_step_s=watch.first_step_t - launched_t)
         return True
@@ -250,7 +260,7 @@ class Supervisor:
     # ------------------------------------------------------------------ records
     def _record_failure(self, attempt: int, v: Verdict, ckpt_step: int | None, ckpt_t: float | None) -> None:
         step = v.evidence.get("step")
-        lost = None if step is None else step - (ckpt_step if ckpt_step is not None else -1)
+        lost = None if step is None else max(0, step - (ckpt_step if ckpt_step is not None else -1))
         step_s = v.evidence.get("step_s")
         self._event("failure", attempt=attempt, **{"class": v.klass}, reason=v.reason, exit_code=v.exit_code,
                     signal=v.signal, rank=v.rank, traceback=(v.traceback or None) and v.traceback[-4000:],
@@ -277,20 +287,35 @@ class Supervisor:
         if kind in ("failure", "give_up", "unhealthy") and self.policy.alert:
             _alert(self.policy.alert, event)
 
-    def _checkpoint(self) -> tuple[int | None, float | None]:
-        """The newest committed step and its commit time (unix seconds): what a resume
-        would start from (status.newest_checkpoint; None, None when unknown)."""
+    def _stored_checkpoint(self, at_most: int | None = None) -> tuple[int | None, float | None]:
+        """The store's newest committed step (not above ``at_most``) and its commit time
+        (unix seconds); None, None when there is none or the store cannot be read."""
         try:
-            newest = newest_checkpoint(self.storage)
+            newest = newest_checkpoint(self.storage, at_most=at_most)
         except Exception:
             newest = None
         return (newest["step"], newest["committed_at_t"]) if newest else (None, None)
+
+    def _resume_point(self, evidence: dict) -> tuple[int | None, float | None]:
+        """Where the next attempt resumes, and when that step committed: the newest step
+        the ranks resumed from or committed (they know which steps their validation
+        took, and a local tier's commits, which the store at ``--store`` does not hold),
+        or the store's newest committed step no later than the step the job reached
+        (a newer one is one its resume passed over)."""
+        reported, reported_t = evidence.get("committed_step"), evidence.get("committed_t")
+        bound = evidence.get("step")
+        if bound is None:  # no step reached: nothing newer than where it resumed can be its
+            bound = evidence.get("resumed_step")
+        stored, stored_t = self._stored_checkpoint(at_most=bound)
+        if stored is not None and (reported is None or stored > reported):
+            return stored, stored_t
+        return reported, reported_t
 
     def _backoff(self, consecutive: int) -> None:
         if consecutive <= 0:
             return
         delay = min(self.policy.backoff_max_s, self.policy.backoff_s * 2 ** (consecutive - 1))
-        end = time.monotonic() + random.uniform(delay / 2, delay)  # jitter: nodes do not relaunch in lockstep
+        end = time.monotonic() + _jitter.uniform(delay / 2, delay)  # jitter: nodes do not relaunch in lockstep
         while self._stop_signal is None and time.monotonic() < end:
             time.sleep(min(POLL_S, max(0.0, end - time.monotonic())))
 
@@ -315,6 +340,10 @@ class _ProgressWatch:
         self.step_s: float | None = None
         self.save_blocking_s: float | None = None
         self.trained = False
+        self.resume_reported = False  # some rank said where it resumed from (None: a fresh start)
+        self.resumed_step: int | None = None
+        self.committed_step: int | None = None  # the newest step a rank resumed from or committed
+        self.committed_t: float | None = None  # when that step committed (unix seconds), if known
 
     def update(self, progress: dict[int, dict]) -> None:
         now = time.monotonic()
@@ -333,6 +362,15 @@ class _ProgressWatch:
             for name in ("step_s", "save_blocking_s"):
                 if isinstance(p.get(name), (int, float)) and math.isfinite(p[name]):
                     setattr(self, name, p[name])
+            if "resumed_step" in p:
+                self.resume_reported = True
+                if _is_step(p["resumed_step"]):
+                    self.resumed_step = p["resumed_step"]
+            step = p.get("committed_step")  # (the step it resumed from, or a newer one it saw committed)
+            if _is_step(step) and (self.committed_step is None or step > self.committed_step):
+                t = p.get("committed_t")
+                self.committed_step = step
+                self.committed_t = t if isinstance(t, (int, float)) and math.isfinite(t) else None
         self.busy = any(p.get("state") in ("loading", "saving") for p in progress.values())
         if self.busy:
             self.last_change = now
@@ -346,6 +384,10 @@ class _ProgressWatch:
         if now - self.last_change > policy.hang_timeout_s:
             return f"no rank reported progress for {policy.hang_timeout_s:.0f}s (last step {self.max_step})"
         return None
+
+
+def _is_step(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 63
 
 
 def _kill_tree(pid: int) -> None:
@@ -385,10 +427,25 @@ def _read_json(path: str) -> dict | None:
         return None
 
 
+ALERT_TIMEOUT_S = 30.0
+
+
 def _alert(command: str, event: dict) -> None:
-    """Run the user's alert command with the event as JSON on stdin (best effort)."""
+    """Run the user's alert command with the event as JSON on stdin (best effort). It
+    runs in a session of its own: at the timeout the shell and everything of its group
+    are killed (a hung ``curl`` would otherwise hold the supervisor's output open); a
+    command it started in the background and left is the user's."""
     try:
-        subprocess.run(command, shell=True, input=json.dumps(event, default=str), text=True, timeout=60,
-                       check=False)
+        proc = subprocess.Popen(command, shell=True, stdin=subprocess.PIPE, text=True, start_new_session=True)
+    except OSError as e:
+        print(f"ckptstore run: alert command failed: {e}", file=sys.stderr, flush=True)
+        return
+    try:
+        proc.communicate(json.dumps(event, default=str), timeout=ALERT_TIMEOUT_S)
     except (OSError, subprocess.TimeoutExpired) as e:
         print(f"ckptstore run: alert command failed: {e}", file=sys.stderr, flush=True)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # the shell and what it is waiting for
+        except OSError:
+            pass
+        proc.wait()

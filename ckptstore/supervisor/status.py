@@ -104,8 +104,9 @@ def summarize(events: list[dict], now: float, checkpoint: dict | None = None) ->
         out["failures_by_class"][f["class"]] = out["failures_by_class"].get(f["class"], 0) + 1
     if fails:
         out["last_failure"] = {**out["failures"][-1], "traceback": _str(fails[-1].get("traceback"), 16384)}
-    out["lost_steps"] = sum(f["lost_steps"] or 0 for f in out["failures"])
-    out["lost_s"] = sum(f["lost_s"] or 0.0 for f in out["failures"])
+    # (max: a journal written before lost work was clamped may hold a negative figure)
+    out["lost_steps"] = sum(max(0, f["lost_steps"] or 0) for f in out["failures"])
+    out["lost_s"] = sum(max(0.0, f["lost_s"] or 0.0) for f in out["failures"])
     counted = sum(f["class"] != "preempted" for f in out["failures"])
     out["mtbf_s"] = wall / counted if counted else None
 
@@ -173,14 +174,15 @@ def _failure_record(e: dict) -> dict:
             "lost_steps": _int(e.get("lost_steps")), "lost_s": _num(e.get("lost_s"))}
 
 
-def newest_checkpoint(storage: Storage) -> dict | None:
-    """{"step", "committed_at_t"} of the highest committed ``step-N/`` of the store (a
-    step whose manifest is unreadable is passed over, as resume passes it over)."""
+def newest_checkpoint(storage: Storage, at_most: int | None = None) -> dict | None:
+    """{"step", "committed_at_t"} of the highest committed ``step-N/`` of the store, not
+    above ``at_most`` when given. A step whose manifest is unreadable, or that a resume
+    marked as one it could not use, is passed over, as resume passes it over."""
     steps = sorted((s for s in (names.parse_step_dir_name(n[:-1]) for n in storage.list("") if n.endswith("/"))
-                    if s is not None), reverse=True)
+                    if s is not None and (at_most is None or s <= at_most)), reverse=True)
     for step in steps:
         loc = scan_location(storage.child(names.step_dir_name(step)), names.step_dir_name(step))
-        if loc.committed:
+        if loc.committed and not loc.skip_marked:
             return {"step": loc.step, "committed_at_t": fmt.parse_time(loc.manifest.committed_at)}
     return None
 
@@ -202,8 +204,11 @@ def status(storage: Storage, run_id: str | None = None, now: float | None = None
 _num = finite_float
 
 
+_INT_LIMIT = 1 << 63  # a journaled figure beyond any real one is no figure (sums stay printable)
+
+
 def _int(v) -> int | None:
-    return v if isinstance(v, int) and not isinstance(v, bool) else None
+    return v if isinstance(v, int) and not isinstance(v, bool) and -_INT_LIMIT < v < _INT_LIMIT else None
 
 
 def _str(v, limit: int = _TEXT) -> str | None:

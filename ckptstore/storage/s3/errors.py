@@ -10,6 +10,7 @@ endpoint credential leaks into a message or a logged traceback. Retries are boto
 from __future__ import annotations
 
 import http.client
+import os
 import random
 import time
 from concurrent.futures import CancelledError
@@ -26,6 +27,11 @@ from ...errors import (
     TransientStorageError,
 )
 from ..base import redact_url
+
+# Jitter from a generator of our own: the program's `random` stream stays its own (a
+# resumed run draws what an uninterrupted one draws; rng.py saves that stream).
+_jitter = random.Random()
+os.register_at_fork(after_in_child=_jitter.seed)  # (forked ranks must not poll in lockstep)
 
 _NOT_FOUND = {"NoSuchKey", "404", "NotFound"}
 _PERMISSION = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AllAccessDisabled",
@@ -137,4 +143,4 @@ def _scrub_exception(e: BaseException, redact) -> None:
 
 def _backoff(failure: int) -> None:
     """Jittered exponential backoff for our one hand-made retry loop (body streaming)."""
-    time.sleep(random.random() * min(0.5 * 2 ** (failure - 1), 20.0))
+    time.sleep(_jitter.random() * min(0.5 * 2 ** (failure - 1), 20.0))
