@@ -595,7 +595,7 @@ class Store:
             future.add_done_callback(lambda f, r=rank: self._after_local_commit(f, r))
         if durable or self._saves % self.durable_every == 0:
             fence = None if self.epoch is None else functools.partial(check_fence, self.storage, self.epoch)
-            self._promoter.schedule(future, rank, world, fence)
+            self._promoter.schedule(future, rank, world, fence, first=durable)
         return future
 
     def _local_saves_since_durable(self) -> int:

@@ -47,9 +47,11 @@ class Promoter:
         with self._lock:
             return set(self._attempts)
 
-    def schedule(self, save: SaveFuture, rank: int, world: int, fence) -> SaveFuture:
+    def schedule(self, save: SaveFuture, rank: int, world: int, fence, first: bool = False) -> SaveFuture:
         """A promotion of ``save``'s checkpoint once it is committed locally (tracked now,
-        so that a ``wait()`` right after the save already covers it)."""
+        so that a ``wait()`` right after the save already covers it). ``first``: ahead of
+        the promotions still queued (a preemption's save, ``durable=True``: the exit
+        deadline must not go to older steps first; every rank queues it alike)."""
         future = SaveFuture(self.durable.location(save.step).describe(), save.step, save.attempt,
                             storage=self.durable.location(save.step), rank=rank, world_size=world)
         future._staged.set()
@@ -58,7 +60,7 @@ class Promoter:
         with self._lock:
             self._pending[save.step] = self._pending.get(save.step, 0) + 1
             self._attempts[save.attempt] = self._attempts.get(save.attempt, 0) + 1
-            self._queue.append((future, save, rank, fence))
+            (self._queue.appendleft if first else self._queue.append)((future, save, rank, fence))
             backlog = len(self._queue)
             if self._worker is None or not self._worker.is_alive():
                 self._worker = threading.Thread(target=self._run, name="ckptstore-promote", daemon=True)

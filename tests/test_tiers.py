@@ -412,3 +412,24 @@ def test_durable_every_counts_across_restarts(tmp_path):
             store.save(step, {"w": torch.full((2,), float(step))}).result()
         ckptstore.wait()
     assert ckptstore.Store(durable).steps() == [3, 6]
+
+
+def test_a_durable_save_is_promoted_ahead_of_the_backlog(tmp_path):
+    """A preemption's save (durable=True) queued behind a backlog of promotions: the
+    exit deadline went to older steps first and the preempted step could miss it."""
+    from ckptstore.checkpoint.save import SaveFuture
+    from ckptstore.tiers import Promoter
+
+    local = ckptstore.Store(tmp_path / "local")
+    durable = ckptstore.Store(tmp_path / "durable")
+    promoter = Promoter(local, durable, None, 60.0)
+    saves = {step: SaveFuture(f"local step {step}", step, f"a{step}") for step in (1, 2, 3, 4)}
+    promoted = [promoter.schedule(saves[step], 0, 1, None, first=(step == 4)) for step in (1, 2, 3, 4)]
+    with promoter._lock:  # step 1 may be the worker's already (it waits for that local commit)
+        queued = [save.step for _, save, _, _ in promoter._queue]
+    assert queued in ([4, 2, 3], [4, 1, 2, 3])
+    for save in saves.values():  # let the worker finish: the local saves failed
+        save._future.set_exception(RuntimeError("not committed"))
+    for future in promoted:
+        assert future.wait_settled(60)
+    assert promoter.pending_steps() == set()
