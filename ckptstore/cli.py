@@ -313,9 +313,8 @@ def gc(url, keep_last, keep_every, keep_within, keep_best, grace, dry_run, as_js
         if not dry_run:
             with _progress(len(p.deletions), "deleting", as_json) as bar:
                 gc_mod.execute(storage, p, on_deleted=lambda d: bar.update(1))
-        else:  # what execute would also do: as gc.collect's dry run lists them
-            p.aborted_uploads = storage.abort_stale_uploads(grace, dry_run=True)
-            p.empty_dirs = gc_mod.empty_dirs(storage, grace, dry_run=True)
+        else:
+            gc_mod.preview(storage, p)
     except CkptStoreError as e:
         _fail(str(e), EXIT_PROBLEM)
     if as_json:

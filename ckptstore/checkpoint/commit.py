@@ -31,8 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import random
 import time
 import warnings
 
@@ -52,6 +50,7 @@ from ..errors import (
     ObjectNotFoundError,
     ObjectTooLargeError,
 )
+from .._jitter import jitter as _jitter
 from .._threads import run_all
 from ..runtime import runtime
 from ..storage import Storage
@@ -60,10 +59,6 @@ from . import exiting
 from .held import defer, held_attempts, references_lock, take_deferred
 from .indexes import build_root
 
-# Jitter from a generator of our own: the program's `random` stream stays its own (a
-# resumed run draws what an uninterrupted one draws; rng.py saves that stream).
-_jitter = random.Random()
-os.register_at_fork(after_in_child=_jitter.seed)  # (forked ranks must not poll in lockstep)
 
 
 # Every rank of a multi-rank save beats its heartbeat this often from its start to its

@@ -445,6 +445,13 @@ def empty_dirs(storage: Storage, grace: float, dry_run: bool = False) -> list[st
     return storage.remove_stale_empty_dirs(max(grace, EMPTY_DIR_MIN_AGE), dry_run=dry_run)
 
 
+def preview(storage: Storage, gc_plan: GcPlan) -> None:
+    """A dry run's plan: what ``execute`` would also clear after the deletions (stale
+    multipart uploads, the empty directories of killed saves), listed, not touched."""
+    gc_plan.aborted_uploads = storage.abort_stale_uploads(gc_plan.grace, dry_run=True)
+    gc_plan.empty_dirs = empty_dirs(storage, gc_plan.grace, dry_run=True)
+
+
 def _keep_files_of(d: Deletion, attempts: set[str]) -> None:
     """Leave ``attempts``' files out of ``d`` (a checkpoint or generation whose manifest
     still goes): a checkpoint present now reads them; a later run deletes them once none
@@ -467,11 +474,10 @@ def collect(storage: Storage, policy: Retention = Retention(), grace: float = DE
             dry_run: bool = False, protect=frozenset(), immediate: bool = False) -> GcPlan:
     p = plan(storage, policy, grace, protect=protect, immediate=immediate)
     if dry_run:
-        p.aborted_uploads = storage.abort_stale_uploads(grace, dry_run=True)
-        p.empty_dirs = empty_dirs(storage, grace, dry_run=True)
+        preview(storage, p)
     else:
         execute(storage, p)
     return p
 
 
-__all__ = ["DEFAULT_GRACE", "Deletion", "GcPlan", "collect", "execute", "plan", "read_pin"]
+__all__ = ["DEFAULT_GRACE", "Deletion", "GcPlan", "collect", "empty_dirs", "execute", "plan", "preview", "read_pin"]

@@ -275,8 +275,6 @@ def _caller_stacklevel() -> int:
     return level
 
 
-__all__ = ["AS_IS", "AllowList", "WeightsOnlyAudit", "allow_list"]
-
 
 # --------------------------------------------------------------------------- load side
 _TRUE = ("1", "y", "yes", "true")
@@ -320,3 +318,6 @@ def weights_only_refusal(error: BaseException) -> str:
             "does not read it). If it holds only tensors and torch's own types, please file an issue with the "
             "following so that we can make `weights_only=True` compatible with your use case (PyTorch's issue "
             f"tracker: the unpickler is torch's): WeightsUnpickler error: {text}. {way_out}")
+
+
+__all__ = ["AS_IS", "AllowList", "WeightsOnlyAudit", "allow_list", "resolve_weights_only", "weights_only_refusal"]

@@ -30,6 +30,7 @@ TRANSIENT_PATTERNS = [
     r"RendezvousClosedError", r"RendezvousTimeoutError",
 ]
 _TRANSIENT = re.compile("|".join(f"(?:{p})" for p in TRANSIENT_PATTERNS))
+_NUMBERS = re.compile(r"0x[0-9a-fA-F]+|\d+(?:\.\d+)?")
 # NCCL's own verdict on a call the program got wrong: the same error on every retry.
 _MISUSE = re.compile(r"ncclInvalidUsage|ncclInvalidArgument|NCCL error[^\n]*invalid (usage|argument)")
 
@@ -40,7 +41,6 @@ def _machinery(error: str, traceback: str) -> bool:
     peer is that fault's consequence) names a transient fault, and NCCL did not say the
     program called it wrongly."""
     return not _MISUSE.search(error) and bool(_TRANSIENT.search(error) or _TRANSIENT.search(traceback))
-_NUMBERS = re.compile(r"0x[0-9a-fA-F]+|\d+(?:\.\d+)?")
 
 
 @dataclass

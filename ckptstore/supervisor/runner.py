@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import random
 import shutil
 import signal
 import socket
@@ -25,6 +24,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from .. import format as fmt
+from .._jitter import jitter as _jitter
 from ..storage import Storage, open_storage
 from .classify import Verdict, classify
 from .health import EXIT_UNHEALTHY, HealthLimits, check_node, checks_json, healthy
@@ -33,10 +33,6 @@ from .launch import ENV_SUPERVISOR
 from .progress import ENV_DIR, read_progress
 from .status import newest_checkpoint
 
-# Jitter from a generator of our own: the program's `random` stream stays its own (a
-# resumed run draws what an uninterrupted one draws; rng.py saves that stream).
-_jitter = random.Random()
-os.register_at_fork(after_in_child=_jitter.seed)  # (forked ranks must not poll in lockstep)
 
 # Exit status of `ckptstore run` (docs/runbook.md).
 EXIT_FINISHED = 0

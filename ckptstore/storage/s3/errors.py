@@ -10,8 +10,6 @@ endpoint credential leaks into a message or a logged traceback. Retries are boto
 from __future__ import annotations
 
 import http.client
-import os
-import random
 import time
 from concurrent.futures import CancelledError
 
@@ -26,12 +24,9 @@ from ...errors import (
     StoragePermissionError,
     TransientStorageError,
 )
+from ..._jitter import jitter as _jitter
 from ..base import redact_url
 
-# Jitter from a generator of our own: the program's `random` stream stays its own (a
-# resumed run draws what an uninterrupted one draws; rng.py saves that stream).
-_jitter = random.Random()
-os.register_at_fork(after_in_child=_jitter.seed)  # (forked ranks must not poll in lockstep)
 
 _NOT_FOUND = {"NoSuchKey", "404", "NotFound"}
 _PERMISSION = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AllAccessDisabled",
