@@ -34,6 +34,7 @@ from .checkpoint.group import agree_on_attempt, gather, rank_and_world
 from .checkpoint.held import Hold, references_lock
 from .checkpoint.references import index as index_references
 from .checkpoint.references import resolve as resolve_references
+from .checkpoint import nearby
 from .checkpoint.indexes import expand, for_load
 from .checkpoint.reshard import fill_template
 from .checkpoint.restore import latest_manifest, restore
@@ -739,15 +740,44 @@ class Store:
         step = self._resolve(step)
         holders = self._copies(step)
         location = (holders[0][1] if holders else self).location(step)
-        root = latest_manifest(location)
+        try:
+            root = latest_manifest(location)
+        except (CheckpointNotFoundError, NotCommittedError) as e:
+            raise type(e)(f"{e}; {self._nearest(step)}") from e
         return expand(location, root) if records else root
 
     def _resolve(self, step: int | None) -> int:
         if step is None:
             step = self.latest()
             if step is None:
-                raise CheckpointNotFoundError(f"{self.storage.describe()}: the store holds no committed checkpoint")
+                raise CheckpointNotFoundError(f"{self.storage.describe()}: the store holds no committed checkpoint"
+                                              f"{self._none_here()}")
         return step
+
+    def _nearest(self, step: int) -> str:
+        """Which committed steps lie nearest a missing ``step`` (for its error)."""
+        try:
+            steps = self.steps()
+        except CkptStoreError:  # the hint must not hide the error it explains
+            return f"step {step} is not committed"
+        if not steps:
+            return f"step {step} is not committed: the store holds no committed step{self._none_here()}"
+        below, above = [s for s in steps if s < step], [s for s in steps if s > step]
+        near = ([f"{below[-1]} (below)"] if below else []) + ([f"{above[0]} (above)"] if above else [])
+        return (f"step {step} is not committed; nearest committed step{'s' * (len(near) > 1)}: "
+                f"{' and '.join(near)}; {len(steps)} in all (Store.steps() lists them)")
+
+    def _none_here(self) -> str:
+        """Why a store holds no step, when its URL names something else: one checkpoint
+        (a drop-in save's path) or a directory with stores or checkpoints below it."""
+        where = self.storage.describe()
+        try:
+            if generations(self.storage):
+                return f"; {where} is one checkpoint, not a store: ckptstore.load({where!r}) reads it"
+            found = nearby.search(self.storage)
+        except CkptStoreError:
+            return ""
+        return f"; {nearby.below_message(where, found)}" if found.below() else ""
 
     def load(self, step: int | None = None, map_location=None, weights_only: bool = True, *,
              rank: int | None = None, template=None, return_info: bool = False) -> Any:
@@ -765,7 +795,10 @@ class Store:
             try:
                 obj, info = self._load_nearest(chosen, map_location, weights_only, rank, template)
                 return (obj, info) if return_info else obj
-            except CkptStoreError:
+            except CkptStoreError as e:
+                if step is not None and isinstance(e, (CheckpointNotFoundError, NotCommittedError)) \
+                        and step not in self.steps():  # name the steps there are
+                    raise type(e)(f"{e}; {self._nearest(step)}") from e
                 # The same rule one level up: retention removed the latest step while we
                 # read it (its manifest is gone), so the latest is another step now.
                 if step is not None or tries == RELOADS - 1 or chosen in self.steps():

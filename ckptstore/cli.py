@@ -1,8 +1,11 @@
 """The ``ckptstore`` command: ls, verify, gc, doctor.
 
-Exit codes: 0 success (verify: everything sound); 1 verify found a problem, or a
-command failed on the store; 2 usage error or unreachable store. Expected errors print
-one line on stderr, never a traceback. ``--json`` prints one JSON document on stdout.
+Exit codes: 0 success (verify: everything sound); 1 verify found a problem, ls or
+verify found no committed checkpoint at the URL, or a command failed on the store; 2
+usage error, a URL that names no store ckptstore opens, or an unreachable store.
+Expected errors print one line on stderr, never a traceback, and never a credential
+(``_fail`` redacts every message: storage/urls.py). ``--json`` prints one JSON
+document on stdout.
 """
 
 from __future__ import annotations
@@ -18,17 +21,21 @@ import click
 from ._terminal import printable as _printable
 from ._version import __version__
 from .checkpoint import gc as gc_mod
+from .checkpoint import nearby
 from .checkpoint.catalog import Location, is_location, read_skip_mark, scan_location, scan_store
 from .checkpoint.retention import KeepBest, Retention, parse_duration
 from .checkpoint.verify import Problem, verify_manifest
-from .errors import CkptStoreError
+from .errors import CkptStoreError, InvalidURLError, NotACheckpointError
 from .storage import Storage, is_url, open_storage
+from .storage.urls import redact_url, shown
 
 EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2
 
 
 def _fail(message: str, code: int) -> None:
-    click.echo(f"ckptstore: {_printable(message)}", err=True)
+    """One line on stderr, without credentials (whatever URL the message holds) or
+    control characters, and exit with ``code``."""
+    click.echo(f"ckptstore: {_printable(redact_url(message))}", err=True)
     sys.exit(code)
 
 
@@ -42,11 +49,42 @@ def _open(url: str, containers: bool = True) -> Storage:
     try:
         storage = open_storage(url)
         storage.list("")
+    except InvalidURLError as e:  # names the URL and the supported forms itself
+        _fail(str(e), EXIT_USAGE)
     except (CkptStoreError, ValueError, OSError) as e:
-        _fail(f"cannot open {url}: {e}", EXIT_USAGE)
+        _fail(f"cannot open {shown(url)}: {e}", EXIT_USAGE)
     if not storage.is_dir():
-        _fail(f"cannot open {url}: no such directory", EXIT_USAGE)
+        _fail(f"cannot open {shown(url)}: no such directory", EXIT_USAGE)
     return storage
+
+
+def _exists(url: str) -> bool:
+    """Whether a destination path or URL holds anything (a URL ckptstore cannot open:
+    a usage error)."""
+    if not is_url(url):
+        return os.path.lexists(url)
+    try:
+        return bool(open_storage(url).list(""))
+    except InvalidURLError as e:
+        _fail(str(e), EXIT_USAGE)
+    except (CkptStoreError, OSError) as e:
+        _fail(f"cannot open {shown(url)}: {e}", EXIT_USAGE)
+
+
+def _nothing_here(url: str) -> str:
+    """Why ``url`` gave ls or verify no committed checkpoint (both exit 1 then), and
+    where the checkpoints are when they lie a level or two below it
+    (checkpoint/nearby.py: bounded work)."""
+    where = shown(url)
+    text = f"{where}: no committed checkpoint here"
+    try:
+        storage = open_storage(url)
+        if _locations(storage):  # what is there holds attempts only
+            text += " (only save attempts that never committed: `ckptstore ls --all` shows them)"
+        found = nearby.search(storage)
+    except (CkptStoreError, OSError):
+        return text
+    return f"{text}; {nearby.below_message(where, found)}" if found.below() else text
 
 
 def _open_container(path: str, allowed: bool) -> Storage:
@@ -131,13 +169,20 @@ def _ls_record(loc: Location, now: float) -> dict:
               help="The local tier of a two-tier store whose durable tier is URL: list both, with the tiers "
                    "holding each step.")
 def ls(url: str, as_json: bool, show_all: bool, local: str | None) -> None:
-    """List the committed checkpoints at URL, oldest first."""
+    """List the committed checkpoints at URL, oldest first.
+
+    None at all is exit 1, as for verify, naming the checkpoints a level or two below
+    URL when there are some.
+    """
     records = _ls_records(url, show_all)
     if local is not None:
         gone = not is_url(local) and not os.path.exists(local)  # the node holding it was lost: none
         records = _merge_tiers({"durable": records, "local": [] if gone else _ls_records(local, show_all)})
+    nothing = not any(r["committed"] or r.get("error") for r in records)
     if as_json:
         click.echo(json.dumps(records, indent=2))
+        if nothing:
+            _fail(_nothing_here(url), EXIT_PROBLEM)
         return
     rows = []
     for r in records:
@@ -161,7 +206,10 @@ def ls(url: str, as_json: bool, show_all: bool, local: str | None) -> None:
                              f"voted {a['voted']}", _human_bytes(a["bytes"]), "",
                              *([""] if local is not None else []), "aborted" if a["aborted"] else ""])
     tiers = ["TIERS"] if local is not None else []
-    click.echo(_table(["NAME", "STEP", "COMMITTED (UTC)", "RANKS", "STORED", "RAW", *tiers, "NOTES"], rows))
+    if rows:
+        click.echo(_table(["NAME", "STEP", "COMMITTED (UTC)", "RANKS", "STORED", "RAW", *tiers, "NOTES"], rows))
+    if nothing:  # as verify: exit 1, saying where the checkpoints are when they lie deeper
+        _fail(_nothing_here(url), EXIT_PROBLEM)
 
 
 def _ls_records(url: str, show_all: bool) -> list[dict]:
@@ -230,15 +278,19 @@ def verify(url: str, quick: bool, as_json: bool) -> None:
     """Check one checkpoint, or every committed checkpoint under URL.
 
     Full mode reads, decodes and hashes every chunk. Exit 0 when all is sound, 1 when
-    anything is missing or corrupt. Never changes the store.
+    anything is missing or corrupt or no checkpoint is there. Never changes the store.
     """
     storage = _open(url)
     try:
         locations = [loc for loc in _locations(storage) if loc.committed or loc.manifest_error]
     except CkptStoreError as e:
         _fail(str(e), EXIT_PROBLEM)
-    if not locations:
-        _fail(f"{url}: no committed checkpoint found", EXIT_PROBLEM)
+    if not locations:  # as ls: exit 1, saying where the checkpoints are when they lie deeper
+        message = _nothing_here(url)
+        if as_json:
+            click.echo(json.dumps({"ok": False, "quick": quick, "checkpoints": [], "error": redact_url(message)},
+                                  indent=2))
+        _fail(message, EXIT_PROBLEM)
     total = sum(loc.manifest.stored_bytes for loc in locations if loc.manifest)
     reports = []
     seen: dict = {}  # each stored blob is read once, however many checkpoints reference it
@@ -356,8 +408,8 @@ def consolidate(src: str, dst: str, as_torch: bool, rank: int, weights_only: boo
 
     from . import api
 
-    if (not is_url(dst) and os.path.exists(dst)) or (is_url(dst) and open_storage(dst).list("")):
-        _fail(f"{dst}: already exists; consolidate never replaces a checkpoint", EXIT_USAGE)
+    if _exists(dst):
+        _fail(f"{shown(dst)}: already exists; consolidate never replaces a checkpoint", EXIT_USAGE)
     try:
         obj = _load_with_progress(src, "reading", False, map_location="cpu", weights_only=weights_only, rank=rank)
         if as_torch:
@@ -368,12 +420,12 @@ def consolidate(src: str, dst: str, as_torch: bool, rank: int, weights_only: boo
         else:
             api.save(obj, dst).result()
     except FileExistsError as e:
-        _fail(f"{dst}: already exists ({e})", EXIT_USAGE)
-    except FileNotFoundError as e:
+        _fail(f"{shown(dst)}: already exists ({e})", EXIT_USAGE)
+    except (FileNotFoundError, InvalidURLError, NotACheckpointError) as e:  # (a store root: which step?)
         _fail(str(e), EXIT_USAGE)
     except CkptStoreError as e:
         _fail(str(e), EXIT_PROBLEM)
-    click.echo(f"wrote {dst}")
+    click.echo(f"wrote {shown(dst)}")
 
 
 # ---------------------------------------------------------------------------- zarr interop
@@ -405,7 +457,7 @@ def export(src: str, dest: str, as_zarr: bool, rank: int, extension_types: bool,
         with _progress(total, "exporting", as_json) as bar:
             report = zarr_io.export_state(state, dest, extension_types=extension_types, source=src,
                                           on_bytes=bar.update)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, InvalidURLError, NotACheckpointError) as e:  # (a store root: which step?)
         _fail(str(e), EXIT_USAGE)
     except CkptStoreError as e:
         _fail(str(e), EXIT_PROBLEM)
@@ -420,21 +472,23 @@ def export(src: str, dest: str, as_zarr: bool, rank: int, extension_types: bool,
 
 
 @main.command("import")
-@click.argument("src", type=click.Path(exists=True, file_okay=False))
+@click.argument("src")
 @click.argument("dest")
 def import_(src: str, dest: str) -> None:
     """Save the zarr v3 hierarchy at local directory SRC (an export, or any hierarchy of
     arrays) as a new ckptstore checkpoint DEST."""
     from . import api, zarr_io
 
-    if (not is_url(dest) and os.path.lexists(dest)) or (is_url(dest) and open_storage(dest).list("")):
-        _fail(f"{dest}: already exists; import never replaces a checkpoint", EXIT_USAGE)
+    if is_url(src) or not os.path.isdir(src):  # (checked here, not by click, which echoes a URL whole)
+        _fail(f"{shown(src)}: not a local directory (import reads a zarr v3 hierarchy on local disk)", EXIT_USAGE)
+    if _exists(dest):
+        _fail(f"{shown(dest)}: already exists; import never replaces a checkpoint", EXIT_USAGE)
     try:
         state = zarr_io.import_state(src)
         api.save(state, dest).result()
     except CkptStoreError as e:
         _fail(str(e), EXIT_PROBLEM)
-    click.echo(f"wrote {dest}: {len(_tensors_of(state))} tensor(s)")
+    click.echo(f"wrote {shown(dest)}: {len(_tensors_of(state))} tensor(s)")
 
 
 def _load_with_progress(src: str, label: str, quiet: bool, **load_args):
@@ -448,6 +502,8 @@ def _load_with_progress(src: str, label: str, quiet: bool, **load_args):
 
     try:
         total = latest_manifest(open_storage(src)).stored_bytes
+    except NotACheckpointError:  # (a store root, say: load would search for what lies there again)
+        raise
     except (CkptStoreError, ValueError, OSError):  # a single-file container, say: no total to show
         total = 0
     with _progress(total, label, quiet or not total) as bar:
@@ -537,17 +593,61 @@ def doctor(as_json: bool, health: bool, store_url: str | None, staging_dirs: tup
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return
-    for k, v in report.items():
-        click.echo(f"{k:<18} {v}")
-    cuda = report["cuda"]
-    if cuda["native_off"]:
+    click.echo(doctor_text(report))
+
+
+# Figures of the staging pool that count bytes (the rest count events or blocks).
+_POOL_BYTES = {"capacity", "held", "in_use", "used", "cached", "peak", "peak_in_use", "overflow_bytes",
+               "largest_free", "slab_bytes"}
+
+
+def _doctor_value(key: str, value, section: str) -> str:
+    """One figure of the doctor report, as a person reads it."""
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if value is None or value == "":
+        return "-"
+    if isinstance(value, (list, tuple)):
+        return ", ".join(_doctor_value(key, v, section) for v in value) or "none"
+    if isinstance(value, dict):  # (deeper than a section: inline)
+        return ", ".join(f"{k.replace('_', ' ')} {_doctor_value(k, v, section)}" for k, v in value.items()) or "-"
+    if isinstance(value, int) and section == "staging_pool" and key in _POOL_BYTES:
+        return f"{_human_bytes(value)} ({value} bytes)" if value >= 1024 else _human_bytes(value)
+    if isinstance(value, int) and section == "cuda.native" and key.endswith("_version"):
+        # CUDA's encoding: 1000 * major + 10 * minor (12040 is 12.4); 0: none found
+        return "-" if value == 0 else f"{value // 1000}.{value % 1000 // 10} ({value})"
+    return str(value)
+
+
+def doctor_text(report: dict) -> str:
+    """The doctor report as a table: one row per figure (the same keys as --json, each
+    section's rows indented under it), with yes/no for flags, "-" for nothing, byte
+    counts with their units, and every string escaped as ls escapes what it prints."""
+    rows: list[tuple[str, str]] = []
+
+    def walk(d: dict, depth: int, section: str) -> None:
+        for k, v in d.items():
+            label = "  " * depth + k.replace("_", " ")
+            if isinstance(v, dict) and depth < 2 and v:
+                rows.append((label, ""))
+                walk(v, depth + 1, f"{section}.{k}" if section else k)
+            else:
+                rows.append((label, _doctor_value(k, v, section)))
+
+    walk(report, 0, "")
+    cuda = report.get("cuda") or {}
+    if cuda.get("native_off"):
         # Said plainly: the path is off for a reason the user may fix (driver, build).
-        state = "GPU present, " if cuda["available"] else "no GPU for torch; "
-        click.echo(f"{'native CUDA path':<18} OFF ({state}{cuda['native_off']})")
-    else:
+        state = "GPU present, " if cuda.get("available") else "no GPU for torch; "
+        rows.append(("native CUDA path", f"OFF ({state}{cuda['native_off']})"))
+    elif isinstance(cuda.get("native"), dict):
         info = cuda["native"]
-        click.echo(f"{'native CUDA path':<18} on (driver API, driver {info['driver_version']}, "
-                   f"{info['devices']} device(s), kernel {info['kernel']})")
+        driver = _doctor_value("driver_version", info.get("driver_version"), "cuda.native")
+        rows.append(("native CUDA path", f"on (driver API, driver {driver}, "
+                                         f"{info.get('devices')} device(s), kernel {info.get('kernel')})"))
+    rows = [(_printable(k), _printable(v)) for k, v in rows]  # reasons and names come from the system
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}".rstrip() for k, v in rows)
 
 
 from .supervisor.cli_run import run_command  # noqa: E402 (its own module: the supervisor)

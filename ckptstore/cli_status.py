@@ -28,7 +28,8 @@ def status(url: str, run_id: str | None, as_json: bool, local: str | None) -> No
     goodput, checkpoint age and the recommended checkpoint interval."""
     # cli.py imports this module at its end to register the command: import it lazily
     from .cli import EXIT_PROBLEM, EXIT_USAGE, _fail, _open
-    from .errors import CkptStoreError
+    from .errors import CkptStoreError, InvalidURLError
+    from .storage.urls import shown
     from .supervisor.journal import is_run_id
     from .supervisor.status import status as run_status
 
@@ -38,15 +39,17 @@ def status(url: str, run_id: str | None, as_json: bool, local: str | None) -> No
     try:
         summary = run_status(storage, run_id, time.time())
     except (CkptStoreError, OSError) as e:
-        _fail(f"{url}: cannot read the run journal: {e}", EXIT_PROBLEM)
+        _fail(f"{shown(url)}: cannot read the run journal: {e}", EXIT_PROBLEM)
     if summary["state"] == "empty":
         what = f"no journal for run {run_id}" if run_id else "no run journal (ckptstore run writes one)"
-        _fail(f"{url}: {what}", EXIT_PROBLEM)
+        _fail(f"{shown(url)}: {what}", EXIT_PROBLEM)
     if local is not None:
         try:
             summary["tiers"] = {"local": _newest(local), "durable": _newest_of(storage)}
+        except InvalidURLError as e:
+            _fail(str(e), EXIT_USAGE)
         except (CkptStoreError, OSError) as e:
-            _fail(f"{local}: cannot read the tiers' newest steps: {e}", EXIT_PROBLEM)
+            _fail(f"{shown(local)}: cannot read the tiers' newest steps: {e}", EXIT_PROBLEM)
     if as_json:
         click.echo(json.dumps(summary, indent=2))
     else:

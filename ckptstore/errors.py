@@ -53,6 +53,12 @@ class TransientStorageError(StorageError):
     """A fault worth retrying (throttling, 5xx, reset); raised once retries ran out."""
 
 
+class InvalidURLError(CkptStoreError, ValueError):
+    """A location that names no store ckptstore can open: an unsupported URL scheme, a
+    malformed URL (``s3:/bucket``), credentials inside a URL. Its message never shows a
+    credential and names the supported forms (storage/urls.py)."""
+
+
 # --- checkpoints -----------------------------------------------------------------------
 class CheckpointNotFoundError(CkptStoreError, FileNotFoundError):
     """Nothing exists at the given path or URL."""

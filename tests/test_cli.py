@@ -197,11 +197,14 @@ def test_ls_all_shows_an_attempt_left_by_a_killed_save(tmp_path):
 
 
 def test_ls_empty_and_error_cases(tmp_path):
+    """Nothing at the URL is exit 1 for ls as for verify (docs/operations.md, "Nothing
+    here"): --json still prints its (empty) list; the table prints nothing."""
     os.makedirs(tmp_path / "empty")
     r = cli("ls", "--json", str(tmp_path / "empty"))
-    assert r.exit_code == 0 and json.loads(r.stdout) == []
+    assert r.exit_code == 1 and json.loads(r.stdout) == []
+    assert "no committed checkpoint here" in r.stderr and r.stderr.count("\n") == 1
     r = cli("ls", str(tmp_path / "empty"))
-    assert r.exit_code == 0 and r.stdout.split() == ["NAME", "STEP", "COMMITTED", "(UTC)", "RANKS", "STORED", "RAW", "NOTES"]
+    assert r.exit_code == 1 and r.stdout == "" and "no committed checkpoint here" in r.stderr
     r = cli("ls", str(tmp_path / "missing"))
     assert r.exit_code == 2 and r.stdout == "" and r.stderr.count("\n") == 1 and "missing" in r.stderr
     r = cli("ls")

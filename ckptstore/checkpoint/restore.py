@@ -33,6 +33,7 @@ from ..errors import (
     UnsafeLoadError,
 )
 from ..storage import Storage
+from . import nearby
 from .commit import generations, read_manifest
 from .flatten import GLOBAL, LOCAL, implied_storage_dtype, parse_skeleton_key, region_byte_offset, skeleton_key
 from .reader import BlobRead, check_extents, read_blobs
@@ -57,7 +58,13 @@ def latest_manifest(storage: Storage) -> fmt.Manifest:
         raise CheckpointNotFoundError(f"{where}: no checkpoint here (no such file or directory)")
     if f"{fmt.ATTEMPTS_DIR}/" in names:
         raise NotCommittedError(f"{where}: holds save attempts but no committed manifest")
-    raise NotACheckpointError(f"{where}: exists but is not a ckptstore checkpoint (no manifest)")
+    # A store root, or a directory of checkpoints: say what to pass instead (nearby.py)
+    found = nearby.search(storage)
+    store = found.root_store()
+    if store is not None:
+        raise NotACheckpointError(nearby.store_root_message(where, store))
+    below = f"; {nearby.below_message(where, found)}" if found.below() else ""
+    raise NotACheckpointError(f"{where}: exists but is not a ckptstore checkpoint (no manifest){below}")
 
 
 def _tensor_reads(tensors: dict[str, fmt.TensorEntry], where: str, reads: list[BlobRead],

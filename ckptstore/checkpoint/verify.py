@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from .. import format as fmt
 from ..errors import CkptStoreError, NotACheckpointError, UnsafeLoadError
-from ..storage import Storage, is_url, open_storage
+from ..storage import Storage, is_url, open_storage, shown
 from .reader import BlobRead, check_blobs, extent_problem, file_sizes
 from .restore import _real_tensors, latest_manifest, restore
 
@@ -155,7 +155,7 @@ def verify(location, quick: bool = False) -> list[Problem]:
     try:
         storage = location if isinstance(location, Storage) else _open(location)
     except CkptStoreError as e:
-        return [Problem(str(location), None, None, None, None, str(e))]
+        return [Problem(shown(location), None, None, None, None, str(e))]  # (a URL without credentials)
     try:
         manifest = latest_manifest(storage)
     except CkptStoreError as e:

@@ -3,50 +3,47 @@ backends for local disk (``local``), memory (``memory``) and S3 (the ``s3`` pack
 imported only for ``s3://`` URLs, as it needs boto3).
 
 ``open_storage(url)`` picks the backend from the URL: ``memory://NAME/...`` for the
-process-wide in-memory store, ``s3://bucket/prefix`` for S3, else a local path.
+process-wide in-memory store, ``s3://bucket/prefix`` for S3, ``file://PATH`` or a
+local path for the disk. What counts as a URL, what is refused and how locations are
+shown without credentials: ``urls.py``.
 """
 
 from __future__ import annotations
 
 import os
 
-from .base import AppendWriter, ObjectInfo, ReadHints, Storage, check_key, redact_url
+from ..errors import InvalidURLError
+from .base import AppendWriter, ObjectInfo, ReadHints, Storage, check_key
 from .local import LocalStorage
 from .memory import MemoryStorage
-
-
-def is_url(f) -> bool:
-    return isinstance(f, str) and "://" in f
+from .urls import is_url, parse_location, redact_url, shown
 
 
 def open_storage(url: str | os.PathLike, **options) -> Storage:
-    """The store rooted at a local path or URL.
+    """The store rooted at a local path or URL (the rule: storage/urls.py).
 
     ``s3://bucket/prefix`` opens :class:`~ckptstore.storage.s3.S3Storage` (boto3; endpoint,
     region and credentials from boto3's standard configuration); ``options`` are passed
     to it (``part_size``, ``max_concurrency``, ``max_attempts``, ``endpoint_url``, ...).
-    Local paths and ``memory://`` URLs take no options.
+    Local paths and ``memory://`` URLs take no options. An unsupported or malformed URL
+    raises :class:`~ckptstore.errors.InvalidURLError` (a ``ValueError``).
     """
-    if isinstance(url, str) and url.startswith("s3://"):
+    scheme, rest = parse_location(url)
+    if scheme == "s3":
         from .s3 import S3Storage
 
-        bucket, _, prefix = url[len("s3://"):].partition("/")
+        bucket, _, prefix = rest.partition("/")
         if not bucket:
-            raise ValueError(f"no bucket in {redact_url(url)!r} (expected s3://bucket/prefix)")
+            raise InvalidURLError(f"{shown(url)}: no bucket (expected s3://bucket/prefix)")
         return S3Storage(bucket, prefix, **options)
     if options:
-        raise TypeError(f"storage options {sorted(options)} apply to s3:// URLs only, not {redact_url(os.fspath(url))!r}")
-    if isinstance(url, str) and url.startswith("memory://"):
-        name, _, prefix = url[len("memory://"):].partition("/")
+        raise TypeError(f"storage options {sorted(options)} apply to s3:// URLs only, not {shown(url)!r}")
+    if scheme == "memory":
+        name, _, prefix = rest.partition("/")
         store = MemoryStorage.named(name)
         return store.child(prefix) if prefix else store
-    if isinstance(url, str) and url.startswith("file://"):
-        url = url[len("file://"):]
-    if is_url(url):
-        scheme = url.split("://", 1)[0]
-        raise ValueError(f"unsupported URL scheme {scheme!r} in {redact_url(url)!r}")
-    return LocalStorage(url)
+    return LocalStorage(rest)  # a path, or what follows file://
 
 
-__all__ = ["AppendWriter", "LocalStorage", "MemoryStorage", "ObjectInfo", "ReadHints", "Storage", "check_key",
-           "is_url", "open_storage", "redact_url"]
+__all__ = ["AppendWriter", "InvalidURLError", "LocalStorage", "MemoryStorage", "ObjectInfo", "ReadHints", "Storage",
+           "check_key", "is_url", "open_storage", "redact_url", "shown"]

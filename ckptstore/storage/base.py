@@ -37,7 +37,7 @@ conformance suite (tests/test_storage_conformance.py) checks for every backend:
 - No method follows a symlink below the root (the local backend: see storage/local.py);
   ``walk`` reports what is not a regular object in ``ObjectInfo.kind``, and reading one
   raises :class:`~ckptstore.errors.NotRegularObjectError`.
-- Messages carry no secrets: URLs in them pass through :func:`redact_url`.
+- Messages carry no secrets: URLs in them pass through :func:`redact_url` (storage/urls.py).
 
 Read coalescing (a hint to loaders, not part of the contract): a load merges the reads
 of small blobs that lie close together in one file into one ``readinto`` and splits
@@ -52,11 +52,11 @@ settings (storage/s3/client.py).
 from __future__ import annotations
 
 import abc
-import re
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
 from ..errors import FormatError
+from .urls import redact_url  # noqa: F401 (re-exported: the one redaction, storage/urls.py)
 
 
 @dataclass(frozen=True)
@@ -119,17 +119,6 @@ def check_key(key: str, what: str = "key", prefix: bool = False) -> str:
         raise FormatError(f"{what} {key!r} is invalid ({reason}): keys are relative, normalised, "
                           "'/'-separated names")
     return name
-
-
-# scheme://userinfo@ : userinfo runs to the last '@' before the host's end (a '/', '?',
-# '#', whitespace or a quote), so an unencoded '@' in a password is removed with it.
-_USERINFO = re.compile(r"""([A-Za-z][A-Za-z0-9+.\-]*://)[^/?#\s'"<>]*@""")
-
-
-def redact_url(url: str) -> str:
-    """``url`` without userinfo (``user:password@``); everything else is kept. Also works
-    on a text that contains URLs (an error message): each loses its userinfo."""
-    return _USERINFO.sub(r"\1", url)
 
 
 class AppendWriter(abc.ABC):

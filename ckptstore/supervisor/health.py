@@ -470,17 +470,21 @@ def disk_checks(staging_dirs, store_path: str | None, lim: HealthLimits) -> list
 # ---------------------------------------------------------------------------- store
 def local_store_path(store_url: str) -> str | None:
     """The directory of a local store (a path or ``file://`` URL), else None."""
-    url = os.fspath(store_url)
-    if url.startswith("file://"):
-        return url[len("file://"):]
-    return None if "://" in url else url
+    from ..storage.urls import parse_location
+
+    try:
+        scheme, rest = parse_location(os.fspath(store_url))
+    except ValueError:  # refused: the store check says why
+        return None
+    return rest if scheme in (None, "file") else None
 
 
 def store_check(store_url: str, lim: HealthLimits) -> Check:
     """Reachable and writable: a create-only probe under PROBE_PREFIX, read back, deleted."""
-    from ..storage import open_storage, redact_url
+    from ..storage import open_storage
+    from ..storage.urls import shown as shown_url
 
-    shown = redact_url(os.fspath(store_url))
+    shown = shown_url(store_url)
     key = PROBE_PREFIX + _host_tag()
     payload = json.dumps({"probe": key, "host": socket.gethostname(), "pid": os.getpid(),
                           "time": time.time()}).encode()
