@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import io
-import itertools
 import json
 import os
 import pickle
@@ -469,7 +468,7 @@ class Store:
     def _add_local_tier(self, local, durable_every, local_keep, promote_bandwidth, compression, commit_timeout,
                         chunk_bytes, local_shared, storage_options) -> None:
         from .storage.split import SplitStorage
-        from .tiers import Promoter
+        from .tiers import Promoter, check_places
 
         if isinstance(durable_every, bool) or not isinstance(durable_every, int) or durable_every < 1:
             raise ValueError(f"durable_every must be an int >= 1, got {durable_every!r}")
@@ -481,7 +480,7 @@ class Store:
         if local_shared is not None:
             s3 = os.fspath(local_shared).startswith("s3://")  # storage_options are S3's
             places["local_shared"] = open_storage(local_shared, **((storage_options or {}) if s3 else {}))
-        _refuse_overlaps(places)
+        check_places(places)  # no two overlap; each local place bound to this durable store
         if local_shared is not None:
             tier.storage = SplitStorage(places["local_shared"], tier.storage)
         self.local, self.durable_every = tier, durable_every
@@ -833,8 +832,8 @@ class Store:
         Under torch.distributed every rank of ``process_group`` calls this. Each
         committed step, newest first, is loaded on every rank (every byte's hash
         checked; ``template`` as in :meth:`load`), then passed to ``validate(state,
-        manifest)`` when given, which rejects it by returning False or raising
-        :class:`~ckptstore.CheckpointRejected`. A step that any rank cannot load or
+        manifest)`` when given, which rejects it by returning anything false (judged by
+        truth value; None accepts) or raising :class:`~ckptstore.CheckpointRejected`. A step that any rank cannot load or
         that any rank rejects is skipped on all ranks (a warning, a note that ``ckptstore
         ls`` shows, and an entry in ``ResumeInfo.skipped``), and the next older one is
         tried. An empty store gives ``(None, info)`` with ``info.step`` None; a store
@@ -856,14 +855,6 @@ class Store:
         return resume(self, template, map_location=map_location,
                       weights_only=resolve_weights_only(weights_only, None)[0],
                       validate=validate, mark_skipped=mark_skipped, claim=claim)
-
-
-def _refuse_overlaps(places: dict[str, Storage]) -> None:
-    """Two tiers (and a multi-node local tier's shared place) must not nest."""
-    roots = {what: s.describe().rstrip("/") + "/" for what, s in places.items()}
-    for (a, ra), (b, rb) in itertools.combinations(roots.items(), 2):
-        if ra.startswith(rb) or rb.startswith(ra):
-            raise ValueError(f"{a} ({ra}) and {b} ({rb}) overlap: give each a location of its own")
 
 
 def _check_metrics(metrics: dict | None) -> dict:

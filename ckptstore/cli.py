@@ -22,7 +22,7 @@ from ._terminal import printable as _printable
 from ._version import __version__
 from .checkpoint import gc as gc_mod
 from .checkpoint import nearby
-from .checkpoint.catalog import Location, is_location, read_skip_mark, scan_location, scan_store
+from .checkpoint.catalog import Location, check_skip_mark, is_location, scan_location, scan_store
 from .checkpoint.retention import KeepBest, Retention, parse_duration
 from .checkpoint.verify import Problem, verify_manifest
 from .errors import CkptStoreError, InvalidURLError, NotACheckpointError
@@ -150,10 +150,12 @@ def _ls_record(loc: Location, now: float) -> dict:
         "pinned": loc.pinned,
     }
     rec["new_bytes"] = rec["bytes"] - rec["referenced_bytes"]
-    mark = read_skip_mark(loc)
+    mark, ignored = check_skip_mark(loc)
     if mark is not None:  # a resume could not use this checkpoint: say why
         rec["skipped_by_resume"] = {"reason": str(mark.get("reason", "(no reason given)"))[:4096],
                                     "at": str(mark.get("at", ""))[:64]}
+    elif ignored is not None:  # a mark not bound to this manifest: stale or forged, not acted on
+        rec["skip_mark"] = ignored
     if loc.manifest_error:
         rec["error"] = loc.manifest_error
     if loc.foreign:
@@ -197,6 +199,7 @@ def ls(url: str, as_json: bool, show_all: bool, local: str | None) -> None:
                      + ("pinned " if r["pinned"] else "") + metrics
                      + (f" SKIPPED BY RESUME: {_printable(r['skipped_by_resume']['reason'])}"
                         if "skipped_by_resume" in r else "")
+                     + (f" skip mark {r['skip_mark']}" if "skip_mark" in r else "")
                      + (f"UNREADABLE MANIFEST: {r['error']}" if r.get("error") else "")])
         for a in r.get("attempts", []):
             if not a["committed"]:

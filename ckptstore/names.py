@@ -20,6 +20,10 @@ ATTEMPTS_DIR = "attempts"
 PIN_NAME = "pin.json"
 SKIPPED_NAME = "resume-skipped.json"  # a resume could not use this step (informational)
 PROGRESS_NAME = "progress.json"  # at a store's root: the last step a run reached
+# Two tiers (tiers.py): the durable store's identity, created once at its root, and the
+# binding at a local tier's root naming the store it belongs to (both create-only).
+STORE_ID_NAME = "store-id.json"
+TIER_BINDING_NAME = "tier-binding.json"
 EPOCHS_DIR = "epochs"  # at a store's root: one create-only claim per run incarnation
 ABORT_LEAF = "abort.json"
 # The committer's word to the ranks that wait: "committed as generation g" or "aborted"

@@ -18,7 +18,7 @@ from typing import Any, Callable
 from . import format as fmt
 from . import names
 from . import rng
-from .checkpoint.commit import generations
+from .checkpoint.catalog import skip_mark
 from .checkpoint.fencing import claim_epoch
 from .checkpoint.group import from_rank0, gather, rank_and_world
 from .errors import (
@@ -166,8 +166,11 @@ def _try_step(store, step, template, map_location, weights_only, validate):
     step this rank cannot use, or ("error", why) for a failure that is not the step's."""
     try:
         state, info = store.load(step, map_location, weights_only, template=template, return_info=True)
-        if validate is not None and validate(state, info.manifest) is False:
-            raise CheckpointRejected("rejected by validate()")
+        if validate is not None:
+            verdict = validate(state, info.manifest)
+            if not _accepted(verdict):
+                said = "" if verdict is False else f" (it returned {_short(verdict)})"
+                raise CheckpointRejected(f"rejected by validate(){said}")
         return state, info, ("ok", ""), None
     except (TemplateMismatchError, UnsupportedVersionError) as e:  # FormatErrors, not the step's: SKIPPABLE
         return None, None, ("error", f"{type(e).__name__}: {e}"[:2000]), e
@@ -175,6 +178,30 @@ def _try_step(store, step, template, map_location, weights_only, validate):
         return None, None, ("skip", f"{type(e).__name__}: {e}"[:2000]), e
     except Exception as e:  # not the step's fault: every rank must hear of it, then raise
         return None, None, ("error", f"{type(e).__name__}: {e}"[:2000]), e
+
+
+def _accepted(verdict) -> bool:
+    """A ``validate`` callback's verdict by its truth value: None (no return) accepts,
+    anything false rejects (``False``, ``0``, ``numpy.False_``, ``torch.tensor(False)``:
+    an ``is False`` test took all but the first for acceptance and loaded the step). One
+    without a single truth value (a tensor or array of several elements) is a TypeError,
+    raised on every rank, never a guess."""
+    if verdict is None:
+        return True
+    try:
+        return bool(verdict)
+    except Exception as e:  # a multi-element tensor (RuntimeError) or array (ValueError), a __bool__ that raises
+        raise TypeError(f"validate() returned {type(verdict).__name__} {_short(verdict)}, which has no single "
+                        f"truth value ({type(e).__name__}: {e}): return True or False, or raise "
+                        "ckptstore.CheckpointRejected(reason)") from None
+
+
+def _short(v) -> str:
+    try:
+        text = repr(v)
+    except Exception:
+        return "(no repr)"
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _finish(store, state, info, rank: int, world: int, skipped, epoch) -> tuple[Any, ResumeInfo]:
@@ -222,8 +249,9 @@ def _mark_skipped(store, step: int, reason: str) -> None:
     for _, holder in holders:
         try:
             loc = holder.location(step)
-            generation = generations(loc)[-1]  # the visible one: a listing, not a second parse
-            note = {"step": step, "generation": generation, "reason": reason[:4096], "at": fmt.utc_now()}
+            # bound to the visible manifest's generation, attempt and bytes: gc and status
+            # act on a mark only while it matches the manifest it judged
+            note = skip_mark(loc, step, reason, fmt.utc_now())
             loc.put(names.SKIPPED_NAME, json.dumps(note).encode())
         except Exception:
             pass  # the note is for people; the resume itself already moved on

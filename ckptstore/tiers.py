@@ -11,13 +11,21 @@ tries again.
 
 from __future__ import annotations
 
+import itertools
+import json
+import os
+import secrets
 import threading
 import warnings
 from collections import deque
 
-from . import lifecycle
+from . import format as fmt
+from . import lifecycle, names
+from .checkpoint.commit import read_capped
 from .checkpoint.promote import Throttle, promote
 from .checkpoint.save import SaveFuture, _refuse
+from .errors import AlreadyExistsError, CkptStoreError, FormatError, ObjectNotFoundError
+from .storage import LocalStorage, Storage
 
 
 class PromotionWarning(RuntimeWarning):
@@ -173,3 +181,137 @@ def sweep_own_data(tier, rank: int, retired_here: set[str], keep: set[str], now:
                 loc.delete(info.key)
                 deleted.append(f"{entry}{info.key}")
     return deleted
+
+
+# ---------------------------------------------------------------------------- which store a local tier is
+def check_places(places: dict[str, Storage]) -> None:
+    """A two-tier store's places (``"the durable store"``, ``"the local tier"`` and,
+    on several nodes, ``"local_shared"``): refuse any two that overlap, then bind each
+    local place to the durable store (:func:`bind_local_tier`), then check the overlap
+    again (binding creates the directories, so every alias of one is now seen)."""
+    refuse_overlaps(places)
+    durable = places["the durable store"]
+    for what, place in places.items():
+        if place is not durable:
+            bind_local_tier(place, durable, what)
+    refuse_overlaps(places)
+
+
+def refuse_overlaps(places: dict[str, Storage]) -> None:
+    """ValueError when two places are one, or one lies inside the other: as URLs, and on
+    local disk also as real paths (a symlink to the durable directory) and as directories
+    (the same device and inode: a bind mount), nesting either way. Local retention
+    would otherwise delete the durable tier's steps as its own."""
+    for (a, sa), (b, sb) in itertools.combinations(places.items(), 2):
+        why = _overlap(sa, sb)
+        if why is not None:
+            raise ValueError(f"{a} ({sa.describe()}) and {b} ({sb.describe()}) overlap ({why}): give each a "
+                             "location of its own, neither inside the other (a local tier on the node's own "
+                             "disk, the durable store elsewhere)")
+
+
+def _overlap(a: Storage, b: Storage) -> str | None:
+    ra, rb = a.describe().rstrip("/") + "/", b.describe().rstrip("/") + "/"
+    if ra.startswith(rb) or rb.startswith(ra):
+        return "one path lies in the other"
+    if not (isinstance(a, LocalStorage) and isinstance(b, LocalStorage)):
+        return None
+    pa, pb = (os.path.join(os.path.realpath(s.root), "") for s in (a, b))
+    if pa.startswith(pb) or pb.startswith(pa):
+        return f"as real paths, {pa} and {pb}"
+    ia, ib = _ancestry(a.root), _ancestry(b.root)
+    if (ia and ia[0] in ib) or (ib and ib[0] in ia):  # a directory of one is the other or above it
+        return "one directory (device and inode) is, or holds, the other"
+    return None
+
+
+def _ancestry(path: str) -> list[tuple[int, int]]:
+    """(device, inode) of the directory ``path`` and of every directory above it, found
+    through ``..`` (the kernel's parent of the directory reached, whatever the path
+    spelled: a symlink's target's parent, a bind mount's), ``path`` first; [] when
+    ``path`` is no directory yet (its real path was compared already)."""
+    flags = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY
+    try:
+        fd = os.open(path, flags)
+    except OSError:
+        return []
+    out: list[tuple[int, int]] = []
+    try:
+        while len(out) < 4096:
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) in out:  # the root: its parent is itself
+                break
+            out.append((st.st_dev, st.st_ino))
+            parent = os.open("..", flags, dir_fd=fd)
+            os.close(fd)
+            fd = parent
+    except OSError:
+        pass  # a parent we may not open: compare what was found
+    finally:
+        os.close(fd)
+    return out
+
+
+def bind_local_tier(local: Storage, durable: Storage, what: str = "the local tier") -> None:
+    """Bind ``local`` to the durable store ``durable``, or refuse it (ValueError) when it
+    is bound to another store.
+
+    The durable store's identity is a random id in ``store-id.json`` at its root,
+    created once (create-only) by the first two-tier store opened on it; a local place
+    holds ``tier-binding.json`` (create-only) naming that id. So two jobs given one
+    local directory, or a local directory reused for a new store at the same URL (the
+    old one deleted), are refused: the second would resume the first one's steps, and
+    each one's local retention delete the other's only copies. While the durable store
+    cannot be read (an outage) the check is left out with a RuntimeWarning: the local
+    tier is what keeps a job checkpointed through one."""
+    try:
+        ident = _store_identity(durable)
+    except FormatError:
+        raise
+    except (CkptStoreError, OSError) as e:
+        warnings.warn(f"{durable.describe()}: the durable store cannot be read ({e}); {what} "
+                      f"({local.describe()}) is used without checking which store it belongs to",
+                      RuntimeWarning, stacklevel=5)
+        return
+    binding = {"format": fmt.FORMAT_NAME, "kind": "tier_binding", "store": ident,
+               "durable": durable.describe(), "created_at": fmt.utc_now()}
+    bound = _create_or_read(local, names.TIER_BINDING_NAME, binding, "tier binding")
+    if bound.get("store") != ident:
+        raise ValueError(
+            f"{what} {local.describe()} belongs to another store: its {names.TIER_BINDING_NAME} names "
+            f"{str(bound.get('durable'))[:512]!r} (store id {str(bound.get('store'))[:64]!r}), not "
+            f"{durable.describe()} (store id {ident}). Two stores must not share a local directory: the "
+            "second would resume the first one's steps and its retention would delete the other's. Give "
+            f"this store a local directory of its own; if the other store and its local steps are no longer "
+            f"wanted, delete {local.describe()}")
+
+
+def _store_identity(durable: Storage) -> str:
+    record = {"format": fmt.FORMAT_NAME, "kind": "store_id", "id": secrets.token_hex(16),
+              "created_at": fmt.utc_now()}
+    ident = _create_or_read(durable, names.STORE_ID_NAME, record, "store id").get("id")
+    if not (isinstance(ident, str) and len(ident) == 32 and all(c in "0123456789abcdef" for c in ident)):
+        raise FormatError(f"{durable.describe(names.STORE_ID_NAME)}: holds no store id (32 hex digits): "
+                          "restore it, or delete it and every local tier's "
+                          f"{names.TIER_BINDING_NAME} bound to this store")
+    return ident
+
+
+def _create_or_read(storage: Storage, name: str, record: dict, what: str) -> dict:
+    """The JSON object stored under ``name``, written as ``record`` when there is none
+    (create-only: of two writers, both read the winner's)."""
+    for _ in range(2):
+        try:
+            found = fmt.loads_json(read_capped(storage, name, fmt.MAX_MARKER_BYTES, what), what)
+        except ObjectNotFoundError:
+            try:
+                storage.put(name, json.dumps(record).encode(), if_absent=True)
+                return record
+            except AlreadyExistsError:
+                continue  # another rank or job created it first: read theirs
+        except FormatError as e:
+            raise FormatError(f"{storage.describe(name)}: {e}") from None
+        if not isinstance(found, dict):
+            raise FormatError(f"{storage.describe(name)}: the {what} is not a JSON object")
+        return found
+    raise FormatError(f"{storage.describe(name)}: the {what} was created and is gone")

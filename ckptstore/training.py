@@ -32,7 +32,7 @@ from .resume import ResumeInfo
 from .rng import rng_state, set_rng_state
 from .storage import Storage
 from .supervisor.progress import ProgressReporter, guard_worker
-from .supervisor.status import PRIOR_MTBF_S, status
+from .supervisor.status import PRIOR_MTBF_S, status, young_daly
 
 PROGRESS_EVERY = 10.0  # seconds between progress records (each is one small PUT)
 
@@ -292,10 +292,11 @@ class Checkpointer:
         """``every="auto"``: Young/Daly's interval, sqrt(2 x blocking save cost x MTBF),
         with the MTBF the run's journal has observed (``ckptstore status``; a prior of
         one failure a day before any) and the cost of this run's last save (the first
-        save comes at the first step, to measure it)."""
+        save comes at the first step, to measure it); never more than
+        ``supervisor.status.MAX_INTERVAL_S`` (6 hours), whatever the journal claims."""
         if self._save_blocking_s is None:
             return 0.0
-        return math.sqrt(2.0 * self._save_blocking_s * self._mtbf_s)
+        return young_daly(self._save_blocking_s, self._mtbf_s)
 
     def _agree(self, preempted: bool, due_time: bool) -> tuple[bool, bool]:
         """Every rank's view, combined (any rank signalled / any rank's clock says due),
@@ -358,10 +359,12 @@ def write_progress(storage: Storage, step: int) -> None:
 
 
 def _journal_mtbf(storage: Storage) -> float:
-    """The MTBF ``ckptstore status`` reports for the store's latest supervised run, or
-    the prior (no journal, no failure yet, or an unreadable one)."""
+    """The MTBF ``ckptstore status`` reports for the store's latest supervised run (at
+    most the run's wall clock: status takes every event's time into [0, now]), or the
+    prior (no journal, no failure yet, or an unreadable one)."""
     try:
         mtbf = status(storage).get("mtbf_s")
     except Exception:
         mtbf = None
-    return mtbf if isinstance(mtbf, (int, float)) and mtbf > 0 else PRIOR_MTBF_S
+    ok = isinstance(mtbf, (int, float)) and not isinstance(mtbf, bool) and math.isfinite(mtbf) and mtbf > 0
+    return float(mtbf) if ok else PRIOR_MTBF_S

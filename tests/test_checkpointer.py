@@ -6,6 +6,7 @@ an older incarnation. Multi-rank and killed runs: tests/test_fault_tolerance.py.
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import signal
@@ -185,3 +186,37 @@ def test_every_auto_follows_young_daly_with_the_journals_mtbf(tmp_path):
         ckpt.close()
     with pytest.raises(ValueError, match="'auto'"):
         ckptstore.Checkpointer(str(root), every="sometimes")
+
+
+def test_every_auto_is_bounded_by_the_runs_wall_clock_and_a_maximum(tmp_path):
+    """A journal whose ``finish`` claimed ``t: 1e300`` made every="auto" choose an
+    interval of about 1e149 s: after its first step the job never saved again."""
+    import json
+    import time
+
+    from ckptstore.supervisor.journal import Journal
+
+    root = tmp_path / "store"
+    storage = ckptstore.Store(str(root)).storage
+    start = time.time() - 1000.0
+    journal = Journal(storage, "run-1", clock=iter([start, start + 1.0]).__next__)
+    journal.append("run_start", command=["x"], world_size=1, nnodes=1, policy={})
+    journal.append("failure", attempt=0, **{"class": "transient"}, reason="rank 0 was killed by SIGKILL")
+    us = int((start + 2.0) * 1e6)
+    event = {"kind": "finish", "run": "run-1", "at": "x", "t": 1e300, "host": "h", "step": 9}
+    storage.put(f"journal/run-1/{us:016d}-00000001-finish.json", json.dumps(event).encode())
+    ckpt = ckptstore.Checkpointer(str(root), state={"counter": Counter()}, every="auto")
+    try:
+        ckpt.resume()
+        assert 0 < ckpt._mtbf_s <= time.time() - start  # at most the run's wall clock
+        assert ckpt._mtbf_s == pytest.approx(2.0)  # start to finish, by the events' names
+        ckpt.step(0)  # the first step saves, measuring the cost
+        ckptstore.wait()
+        assert ckpt.store.steps() == [0]
+        assert 0 < ckpt.auto_interval_s() == pytest.approx(math.sqrt(2 * ckpt._save_blocking_s * 2.0))
+        ckpt._mtbf_s, ckpt._save_blocking_s = 1e300, 1e300  # whatever the figures: a maximum
+        from ckptstore.supervisor.status import MAX_INTERVAL_S
+
+        assert ckpt.auto_interval_s() == MAX_INTERVAL_S == 6 * 3600.0
+    finally:
+        ckpt.close()

@@ -8,7 +8,10 @@ bad event counted, never raised; summarize() gives the exact figures its docstri
 defines (restarts, failures by class, MTBF, lost work, startup and recovery, goodput,
 Young/Daly with a measured MTBF and with the prior); status() finds the newest
 committed step; the click command prints JSON and text and exits 0 / 1 / 2; gc, ls and
-verify neither delete nor report a journal.
+verify neither delete nor report a journal. Issue 34: an event nested too deep is
+unreadable, a field of any wrong type is no figure, an event's time is its name's and
+no later than now, and the recommended interval has a maximum: no journal crashes
+``status`` or stops ``every="auto"`` from saving.
 """
 
 from __future__ import annotations
@@ -493,3 +496,131 @@ def test_summarize_overflowing_figures_are_no_figures_not_a_crash():
     assert s["lost_s"] is None and s["recommended_interval_steps"] is None
     assert json.loads(json.dumps(s, allow_nan=False)) == s
     assert _dur(float("inf")) == "-"
+
+
+# ---------------------------------------------------------------------------- issue 34: hostile events
+def _event_file(storage, run, us, kind, event: dict | bytes, tag="0000aaaa"):
+    data = event if isinstance(event, bytes) else json.dumps({"kind": kind, "run": run, "at": "x", "host": "h",
+                                                              **event}).encode()
+    storage.put(f"{JOURNAL_DIR}/{run}/{us:016d}-{tag}-{kind}.json", data)
+
+
+def _status_both_ways(url):
+    """``ckptstore status`` as text and as JSON: exit 0 (never an exception), and the JSON."""
+    for args in ([url], [url, "--json"]):
+        r = run_status(*args)  # catch_exceptions=False: a crash fails the test with its traceback
+        assert r.exit_code == 0, r.output
+    return json.loads(r.output), run_status(url).output
+
+
+def test_a_deeply_nested_event_is_unreadable_and_status_survives(tmp_path):
+    """A 1 KB event of lists nested 500 deep (under JSON's recursion limit, so it
+    parsed) crashed ``ckptstore status``, text and ``--json``, with a RecursionError."""
+    url = str(tmp_path / "store")
+    storage = open_storage(url)
+    j, _ = write_run(storage)
+    deep = 0
+    for _ in range(500):
+        deep = [deep]
+    us = int(T0 * 1e6) + 10_000_000
+    _event_file(storage, "run-1", us, "unhealthy", {"t": us / 1e6, "checks": deep, "reason": "x"})
+    _event_file(storage, "run-1", us + 1, "finish", {"t": us / 1e6, "step": 3, "x": {"y": deep}})
+    assert len(json.dumps({"checks": deep})) < 1100
+    s, text = _status_both_ways(url)
+    assert s["journal"]["unreadable"] == 2 and s["state"] == "running" and s["unhealthy"] is None
+    assert "2 unreadable event(s) left out" in text
+    reading = j.read()
+    assert reading.unreadable == 2 and [e["kind"] for e in reading.events][-1] == "failure"
+    # at the limit an event is read (a real one nests 4 deep), one deeper is not
+    assert jmod.nests_within({"a": [[{"b": 1}]]}, 4) and not jmod.nests_within({"a": [[{"b": []}]]}, 4)
+    # summarize() is a pure function of what it is given: a caller's deep event is cut, not followed
+    s = summarize([ev("run_start", 0, command=deep), ev("unhealthy", 1, checks=[{"name": "gpu", "value": deep},
+                                                                             deep])], now=2.0)
+    assert s["command"] == [None] and s["unhealthy"]["checks"] == [{"name": "gpu", "value": None}]
+    json.dumps(s, indent=2)
+
+
+def test_status_survives_wrong_types_in_every_field_it_reads(tmp_path):
+    """Every field status copies or computes with, of every wrong type: no crash, no
+    figure from a wrong one, output of the documented types and bounded size."""
+    url = str(tmp_path / "store")
+    storage = open_storage(url)
+    odd = [{"a": {"b": [1]}}, None, True, "s", 10**400, -1e308, 1e308, [], {}, [[1]], "\x1b[2J"]
+    us = int(T0 * 1e6)
+    fields = ("run", "at", "host", "attempt", "command", "world_size", "nnodes", "policy", "step", "class",
+              "reason", "exit_code", "signal", "rank", "traceback", "checkpoint_step", "checkpoint_age_s",
+              "lost_steps", "lost_s", "save_blocking_s", "step_s", "first_step_s", "tier", "skipped", "code",
+              "checks")
+    for i, value in enumerate(odd):
+        for kind in ("run_start", "attempt_start", "resume", "measure", "failure", "give_up", "unhealthy"):
+            us += 1
+            _event_file(storage, "run-1", us, kind, {"t": value, **{f: value for f in fields}},
+                        tag=f"{i:04x}{len(kind):04x}")
+    _event_file(storage, "run-1", us + 1, "failure", {"checks": [{"name": [1], "ok": "yes", "value": {"a": [1]}}],
+                                                      "command": ["a", 1, {"b": 2}] * 1000})
+    s, text = _status_both_ways(url)
+    assert s["journal"] == {"unreadable": 0, "ignored": 0, "truncated": 0}
+    assert s["state"] == "unhealthy" and s["run"] == "run-1"
+    assert s["command"] is None and s["world_size"] is None and s["nnodes"] is None
+    for f in s["failures"]:
+        assert all(f[k] is None or isinstance(f[k], int) and not isinstance(f[k], bool)
+                   for k in ("attempt", "step", "rank", "exit_code", "checkpoint_step", "lost_steps"))
+        assert all(f[k] is None or isinstance(f[k], str) for k in ("reason", "at", "host", "signal"))
+    assert all(isinstance(c, dict) for c in s["unhealthy"]["checks"])
+    assert s["wall_s"] == pytest.approx((us - int(T0 * 1e6)) / 1e6, abs=1e-3)  # the names' times
+    assert "\x1b" not in text
+    # summarize() itself, with what the reader never hands it: unhashable kinds, odd times
+    s = summarize([ev("run_start", 0), {"kind": ["failure"], "t": 1.0}, {"kind": {"a": 1}, "t": 2.0},
+                   {"kind": "finish", "t": float("nan")}, {"kind": "finish", "t": "3"}], now=5.0)
+    assert s["state"] == "running" and s["wall_s"] == 5.0
+
+
+def test_event_times_are_their_names_and_never_after_now(tmp_path):
+    """A run whose ``finish`` event claimed ``t: 1e300`` looked 1e300 s long: its MTBF
+    was 1e300 s, and every="auto" saved once, then never again."""
+    url = str(tmp_path / "store")
+    storage = open_storage(url)
+    j = Journal(storage, "run-1", clock=clock(T0, 10.0))
+    j.append("run_start")
+    j.append("attempt_start", attempt=0)
+    j.append("failure", attempt=0, reason="x", save_blocking_s=2.0, **{"class": "transient"})
+    us = int((T0 + 30) * 1e6)
+    _event_file(storage, "run-1", us, "finish", {"t": 1e300, "step": 5})
+    s = status(storage, now=T0 + 100)
+    assert (s["state"], s["wall_s"], s["mtbf_s"]) == ("finished", 30.0, 30.0)
+    assert [e["t"] for e in j.events()] == [T0, T0 + 10, T0 + 20, T0 + 30]
+    assert s["recommended_interval_s"] == pytest.approx(math.sqrt(2 * 2.0 * 30.0))
+    # a name in the future (its 16 digits allow the year 2286): no later than now
+    _event_file(storage, "run-1", 9_999_999_999_999_999, "finish", {"t": 1e300})
+    s = status(storage, now=T0 + 100)
+    assert (s["state"], s["wall_s"], s["mtbf_s"]) == ("finished", 100.0, 100.0)
+    # summarize() given times of every kind: each taken into [0, now]
+    for start, end in ((-1e300, 50.0), (float("-inf"), 50.0), (10.0, 1e300), (10.0, float("inf")),
+                       (10.0, 10**400)):
+        s = summarize([ev("run_start", 0), {**ev("run_start", 0), "t": start}, fail(20, 0, "transient"),
+                       {**ev("finish", 0), "t": end}], now=100.0)
+        assert 0.0 <= s["wall_s"] <= 100.0 and s["mtbf_s"] is not None and s["mtbf_s"] <= 100.0, (start, end, s)
+    # a finish before the start: running since the start (time order), not a negative run
+    s = summarize([ev("run_start", 50), ev("failure", 60, attempt=0, **{"class": "transient"}),
+                   ev("finish", 40)], now=100.0)
+    assert (s["state"], s["wall_s"], s["mtbf_s"]) == ("running", 50.0, 50.0)
+    # no time observed: no MTBF (the prior), not an interval of 0
+    s = summarize([ev("run_start", 7), fail(7, 0, "transient", save_blocking_s=1.0), ev("finish", 7)], now=7.0)
+    assert s["mtbf_s"] is None and s["mtbf_source"] == "prior"
+    assert s["recommended_interval_s"] == pytest.approx(math.sqrt(2 * PRIOR_MTBF_S))
+
+
+def test_the_recommended_interval_has_a_maximum():
+    month, six_hours = 30 * 86400.0, 6 * 3600.0
+    s = summarize([ev("run_start", 0), fail(month, 0, "transient", save_blocking_s=600.0, step_s=1.0)],
+                  now=month)
+    assert s["mtbf_s"] == month and math.sqrt(2 * 600.0 * month) > six_hours
+    assert (s["recommended_interval_s"], s["recommended_interval_steps"]) == (six_hours, int(six_hours))
+
+    from ckptstore.supervisor.status import MAX_INTERVAL_S, young_daly
+
+    assert MAX_INTERVAL_S == six_hours
+    assert young_daly(2.0, 100.0) == 20.0
+    assert young_daly(1e300, 1e300) == MAX_INTERVAL_S
+    assert [young_daly(c, m) for c, m in ((0.0, 1.0), (-1.0, 1.0), (1.0, float("inf")), (float("nan"), 1.0))] \
+        == [0.0] * 4

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -244,7 +246,116 @@ def test_rng_states_in_tuples_are_rederived_and_hostile_skip_reasons_print_escap
     out, found = _rederive_rng(state, rank=5)
     assert found and out["pair"][0]["rank"] == 5 and out["pair"][1] == 3
     store = _store_with_steps(tmp_path / "s", (1, 2))
-    mark = {"step": 2, "generation": 1, "reason": "bad\x1b[2J\rbyte", "at": "x"}
+    from ckptstore.checkpoint.catalog import skip_mark
+
+    mark = skip_mark(store.location(2), 2, "bad\x1b[2J\rbyte", "x")  # bound to step 2's manifest
     (tmp_path / "s" / names.step_dir_name(2) / names.SKIPPED_NAME).write_text(json.dumps(mark))
     table = CliRunner().invoke(cli, ["ls", store.url]).output
     assert "\x1b" not in table and "\r" not in table and "bad\\x1b[2J\\rbyte" in table
+
+
+# ---------------------------------------------------------------------------- issue 34
+@pytest.mark.parametrize("verdict", ["tensor", "numpy", "zero", "empty"])
+def test_validate_is_judged_by_truth_value(tmp_path, verdict):
+    """``validate`` returning ``torch.tensor(False)``, ``numpy.False_`` or ``0`` was taken
+    for acceptance (``is False``): the step it rejected was loaded."""
+    import numpy
+
+    rejected = {"tensor": torch.tensor(False), "numpy": numpy.False_, "zero": 0, "empty": ""}[verdict]
+    store = _store_with_steps(tmp_path / "s")
+    with pytest.warns(ckptstore.CheckpointSkippedWarning, match="rejected by validate"):
+        state, info = store.resume(validate=lambda s, m: rejected if s["step"] == 30 else torch.tensor(True))
+    assert state["step"] == 20 and info.step == 20 and [s.step for s in info.skipped] == [30]
+    assert "rejected by validate()" in info.skipped[0].reason
+    # None (no return value) still accepts, as documented
+    assert store.resume(validate=lambda s, m: None)[1].step == 30
+
+
+def test_validate_without_a_single_truth_value_is_an_error_not_a_guess(tmp_path):
+    import numpy
+
+    store = _store_with_steps(tmp_path / "s")
+    for ambiguous in (torch.tensor([True, False]), numpy.array([True, True])):
+        with pytest.raises(TypeError, match="no single truth value.*CheckpointRejected"):
+            store.resume(validate=lambda s, m: ambiguous)
+    assert store.steps() == [10, 20, 30]  # nothing skipped, nothing marked
+    assert not any((tmp_path / "s" / names.step_dir_name(s) / names.SKIPPED_NAME).exists() for s in (10, 20, 30))
+
+
+def _mark(store, step: int, **fields) -> None:
+    mark = {"step": step, "generation": 1, "reason": "forged", "at": "x", **fields}
+    (Path(store.url) / names.step_dir_name(step) / names.SKIPPED_NAME).write_text(json.dumps(mark))
+
+
+def test_a_skip_mark_not_bound_to_its_manifest_never_makes_gc_delete_the_newest_step(tmp_path):
+    """A forged or stale ``resume-skipped.json`` on the newest good step (right step and
+    generation) made ``gc --keep-last 1`` delete that step, which resume would load."""
+    store = _store_with_steps(tmp_path / "s", (10, 20))
+    _mark(store, 20)  # forged, as an older ckptstore wrote them: no attempt, no hash
+    out = CliRunner().invoke(cli, ["gc", store.url, "--keep-last", "1", "--grace", "0s", "--json"])
+    assert out.exit_code == 0, out.output
+    assert store.steps() == [20] and store.resume()[1].step == 20
+    records = {r["step"]: r for r in json.loads(CliRunner().invoke(cli, ["ls", store.url, "--json"]).output)}
+    assert "skipped_by_resume" not in records[20] and "ignored" in records[20]["skip_mark"]
+    assert "skip mark ignored" in CliRunner().invoke(cli, ["ls", store.url]).output
+
+    from ckptstore.checkpoint.catalog import SKIP_MARK_DIGEST, skip_mark
+
+
+    # stale: a mark left of an earlier step 30 (a gc killed between its manifest and its
+    # mark), then step 30 saved again as generation 1 under a new attempt
+    store.save(30, _state(30)).result()
+    old = skip_mark(store.location(30), 30, "corrupt, long ago", "x")
+    store.save(40, _state(40)).result()
+    shutil.rmtree(Path(store.url) / names.step_dir_name(30))
+    store.save(30, _state(30)).result()
+    (Path(store.url) / names.step_dir_name(30) / names.SKIPPED_NAME).write_text(json.dumps(old))
+    shutil.rmtree(Path(store.url) / names.step_dir_name(40))
+    assert old["generation"] == store.manifest(30).generation and old["attempt"] != store.manifest(30).attempt
+    records = {r["step"]: r for r in json.loads(CliRunner().invoke(cli, ["ls", store.url, "--json"]).output)}
+    assert "attempt" in records[30]["skip_mark"]
+    out = CliRunner().invoke(cli, ["gc", store.url, "--keep-last", "1", "--grace", "0s", "--json"])
+    assert out.exit_code == 0, out.output
+    assert store.steps() == [30] and store.resume()[1].step == 30
+    # forged with the step, generation and attempt right, the bytes' hash wrong
+    _mark(store, 30, attempt=store.manifest(30).attempt, **{SKIP_MARK_DIGEST: "0" * 32})
+    records = {r["step"]: r for r in json.loads(CliRunner().invoke(cli, ["ls", store.url, "--json"]).output)}
+    assert "xxh3-128 differs" in records[30]["skip_mark"] and "skipped_by_resume" not in records[30]
+
+
+def test_a_mark_bound_to_its_manifest_still_counts(tmp_path):
+    """The mark a resume writes names the step, generation, attempt and manifest hash it
+    judged; gc keeps honouring it (and status passes over the step) while they match."""
+    from ckptstore.checkpoint.catalog import SKIP_MARK_DIGEST, manifest_digest
+    from ckptstore.storage import open_storage
+    from ckptstore.supervisor.status import newest_checkpoint
+
+    store = _store_with_steps(tmp_path / "s")
+    with pytest.warns(ckptstore.CheckpointSkippedWarning):
+        store.resume(validate=lambda s, m: s["step"] != 30)
+    mark = json.loads((Path(store.url) / names.step_dir_name(30) / names.SKIPPED_NAME).read_text())
+    m = store.manifest(30)
+    assert (mark["step"], mark["generation"], mark["attempt"]) == (30, m.generation, m.attempt)
+    assert mark[SKIP_MARK_DIGEST] == manifest_digest(store.location(30), m.generation)
+    assert newest_checkpoint(open_storage(store.url))["step"] == 20
+    store.gc(ckptstore.checkpoint.retention.Retention(last=1), grace=0)
+    assert store.steps() == [20]
+
+
+def test_status_reports_the_step_saved_again_after_a_skip(tmp_path):
+    """Resume skipped step 30, the job went on and saved step 30 again (a new
+    generation): status still reported step 20, though resume uses the new 30."""
+    from ckptstore.storage import open_storage
+    from ckptstore.supervisor.journal import Journal
+    from ckptstore.supervisor.status import status
+
+    store = _store_with_steps(tmp_path / "s")
+    _flip_a_byte(store, 30)
+    with pytest.warns(ckptstore.CheckpointSkippedWarning):
+        assert store.resume()[1].step == 20
+    store.save(30, _state(30)).result()  # the resumed job reaches step 30 again
+    Journal(store.storage, "run-1").append("run_start")
+    assert store.resume()[1].step == 30
+    assert status(open_storage(store.url))["checkpoint_step"] == 30
+    r = CliRunner().invoke(cli, ["status", store.url, "--json"])
+    assert r.exit_code == 0 and json.loads(r.output)["checkpoint_step"] == 30

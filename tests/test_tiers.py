@@ -313,7 +313,8 @@ def test_a_nodes_sweep_deletes_only_its_ranks_retired_or_idle_files(tmp_path):
     assert sweep_own_data(store.local, 0, set(), set()) == []  # recent, not retired: in flight
     assert sweep_own_data(store.local, 0, {attempt}, {attempt}) == []  # a promotion holds it
     old = mine.stat().st_mtime + store.local.grace + 1
-    empty = ckptstore.Store(tmp_path / "d2", local=tmp_path / "node", local_shared=tmp_path / "shared2")
+    # (the same durable store: a node directory belongs to one store, tiers.bind_local_tier)
+    empty = ckptstore.Store(tmp_path / "d", local=tmp_path / "node", local_shared=tmp_path / "shared2")
     assert sweep_own_data(empty.local, 0, {attempt}, set(), now=old) == []  # the shared place lists nothing
     key = "step-000000000001/" + names.data_file_name(attempt, 0, 0)
     assert sweep_own_data(store.local, 0, {attempt}, set()) == [key] and not mine.exists()  # retired here
@@ -433,3 +434,92 @@ def test_a_durable_save_is_promoted_ahead_of_the_backlog(tmp_path):
     for future in promoted:
         assert future.wait_settled(60)
     assert promoter.pending_steps() == set()
+
+
+# ---------------------------------------------------------------------------- issue 34: whose local tier
+def _aliases(tmp_path, how: str):
+    """(durable, local) paths that name one directory, or one inside the other, by
+    another path than a prefix of the other: symlinks, either way."""
+    durable = tmp_path / "durable"
+    durable.mkdir()
+    if how == "symlink":  # the local tier is a symlink to the durable directory
+        (tmp_path / "link").symlink_to(durable)
+        return durable, tmp_path / "link"
+    if how == "inside":  # ... to a directory inside it
+        (durable / "node").mkdir()
+        (tmp_path / "link").symlink_to(durable / "node")
+        return durable, tmp_path / "link"
+    if how == "below-link":  # a path below a symlink to it
+        (tmp_path / "link").symlink_to(durable)
+        return durable, tmp_path / "link" / "local"
+    if how == "holds":  # the durable store lies in the local tier, through a symlink
+        local = tmp_path / "local"
+        local.mkdir()
+        (local / "d").symlink_to(durable)
+        return local / "d", local
+    raise AssertionError(how)
+
+
+@pytest.mark.parametrize("how", ["symlink", "inside", "below-link", "holds"])
+def test_a_local_tier_aliasing_the_durable_store_is_refused(tmp_path, how):
+    """A local tier that was a symlink to the durable directory passed the overlap check
+    (it compared the paths as given), and the local retention deleted durable steps."""
+    durable, local = _aliases(tmp_path, how)
+    one = ckptstore.Store(durable)
+    for step in (1, 2, 3):
+        one.save(step, {"w": torch.full((2,), float(step))}).result()
+    with pytest.raises(ValueError, match=r"overlap .*give each a location of its own"):
+        ckptstore.Store(durable, local=local, local_keep=Retention(last=1))
+    assert ckptstore.Store(durable).steps() == [1, 2, 3]
+
+
+def test_the_overlap_check_compares_directories_not_only_paths(tmp_path, monkeypatch):
+    """A bind mount is another path to the same directory that no real path reveals:
+    the check compares device and inode, of the roots and of every directory above."""
+    from ckptstore import tiers
+    from ckptstore.storage import LocalStorage
+
+    durable, local = _aliases(tmp_path, "inside")
+    monkeypatch.setattr(tiers.os.path, "realpath", lambda p: os.path.abspath(p))  # as for a bind mount
+    places = {"the local tier": LocalStorage(local), "the durable store": LocalStorage(durable)}
+    with pytest.raises(ValueError, match="device and inode"):
+        tiers.refuse_overlaps(places)
+    places = {"the local tier": LocalStorage(tmp_path / "elsewhere"), "the durable store": LocalStorage(durable)}
+    tiers.refuse_overlaps(places)  # a directory that does not exist yet, beside it: fine
+
+
+def test_a_local_directory_belongs_to_one_store(tmp_path):
+    """Two jobs given one local directory: job B resumed job A's local steps, and each
+    one's local retention deleted the other's only copies. The local tier is bound to
+    the durable store's identity; another store is refused."""
+    a, b, local = tmp_path / "a", tmp_path / "b", tmp_path / "local"
+    store_a = ckptstore.Store(a, local=local, durable_every=100)
+    store_a.save(5, {"w": torch.ones(2)}).result()
+    ckptstore.wait()
+    with pytest.raises(ValueError, match=r"belongs to another store.*'[^']*/a'.*a local directory of its own"):
+        ckptstore.Store(b, local=local)
+    assert ckptstore.Store(a, local=local).steps() == [5]  # the same store again (a restart): fine
+    binding = json.loads((local / "tier-binding.json").read_text())
+    ident = json.loads((a / "store-id.json").read_text())["id"]
+    assert binding["store"] == ident and binding["durable"] == str(a)
+    # a new store at the same URL (the old one deleted) is another store too
+    shutil.rmtree(a)
+    with pytest.raises(ValueError, match="belongs to another store"):
+        ckptstore.Store(a, local=local)
+    # local_shared is a local place as well
+    ckptstore.Store(tmp_path / "c", local=tmp_path / "l1", local_shared=tmp_path / "shared")
+    with pytest.raises(ValueError, match="local_shared .*belongs to another store"):
+        ckptstore.Store(tmp_path / "d", local=tmp_path / "l2", local_shared=tmp_path / "shared")
+
+
+def test_a_local_tier_opens_during_a_durable_outage(tmp_path, monkeypatch):
+    from ckptstore import tiers
+    from ckptstore.errors import TransientStorageError
+
+    def outage(storage):
+        raise TransientStorageError(f"{storage.describe()}: EndpointConnectionError (the outage)")
+
+    monkeypatch.setattr(tiers, "_store_identity", outage)
+    with pytest.warns(RuntimeWarning, match="durable store cannot be read"):
+        store = ckptstore.Store(tmp_path / "durable", local=tmp_path / "local")
+    assert store.local is not None and not (tmp_path / "local" / "tier-binding.json").exists()

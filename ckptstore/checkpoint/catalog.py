@@ -10,11 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .. import format as fmt
-from .. import names
+from .. import hashing, names
 from ..errors import CkptStoreError
 from ..names import PIN_NAME
 from ..storage import Storage
-from .commit import read_capped, read_manifest
+from .commit import generations, read_capped, read_manifest
 
 
 @dataclass
@@ -158,12 +158,61 @@ def read_pin(loc: Location) -> dict | None:
 
 
 def read_skip_mark(loc: Location) -> dict | None:
-    """Why a resume skipped the visible generation of ``loc``, or None (no mark, or a
-    mark left for a generation since superseded)."""
+    """Why a resume skipped the visible manifest of ``loc``, or None: no mark, or one
+    not bound to that manifest (:func:`check_skip_mark`)."""
+    return check_skip_mark(loc)[0]
+
+
+def check_skip_mark(loc: Location) -> tuple[dict | None, str | None]:
+    """``(mark, None)`` when ``loc`` holds a skip mark bound to its visible manifest;
+    ``(None, why)`` when it holds one that is not, which every reader ignores; ``(None,
+    None)`` without one.
+
+    A mark is a verdict on one manifest: it names the step, the generation, the attempt
+    and the xxh3-128 of the manifest's bytes that the resume judged, and is acted on
+    (retention and gc count the step as unusable, ``status`` passes over it) only while
+    all four match the visible manifest. A mark left behind (a gc killed between a
+    checkpoint's manifest and its mark, then the step saved again as generation 1), one
+    of an older ckptstore (no attempt, no hash), or one written by anyone else would
+    otherwise make gc delete the newest step a resume would load."""
     if not loc.skip_marked or loc.manifest is None:
-        return None
+        return None, None
     mark = _read_marker(loc, names.SKIPPED_NAME, "skip mark")
-    return mark if mark.get("generation") == loc.manifest.generation else None
+    m = loc.manifest
+    for key, want in (("step", loc.step), ("generation", m.generation), ("attempt", m.attempt)):
+        if mark.get(key) != want or isinstance(mark.get(key), bool):
+            got = mark.get(key) if key in mark else "nothing"
+            return None, f"ignored: it names {key} {str(got)[:64]!r}, the manifest {want!r}"
+    try:
+        digest = manifest_digest(loc.storage, m.generation)
+    except CkptStoreError as e:
+        return None, f"ignored: the manifest could not be read to check it: {str(e)[:256]}"
+    if mark.get(SKIP_MARK_DIGEST) != digest:
+        return None, "ignored: it was written for other manifest bytes (xxh3-128 differs)"
+    return mark, None
+
+
+SKIP_MARK_DIGEST = "manifest_xxh3_128"  # the skip mark's field binding it to the manifest's bytes
+
+
+def manifest_digest(storage: Storage, generation: int) -> str:
+    """The xxh3-128 (hex) of a location's stored manifest of ``generation``, as read."""
+    return hashing.digest(read_capped(storage, names.manifest_name(generation), fmt.max_manifest_bytes(),
+                                      "manifest"))
+
+
+def skip_mark(storage: Storage, step: int, reason: str, at: str) -> dict:
+    """The skip mark for the visible manifest of the location ``storage`` of ``step``:
+    bound to its generation, attempt and bytes (:func:`check_skip_mark`)."""
+    generation = generations(storage)[-1]
+    data = read_capped(storage, names.manifest_name(generation), fmt.max_manifest_bytes(), "manifest")
+    try:
+        doc = fmt.loads_json(data, "manifest")
+    except CkptStoreError:
+        doc = None
+    attempt = doc.get("attempt") if isinstance(doc, dict) and isinstance(doc.get("attempt"), str) else None
+    return {"step": step, "generation": generation, "attempt": attempt, SKIP_MARK_DIGEST: hashing.digest(data),
+            "reason": reason[:4096], "at": at}
 
 
 def _read_marker(loc: Location, name: str, what: str) -> dict:

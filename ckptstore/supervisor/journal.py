@@ -41,9 +41,13 @@ Any event may carry ``save_blocking_s`` / ``step_s``; status takes the latest of
 
 Reading treats the store as hostile: each event is read with a cap, parsed strictly,
 and skipped (counted ``unreadable``) unless it is a JSON object whose ``kind`` is the
-kind its name says; names outside the grammar are ignored (counted ``ignored``); at
-most ``MAX_EVENTS`` events of a run are read (the oldest one and the newest rest). A bad
-event never raises; a store that cannot be listed does.
+kind its name says and whose values nest at most ``MAX_EVENT_DEPTH`` deep (a 1 KB event
+of lists nested 500 deep crashed ``status`` with a RecursionError); names outside the
+grammar are ignored (counted ``ignored``); at most ``MAX_EVENTS`` events of a run are
+read (the oldest one and the newest rest). An event's ``t`` is read as its name's time
+(the writer writes the two equal; a ``t`` of 1e300 made a run look 1e300 s long, and
+``every="auto"`` stop saving). A bad event never raises; a store that cannot be listed
+does.
 """
 
 from __future__ import annotations
@@ -67,6 +71,7 @@ from ..storage import Storage
 JOURNAL_DIR = "journal"
 MAX_EVENT_BYTES = fmt.MAX_MARKER_BYTES  # 64 KiB: keep traceback tails well below it
 MAX_EVENTS = 100_000  # per run; a real run journals a few events per restart
+MAX_EVENT_DEPTH = 16  # containers nested in an event (a real one: 4, event > checks > check > value)
 _READERS = 16  # concurrent reads: one request each on an object store
 
 _RUN_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -170,11 +175,12 @@ class Journal:
             event = fmt.loads_json(data, "journal event")
         except (CkptStoreError, OSError):  # too large, not JSON, a symlink, gone, a flaky read
             return None
-        if not isinstance(event, dict) or event.get("kind") != kind:
+        if not isinstance(event, dict) or event.get("kind") != kind or not nests_within(event, MAX_EVENT_DEPTH):
             return None
-        t = event.get("t")
-        if not _is_number(t):  # status does arithmetic on it: the name's time instead
-            event["t"] = parse_event_name(name)[0]
+        # The name's time is the event's (the writer writes both from one clock reading):
+        # names sort by it and are bounded by their 16 digits, where a `t` of 1e300, a
+        # string or -inf would be taken for the run's length.
+        event["t"] = parse_event_name(name)[0]
         return event
 
 
@@ -205,8 +211,18 @@ def finite_float(v) -> float | None:
     return f if math.isfinite(f) else None
 
 
-def _is_number(v) -> bool:
-    return finite_float(v) is not None
+def nests_within(value, depth: int) -> bool:
+    """Whether ``value`` holds no dict or list more than ``depth`` levels deep (itself
+    the first), found without recursion: untrusted JSON must not exhaust the stack of
+    whoever walks it later."""
+    todo = [(value, 1)]
+    while todo:
+        v, level = todo.pop()
+        if isinstance(v, (dict, list)):
+            if level > depth:
+                return False
+            todo.extend((x, level + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return True
 
 
 def _finite(v):

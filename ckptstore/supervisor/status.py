@@ -24,10 +24,19 @@ nodes may each journal the same one):
   up), ``end - t`` of that failure. Failures before any resume are startup.
 - ``goodput = (wall_s - startup_s - recovery_s - lost_s) / wall_s``, clamped to [0, 1];
   None while ``wall_s`` is 0.
-- Young/Daly: ``recommended_interval_s = sqrt(2 * C * M)``, C the latest journaled
-  ``save_blocking_s``, M ``mtbf_s`` or, before the first failure that counts,
-  ``PRIOR_MTBF_S``; ``recommended_interval_steps = max(1, round(interval / step_s))``
-  with the latest journaled ``step_s``. None while C (or step_s) was never measured.
+- Young/Daly: ``recommended_interval_s = min(MAX_INTERVAL_S, sqrt(2 * C * M))``, C
+  the latest journaled ``save_blocking_s``, M ``mtbf_s`` or, before the first failure
+  that counts, ``PRIOR_MTBF_S``; ``recommended_interval_steps = max(1, round(interval /
+  step_s))`` with the latest journaled ``step_s``. None while C (or step_s) was never
+  measured.
+
+The journal is untrusted input, and so is a caller's event list: an event's ``t`` is
+taken into ``[0, now]`` (no event can show a run longer than the clock allows, so
+``mtbf_s <= wall_s <= now - start``; a ``finish`` that claimed ``t: 1e300`` made the
+MTBF 1e300 s and ``every="auto"`` stop saving), events are taken in time order, and
+every field copied into the summary is reduced to its documented type and a bounded
+size (``command``: at most ``MAX_LIST`` strings; ``checks``: at most ``MAX_LIST``
+records of scalar fields), so that no event can crash ``status`` or its JSON.
 """
 
 from __future__ import annotations
@@ -37,11 +46,15 @@ import time
 
 from .. import format as fmt
 from .. import names
-from ..checkpoint.catalog import scan_location
+from ..checkpoint.catalog import read_skip_mark, scan_location
 from ..storage import Storage
 from .journal import Journal, finite_float, latest_run
 
 PRIOR_MTBF_S = 24 * 3600.0  # before a failure is seen: one a day, a common large-job figure
+# The longest interval status recommends and every="auto" waits between saves, whatever
+# the journal says: a failure then costs at most this much work.
+MAX_INTERVAL_S = 6 * 3600.0
+MAX_LIST = 256  # entries of a journaled list (command, checks) copied into a summary
 CLASSES = ("transient", "deterministic", "hang", "preempted")
 _TERMINAL = {"finish": "finished", "give_up": "gave_up", "unhealthy": "unhealthy"}
 _TEXT = 4096  # hostile strings are cut to this many characters
@@ -49,7 +62,10 @@ _TEXT = 4096  # hostile strings are cut to this many characters
 
 def summarize(events: list[dict], now: float, checkpoint: dict | None = None) -> dict:
     """The status of one run (see the module docstring); never raises on odd events."""
-    events = [e for e in events if isinstance(e, dict) and _num(e.get("t")) is not None]
+    now = _num(now) or 0.0
+    # each event at a time the clock allows, in time order (stable: ties keep their order)
+    events = sorted(({**e, "t": min(max(0.0, _num(e.get("t"))), now)} for e in events
+                     if isinstance(e, dict) and _num(e.get("t")) is not None), key=lambda e: e["t"])
     ckpt_step = _int(checkpoint.get("step")) if checkpoint else None
     ckpt_t = _num(checkpoint.get("committed_at_t")) if checkpoint else None
     out = {"run": None, "state": "empty", "started_at": None, "wall_s": 0.0, "restarts": 0, "attempts": 0,
@@ -66,14 +82,17 @@ def summarize(events: list[dict], now: float, checkpoint: dict | None = None) ->
     start = first["t"]
     out.update(run=_str(first.get("run"), 128), started_at=_str(first.get("at"), 64),
                last_event_at=_str(events[-1].get("at"), 64))
-    for k in ("command", "world_size", "nnodes"):
-        if k in first and first.get("kind") == "run_start":
-            out[k] = first[k]
+    if first.get("kind") == "run_start":
+        if "command" in first:
+            out["command"] = _strs(first["command"])
+        for k in ("world_size", "nnodes"):
+            if k in first:
+                out[k] = _int(first[k])
 
     state, end = "running", now
     attempts, failures, resumes = set(), {}, {}
     for e in events:
-        kind, attempt = e.get("kind"), _int(e.get("attempt"))
+        kind, attempt = _str(e.get("kind"), 64), _int(e.get("attempt"))
         if kind in ("run_start", "attempt_start"):
             state, end = "running", now
             if kind == "attempt_start":
@@ -84,8 +103,7 @@ def summarize(events: list[dict], now: float, checkpoint: dict | None = None) ->
                 out["give_up"] = {"reason": _str(e.get("reason")), "code": _int(e.get("code")),
                                   "class": _str(e.get("class"), 64), "at": _str(e.get("at"), 64)}
             elif kind == "unhealthy":
-                out["unhealthy"] = {"checks": e.get("checks") if isinstance(e.get("checks"), list) else [],
-                                    "at": _str(e.get("at"), 64)}
+                out["unhealthy"] = {"checks": _checks(e.get("checks")), "at": _str(e.get("at"), 64)}
         elif kind == "failure":
             failures.setdefault(attempt if attempt is not None else ("?", id(e)), e)
         elif kind == "resume":
@@ -108,7 +126,7 @@ def summarize(events: list[dict], now: float, checkpoint: dict | None = None) ->
     out["lost_steps"] = sum(max(0, f["lost_steps"] or 0) for f in out["failures"])
     out["lost_s"] = sum(max(0.0, f["lost_s"] or 0.0) for f in out["failures"])
     counted = sum(f["class"] != "preempted" for f in out["failures"])
-    out["mtbf_s"] = wall / counted if counted else None
+    out["mtbf_s"] = wall / counted if counted and wall > 0 else None  # (no time seen: no figure)
 
     if resumes:  # where the latest attempt started from (two tiers: which copy)
         r = max(resumes.values(), key=lambda e: e["t"])
@@ -124,12 +142,20 @@ def summarize(events: list[dict], now: float, checkpoint: dict | None = None) ->
     observed = out["mtbf_s"] is not None
     out["mtbf_source"] = "observed" if observed else "prior"
     if c is not None:
-        interval = math.sqrt(2.0 * c * (out["mtbf_s"] if observed else PRIOR_MTBF_S))
+        interval = young_daly(c, out["mtbf_s"] if observed else PRIOR_MTBF_S)
         out["recommended_interval_s"] = interval
         steps = interval / out["step_s"] if out["step_s"] else None
         if steps is not None and math.isfinite(steps):
             out["recommended_interval_steps"] = max(1, round(steps))
     return _finite(out)
+
+
+def young_daly(save_s: float, mtbf_s: float) -> float:
+    """Young/Daly's checkpoint interval ``sqrt(2 * save_s * mtbf_s)``, at most
+    MAX_INTERVAL_S (0 for a cost or MTBF that is not a positive finite number)."""
+    if not (_num(save_s) and _num(mtbf_s)) or save_s <= 0 or mtbf_s <= 0:
+        return 0.0
+    return min(MAX_INTERVAL_S, math.sqrt(2.0 * save_s * mtbf_s))
 
 
 def _finite(o):
@@ -177,12 +203,14 @@ def _failure_record(e: dict) -> dict:
 def newest_checkpoint(storage: Storage, at_most: int | None = None) -> dict | None:
     """{"step", "committed_at_t"} of the highest committed ``step-N/`` of the store, not
     above ``at_most`` when given. A step whose manifest is unreadable, or that a resume
-    marked as one it could not use, is passed over, as resume passes it over."""
+    marked as one it could not use, is passed over, as resume passes it over; a mark
+    counts only while it is bound to the visible manifest (``catalog.check_skip_mark``):
+    a step skipped, then saved again, is the newest again."""
     steps = sorted((s for s in (names.parse_step_dir_name(n[:-1]) for n in storage.list("") if n.endswith("/"))
                     if s is not None and (at_most is None or s <= at_most)), reverse=True)
     for step in steps:
         loc = scan_location(storage.child(names.step_dir_name(step)), names.step_dir_name(step))
-        if loc.committed and not loc.skip_marked:
+        if loc.committed and read_skip_mark(loc) is None:  # a mark bound to this very manifest
             return {"step": loc.step, "committed_at_t": fmt.parse_time(loc.manifest.committed_at)}
     return None
 
@@ -213,3 +241,32 @@ def _int(v) -> int | None:
 
 def _str(v, limit: int = _TEXT) -> str | None:
     return v[:limit] if isinstance(v, str) else None
+
+
+def _strs(v) -> list | None:
+    """A journaled list of strings (``command``): at most MAX_LIST of them, anything
+    else in it None."""
+    return [_str(x) for x in v[:MAX_LIST]] if isinstance(v, list) else None
+
+
+def _scalar(v):
+    if v is None or isinstance(v, bool):
+        return v
+    return _str(v) if isinstance(v, str) else _int(v) if isinstance(v, int) else _num(v)
+
+
+def _checks(v) -> list:
+    """An ``unhealthy`` event's failed checks as records of the fields ``name``, ``ok``,
+    ``detail`` and ``value`` each holds, of their types (else None; ``value`` a flat
+    dict of scalars): at most MAX_LIST of them, anything else left out."""
+    out = []
+    for c in (v[:MAX_LIST] if isinstance(v, list) else []):
+        if not isinstance(c, dict):
+            continue
+        value = c.get("value")
+        clean = {"name": _str(c.get("name"), 256), "ok": c.get("ok") if isinstance(c.get("ok"), bool) else None,
+                 "detail": _str(c.get("detail")),
+                 "value": ({_str(k, 64): _scalar(x) for k, x in list(value.items())[:MAX_LIST]}
+                           if isinstance(value, dict) else None)}
+        out.append({k: x for k, x in clean.items() if k in c})
+    return out
