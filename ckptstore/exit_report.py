@@ -27,7 +27,8 @@ from typing import NoReturn
 
 from ._terminal import printable
 
-__all__ = ["EXIT_STATUS", "describe", "exception_status", "exit_now", "failure", "gave_up", "lost", "say", "waiting"]
+__all__ = ["EXIT_STATUS", "describe", "done_waiting", "exception_status", "exit_now", "failure", "gave_up", "lost",
+           "say", "waiting"]
 
 EXIT_STATUS = 1  # what an uncaught exception (torch.save's error, say) would have given
 PREFIX = "ckptstore: "
@@ -77,6 +78,15 @@ def waiting(pending: list, seconds: float) -> list[str]:
         how = left(f)
         lines.append(f"  {describe(f)}" + (f": {how}" if how else ""))
     return lines
+
+
+def done_waiting(waited: list) -> str:
+    """The drain's last words when it said it waits and every save settled."""
+    committed = [f for f in waited if f.done() and f._future.exception() is None]
+    if len(waited) == 1:
+        f = waited[0]
+        return f"done waiting: {describe(f)} " + ("committed" if committed else "did not commit")
+    return f"done waiting: {len(committed)} of {len(waited)} saves committed"
 
 
 def gave_up(pending: list, why: str) -> list[str]:

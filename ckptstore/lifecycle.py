@@ -205,11 +205,13 @@ def _drain(timeout: float) -> bool:
         if not _waited_for():
             return True
     exiting.enter()
-    announced = False
+    announced: list[SaveFuture] = []
     while True:
         with _lock:
             pending = _waited_for()
         if not pending:
+            if announced:
+                exit_report.say(exit_report.done_waiting(announced))
             return True
         for f in pending:
             f.watch_exit()
@@ -217,7 +219,7 @@ def _drain(timeout: float) -> bool:
         if now >= deadline:
             return False
         if not announced and now - start >= ANNOUNCE_AFTER:
-            announced = True
+            announced = list(pending)
             for line in exit_report.waiting(pending, deadline - now):
                 exit_report.say(line)
         # (in slices: the announcement comes on time, and a Ctrl-C that lands just
@@ -304,7 +306,10 @@ def report_at_exit() -> int | None:
 
 
 def _at_exit() -> None:
-    status = report_at_exit()
+    try:
+        status = report_at_exit()
+    except KeyboardInterrupt:  # one more Ctrl-C while it reports: stop now, as Ctrl-C does
+        status = -signal.SIGINT
     if status is not None:
         exit_report.exit_now(status)
 

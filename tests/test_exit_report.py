@@ -214,3 +214,31 @@ def test_an_exception_ending_the_program_keeps_its_status_unless_a_save_is_still
         gate.set()
     held.result(timeout=HANG_GUARD_S)  # it commits after all
     assert lifecycle.report_at_exit() is None
+
+
+def test_the_exit_drain_says_what_it_waits_for_and_then_that_it_committed(tmp_path, monkeypatch):
+    """In this process: a drain that waits says so (here at once) naming the save and
+    what is left; the commit it waited for (released when the drain has said so) ends
+    it with a line saying it committed."""
+    monkeypatch.setattr(exiting, "_active", threading.Event())  # (exit mode is sticky: this test's alone)
+    monkeypatch.setattr(lifecycle, "ANNOUNCE_AFTER", 0.0)
+    gate, reached, said = threading.Event(), threading.Event(), []
+    where = _Gated(str(tmp_path / "slow"), gate, reached)
+
+    def say(line):
+        said.append(line)
+        if line.startswith("waiting"):
+            gate.set()  # the commit goes on once the drain said what it waits for
+
+    monkeypatch.setattr(lifecycle.exit_report, "say", say)
+    held = lifecycle.track(start_save({"w": torch.ones(1000)}, where, rt=runtime(), attempt=names.new_attempt_id(),
+                                      step=3, rank=0, world_size=1, metrics=None, options=SaveOptions()))
+    try:
+        assert reached.wait(HANG_GUARD_S)
+        assert lifecycle.drain(HANG_GUARD_S) is True
+    finally:
+        gate.set()
+    assert held.result(timeout=HANG_GUARD_S).step == 3
+    assert said[0].startswith("waiting up to ") and "for 1 save in flight to commit before exiting" in said[0], said
+    assert said[1:] == [f"  the save of step 3 to {where.describe()}: its data is written; its commit is running",
+                        f"done waiting: the save of step 3 to {where.describe()} committed"], said
