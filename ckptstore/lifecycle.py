@@ -46,6 +46,7 @@ _failed: list[SaveFuture] = []
 _abandoned: set[SaveFuture] = set()  # in flight when a drain stopped waiting (timeout, Ctrl-C): lost
 _reported: set[SaveFuture] = set()  # named on stderr already (by the SIGTERM handler's report)
 ANNOUNCE_AFTER = 1.0  # seconds a drain waits before it says for what (a quick commit says nothing)
+WAIT_SLICE = 1.0  # the drain's waits, at most
 _hooks_installed = False
 _left_by_parent: list = []
 _wait_listeners: list[weakref.WeakMethod] = []
@@ -206,6 +207,7 @@ def _drain(timeout: float) -> bool:
             return True
     exiting.enter()
     announced: list[SaveFuture] = []
+    watched: set[SaveFuture] = set()
     while True:
         with _lock:
             pending = _waited_for()
@@ -214,7 +216,9 @@ def _drain(timeout: float) -> bool:
                 exit_report.say(exit_report.done_waiting(announced))
             return True
         for f in pending:
-            f.watch_exit()
+            if f not in watched:  # (once: each call beats the heartbeat now)
+                watched.add(f)
+                f.watch_exit()
         now = time.monotonic()
         if now >= deadline:
             return False
@@ -222,9 +226,9 @@ def _drain(timeout: float) -> bool:
             announced = list(pending)
             for line in exit_report.waiting(pending, deadline - now):
                 exit_report.say(line)
-        # (in slices: the announcement comes on time, and a Ctrl-C that lands just
-        # before a wait begins is seen at the next slice)
-        pending[0].wait_settled(min(deadline - now, ANNOUNCE_AFTER))
+        until = deadline if announced else min(deadline, start + ANNOUNCE_AFTER)
+        # (in slices: a Ctrl-C that lands just before a wait begins is seen at the next)
+        pending[0].wait_settled(min(until - now, WAIT_SLICE))
 
 
 def _waited_for() -> list[SaveFuture]:  # (under _lock)
