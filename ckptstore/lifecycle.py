@@ -7,7 +7,14 @@ The exit drain waits at most ``config().exit_timeout`` (default 20 s: well insid
 flight, the process enters exit mode (:mod:`ckptstore.checkpoint.exiting`): each
 in-flight attempt beats its heartbeat fast, the commit's waits presume a silent peer
 dead and abort, and the drain returns as soon as every save is committed, failed or
-aborted, never later than the timeout."""
+aborted, never later than the timeout.
+
+Nothing about a save is silent at exit (:mod:`ckptstore.exit_report` has the words):
+a drain that waits more than a second says for what and how much is left; a Ctrl-C
+while it waits stops it, naming what is lost; and a failed save whose error the
+program never saw (no ``result()`` / ``exception()`` on its future, no ``wait()``, no
+later save that raised it) is reported on stderr when the process exits, which then
+exits with status 1 unless an exception is already ending it."""
 
 from __future__ import annotations
 
@@ -22,6 +29,7 @@ import weakref
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 
+from . import exit_report
 from .checkpoint import exiting
 from .checkpoint.save import SaveFuture
 from .config import config
@@ -31,7 +39,14 @@ from .errors import BaseRetiredError, CkptStoreError
 _lock = threading.RLock()
 _inflight: set[SaveFuture] = set()
 _preparing: set[Future] = set()  # staging warm-ups in flight (ckptstore.prepare)
-_unobserved_failures: list[SaveFuture] = []
+_unobserved_failures: list[SaveFuture] = []  # for the next save / wait() to raise
+# Every failed save whose error the program may not have seen (its future's ``observed``
+# says): the exit report's. Observed ones are dropped as new failures come.
+_failed: list[SaveFuture] = []
+_abandoned: set[SaveFuture] = set()  # in flight when a drain stopped waiting (timeout, Ctrl-C): lost
+_reported: set[SaveFuture] = set()  # named on stderr already (by the SIGTERM handler's report)
+ANNOUNCE_AFTER = 1.0  # seconds a drain waits before it says for what (a quick commit says nothing)
+WAIT_SLICE = 1.0  # the drain's waits, at most
 _hooks_installed = False
 _left_by_parent: list = []
 _wait_listeners: list[weakref.WeakMethod] = []
@@ -106,6 +121,8 @@ def _on_done(future: SaveFuture) -> None:
         _inflight.discard(future)
         if future._future.exception() is not None:
             _unobserved_failures.append(future)
+            _failed[:] = [f for f in _failed if not f.observed] + [future]
+        _abandoned.discard(future)
 
 
 def raise_earlier_failure() -> None:
@@ -131,7 +148,8 @@ def raise_earlier_failure() -> None:
 
 def wait(timeout: float | None = None) -> None:
     """Wait for every in-flight save of this process; raise the first error (of a save
-    waited for here, or of an earlier one nobody has looked at)."""
+    waited for here, or of an earlier one nobody has looked at). Every failure it covers
+    counts as seen: none is reported at exit."""
     deadline = None if timeout is None else time.monotonic() + timeout
     waited: list[SaveFuture] = []
     with _waiting():
@@ -145,21 +163,32 @@ def wait(timeout: float | None = None) -> None:
                 f.exception(left)  # TimeoutError when the deadline passes
                 waited.append(f)
     with _lock:
-        failed = [f for f in _unobserved_failures if not f.observed]
+        # (_failed, not only _unobserved_failures: those a later save passed over when it
+        # raised another are not seen yet either)
+        failed = [f for f in _failed if not f.observed]
         _unobserved_failures.clear()
+        _failed.clear()
+    for f in failed:  # the program asked for them all (it gets the first): none is reported at exit
+        f.observed = True
     for f in waited + failed:
         exc = f._future.exception()
         if exc is not None:
-            f.observed = True
             raise exc
 
 
 def drain(timeout: float) -> bool:
-    """The exit drain (see :func:`_drain`); says on stderr which saves it gives up on."""
-    with _waiting():
-        done = _drain(timeout)
+    """The exit drain (see :func:`_drain`). Says on stderr what it waits for once that
+    takes more than ``ANNOUNCE_AFTER`` seconds, and which saves it gives up on: at its
+    timeout, or at a Ctrl-C while it waits, which ends the wait (the KeyboardInterrupt
+    is taken: the process goes on exiting). A save given up on is not waited for again."""
+    try:
+        with _waiting(), _ctrl_c_interrupts():
+            done = _drain(timeout)
+    except KeyboardInterrupt:
+        _give_up("Ctrl-C")
+        return False
     if not done:
-        _report_abandoned(timeout)
+        _give_up(f"after {timeout:g}s: CKPTSTORE_EXIT_TIMEOUT / CKPTSTORE_ATEXIT_TIMEOUT")
     return done
 
 
@@ -170,36 +199,123 @@ def _drain(timeout: float) -> bool:
     With saves in flight it enters exit mode and makes each of them beat its
     heartbeat; it returns once every one is settled: committed, failed, or aborted
     (by this rank, which judged a peer dead, or by another)."""
-    deadline = time.monotonic() + timeout
+    start = time.monotonic()
+    deadline = start + timeout
     _settle_preparations(timeout)
     with _lock:
-        if not _inflight:
+        if not _waited_for():
             return True
     exiting.enter()
+    announced: list[SaveFuture] = []
+    watched: set[SaveFuture] = set()
     while True:
         with _lock:
-            pending = [f for f in _inflight if not f.settled()]
+            pending = _waited_for()
         if not pending:
+            if announced:
+                exit_report.say(exit_report.done_waiting(announced))
             return True
         for f in pending:
-            f.watch_exit()
-        for f in pending:
-            left = deadline - time.monotonic()
-            if left <= 0 or not f.wait_settled(left):
-                return False
+            if f not in watched:  # (once: each call beats the heartbeat now)
+                watched.add(f)
+                f.watch_exit()
+        now = time.monotonic()
+        if now >= deadline:
+            return False
+        if not announced and now - start >= ANNOUNCE_AFTER:
+            announced = list(pending)
+            for line in exit_report.waiting(pending, deadline - now):
+                exit_report.say(line)
+        until = deadline if announced else min(deadline, start + ANNOUNCE_AFTER)
+        # (in slices: a Ctrl-C that lands just before a wait begins is seen at the next)
+        pending[0].wait_settled(min(until - now, WAIT_SLICE))
 
 
-def _report_abandoned(timeout: float) -> None:
+def _waited_for() -> list[SaveFuture]:  # (under _lock)
+    return [f for f in _inflight if not f.settled() and f not in _abandoned]
+
+
+@contextlib.contextmanager
+def _ctrl_c_interrupts():
+    """While the drain waits, Ctrl-C raises KeyboardInterrupt (which ends the wait), even
+    where the program set a SIGINT handler of its own (one that only sets a flag would
+    leave an exiting process waiting): the process is exiting. Left alone where SIGINT
+    is ignored or at its default action, and off the main thread (where it cannot be set)."""
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        current = signal.getsignal(signal.SIGINT)
+        if callable(current) and current is not signal.default_int_handler:
+            previous = current
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+
+
+def _give_up(why: str) -> None:
     """Say which saves the exit leaves behind (on stderr: warnings may no longer show at
     interpreter exit); their attempts stay uncommitted and gc cleans them up."""
-    import sys
-
     with _lock:
-        pending = [f for f in _inflight if not f.settled()]
-    for f in pending:
-        print(f"ckptstore: exiting without waiting longer for the save of step {f.step} to {f.where} "
-              f"(waited {timeout:g}s; CKPTSTORE_EXIT_TIMEOUT / CKPTSTORE_ATEXIT_TIMEOUT): it is not committed",
-              file=sys.stderr, flush=True)
+        pending = _waited_for()
+        _abandoned.update(pending)
+        _reported.update(pending)
+    for line in exit_report.gave_up(pending, why):
+        exit_report.say(line)
+
+
+def _report() -> tuple[bool, bool]:
+    """Name on stderr every failed save the program never looked at, and every save
+    in flight that will not commit, that nothing has named yet. Returns (any failed
+    unseen, any in flight), named now or before."""
+    with _lock:
+        failed = [f for f in _failed if not f.observed]
+        lost = [f for f in _inflight if not f.done()]
+        new = [f for f in failed + lost if f not in _reported]
+        _reported.update(new)
+    for f in new:
+        exit_report.say(exit_report.failure(f) if f.done() else exit_report.lost(f))
+    if new:
+        exit_report.say(f"nothing of {'it' if len(new) == 1 else 'them'} is committed; {exit_report.INTACT}. "
+                        "To handle failed saves yourself, call .result() on the future a save returns, or "
+                        "ckptstore.wait() before the program ends (it raises the first failure)")
+    return bool(failed), bool(lost)
+
+
+def report_at_exit() -> int | None:
+    """The report at interpreter exit: wait for what a later atexit handler may still
+    have saved, report (:func:`_report`), and say how the process must end: None, as
+    it would have; else at once (:func:`exit_report.exit_now`) with that status.
+
+    - a save failed and nobody saw it: status 1, unless an exception is already
+      ending the program (it exits non-zero by itself: None);
+    - a save is still in flight (the drain gave up on it): at once in any case, so
+      that no write of it runs into the interpreter's finalization (a thread coming
+      back from native code there aborts the process), with the status the program
+      was ending with when an exception ends it (``exit_report.exception_status``),
+      else 1."""
+    with _lock:
+        late = bool(_waited_for())
+    if late:
+        drain(config().atexit_timeout)
+    failed, lost = _report()
+    if not (failed or lost):
+        return None
+    by_exception = exit_report.exception_status()
+    if by_exception is not None:
+        return by_exception if lost else None
+    exit_report.say(f"exit status {exit_report.EXIT_STATUS}: a save did not commit")
+    return exit_report.EXIT_STATUS
+
+
+def _at_exit() -> None:
+    try:
+        status = report_at_exit()
+    except KeyboardInterrupt:  # one more Ctrl-C while it reports: stop now, as Ctrl-C does
+        status = -signal.SIGINT
+    if status is not None:
+        exit_report.exit_now(status)
 
 
 def _after_fork_in_child() -> None:
@@ -208,13 +324,16 @@ def _after_fork_in_child() -> None:
     # (Kept, not freed: see _threads._after_fork_in_child.)
     global _lock
     _lock = threading.RLock()
-    _left_by_parent.append((set(_inflight), set(_preparing), list(_unobserved_failures)))
-    _inflight.clear()
-    _preparing.clear()
-    _unobserved_failures.clear()
+    _left_by_parent.append((set(_inflight), set(_preparing), list(_unobserved_failures), list(_failed),
+                            set(_abandoned), set(_reported)))
+    for held in (_inflight, _preparing, _unobserved_failures, _failed, _abandoned, _reported):
+        held.clear()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+# Registered when ckptstore is imported, so that it runs after the atexit handlers the
+# program registers later (last registered, first run), the exit drain among them.
+atexit.register(_at_exit)
 
 
 def install_hooks() -> None:
@@ -232,8 +351,9 @@ def install_hooks() -> None:
     def on_sigterm(signum, frame):
         drain(exit_timeout())
         if callable(previous):
-            previous(signum, frame)
+            previous(signum, frame)  # (if it exits, the report at exit names what did not commit)
         else:
+            _report()  # no atexit handler runs after this; the status says SIGTERM
             # Default action: die by SIGTERM, as the process would have without us.
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGTERM)

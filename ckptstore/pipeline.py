@@ -107,6 +107,10 @@ class RankWriter:
         self._skeleton: fmt.Blob | None = None
         self._error: BaseException | None = None
         self._lock = threading.Lock()
+        # [chunks, raw bytes] handed over (caller's thread) and written of those (workers,
+        # under _lock; a chunk referenced or only hashed counts as written): progress().
+        self._handed = [0, 0]
+        self._written = [0, 0]
 
     # -- feeding (caller's thread)
     def submit_chunk(self, key: str, offsets: tuple, sizes: tuple, itemsize: int, buf: StagingBuffer,
@@ -118,6 +122,8 @@ class RankWriter:
         writes, checked against it at commit.
         """
         self._pending.append((self._chunk_task, (key, offsets, sizes, itemsize, buf, scope, write), buf))
+        self._handed[0] += 1
+        self._handed[1] += buf.view.nbytes
 
     def submit_pack(self, buf: StagingBuffer, entries: list[tuple]) -> None:
         """Hand over one buffer holding several small chunks back to back
@@ -129,6 +135,8 @@ class RankWriter:
         of its own, hashed and encoded as one; a worker appends the pack's stored bytes
         in one write."""
         self._pending.append((self._pack_task, (buf, entries), buf))
+        self._handed[0] += len(entries)
+        self._handed[1] += buf.view.nbytes  # (O(1) on the caller's thread: a pack's slack counts)
 
     def flush(self) -> None:
         """Start the background work handed over so far.
@@ -168,6 +176,14 @@ class RankWriter:
     @property
     def failed(self) -> BaseException | None:
         return self._error
+
+    def progress(self) -> tuple[int, int, int, int]:
+        """(chunks written, chunks handed over, raw bytes written, raw bytes handed
+        over): what the exit drain says is left of a save (written: appended to the data
+        file, which a remote store may still be uploading). Read without ``_lock``: a
+        worker may hold it across a round trip (the references' listing)."""
+        written, handed = list(self._written), list(self._handed)
+        return (written[0], handed[0], written[1], handed[1])
 
     def open_soon(self) -> None:
         """Open the data file on an I/O thread now, while the caller stages: on a remote
@@ -270,10 +286,13 @@ class RankWriter:
                 replica = fmt.ReplicaHash(key, tuple(offsets), tuple(sizes), digest(buf.view))
                 with self._lock:
                     self._replicas.append(replica)
+                    self._count_written(1, buf.view.nbytes)
                 return
+            nbytes = buf.view.nbytes
             blob = self._store(buf.view, itemsize, release, hint=(scope, key, tuple(offsets)))
             with self._lock:
                 self._chunks.setdefault((scope, key), []).append(fmt.Chunk(tuple(offsets), tuple(sizes), blob))
+                self._count_written(1, nbytes)
         except BaseException as e:
             self._fail(e, f"tensor {key!r}")
         finally:
@@ -321,6 +340,7 @@ class RankWriter:
                 for where, chunk in chunks:
                     self._chunks.setdefault(where, []).append(chunk)
                 self._replicas += replicas
+                self._count_written(len(entries), buf.view.nbytes)
         except BaseException as e:
             self._fail(e, f"tensor {entries[0][0]!r} (or one of the {len(entries) - 1} packed after it)")
         finally:
@@ -334,6 +354,10 @@ class RankWriter:
                 self._skeleton = self._store(memoryview(data), 1)
         except BaseException as e:
             self._fail(e, "object skeleton")
+
+    def _count_written(self, chunks: int, nbytes: int) -> None:  # (under _lock)
+        self._written[0] += chunks
+        self._written[1] += nbytes
 
     def _fail(self, e: BaseException, what: str) -> None:
         with self._lock:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import sys
 import threading
 
 import pytest
@@ -134,6 +135,30 @@ def test_a_forked_child_neither_waits_for_nor_drains_the_parents_saves(tmp_path)
         gate.set()
     future.result(timeout=HANG_GUARD_S)
     assert torch.equal(ckptstore.load(tmp_path / "ckpt")["w"], _state(3)["w"])
+
+
+def _reports_nothing_of_the_parents() -> None:
+    for name in ("last_exc", "last_value"):  # (pytest records a failed test's exception there)
+        sys.__dict__.pop(name, None)
+    os._exit(0 if lifecycle.report_at_exit() is None else 3)
+
+
+def test_a_forked_child_does_not_report_its_parents_failed_saves(tmp_path):
+    """A save of the parent failed and nobody looked at it: the parent's exit reports it;
+    a child's exit (an os.fork() child that ends through sys.exit runs the parent's
+    atexit handlers) neither reports it nor exits non-zero for it."""
+    blocker = tmp_path / "a-file"
+    blocker.write_bytes(b"not a directory")
+    future = lifecycle.track(start_save(_state(4), LocalStorage(blocker / "ckpt"), rt=runtime(),
+                                        attempt=names.new_attempt_id(), step=None, rank=0, world_size=1, metrics=None,
+                                        options=SaveOptions()))
+    done = threading.Event()
+    future.add_done_callback(lambda _f: done.set())  # does not observe it
+    assert done.wait(HANG_GUARD_S) and not future.observed
+    try:
+        assert _in_forked_child(_reports_nothing_of_the_parents) == 0
+    finally:
+        future.exception()  # observed: the parent (this test process) does not report it either
 
 
 def _staging_memory_is_absent(ptr: int, pool) -> None:

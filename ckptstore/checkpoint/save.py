@@ -7,7 +7,7 @@ import pickle
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 from .. import format as fmt
 from ..codecs import CompressionPolicy
@@ -45,6 +45,18 @@ class SaveOptions:
     warn_unsafe: bool = True
 
 
+class Progress(NamedTuple):
+    """How far a save in flight is (the exit drain's messages): chunks and raw bytes of
+    tensor data written of those staged; ``committing``: the data file is durable and
+    the vote and commit run."""
+
+    chunks_written: int
+    chunks: int
+    bytes_written: int
+    nbytes: int
+    committing: bool
+
+
 class SaveFuture:
     """The outcome of one save: committed manifest, or the error that stopped it.
 
@@ -75,6 +87,8 @@ class SaveFuture:
                                            self._on_aborted).start()
         self.aborted = False  # exit mode saw the attempt's abort marker: it cannot commit
         self.observed = False  # the caller has seen the outcome
+        self._counts: Callable[[], tuple[int, int, int, int]] | None = None  # the writer's, while in flight
+        self._committing = False
 
     def result(self, timeout: float | None = None) -> fmt.Manifest:
         try:
@@ -108,6 +122,11 @@ class SaveFuture:
     def wait_settled(self, timeout: float | None = None) -> bool:
         return self._settled.wait(timeout)
 
+    def progress(self) -> Progress | None:
+        """How far the save is while in flight; None when not known (a promotion) or done."""
+        counts = self._counts
+        return None if counts is None else Progress(*counts(), self._committing)
+
     def watch_exit(self) -> None:
         """Exit mode: beat this attempt's heartbeat fast until the save is settled, and
         settle it as soon as the attempt is aborted (by any rank). Idempotent; a
@@ -117,6 +136,7 @@ class SaveFuture:
 
     def _settle(self) -> None:
         self._settled.set()
+        self._counts = None  # (the writer, and what it holds, need not outlive the save)
         if self._beat is not None:
             self._beat.stop()
 
@@ -137,6 +157,7 @@ def start_save(obj, storage: Storage, *, rt: Runtime, attempt: str, step: int | 
     future = SaveFuture(storage.describe(), step, attempt, storage=storage, rank=rank, world_size=world_size)
     writer = RankWriter(storage, attempt, rank, options.compression, rt, references=options.references,
                         writers=world_size)
+    future._counts = writer.progress
     try:
         staged = snapshot(obj, writer, rt.staging_pool, options.chunk_bytes, options.pickle_protocol,
                           rank=rank, world_size=world_size, replicated=options.replicated,
@@ -166,6 +187,7 @@ def start_save(obj, storage: Storage, *, rt: Runtime, attempt: str, step: int | 
                 state, shards = rank_records(rank, written, staged)
                 vote = fmt.Vote(attempt, step, world_size, rank, ok=True, state=state, shards=shards,
                                 replicas=written.replicas)
+            future._committing = True
             if world_size > 1:  # a one-rank save's committer is its only voter: no file to write and fsync
                 write_vote(storage, vote)
             if rank == 0:

@@ -1,0 +1,246 @@
+"""A save that fails is never silent (issue 34, section 1): a failed save whose error the
+program never saw is reported on stderr at exit, and the process exits non-zero; the
+exit drain says what it waits for, and a Ctrl-C while it waits abandons it, naming what
+is lost.
+
+Two real processes (a ``python -c`` each: the exit status and the Ctrl-C need one); the
+rest in this process, where ``lifecycle.report_at_exit()`` is what the atexit handler
+runs before it ends the process (``exit_report.exit_now``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+import ckptstore
+from ckptstore import lifecycle, names
+from ckptstore.checkpoint import exiting
+from ckptstore.checkpoint.save import SaveOptions, start_save
+from ckptstore.errors import CkptStoreError, StorageError
+from ckptstore.runtime import runtime
+from ckptstore.storage import LocalStorage
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from procs.harness import HANG_GUARD_S, LineReader, child_env, free_port  # noqa: E402
+from s3util import aws_env  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("observe_earlier_failures")
+
+
+@pytest.fixture
+def no_exception_ending(monkeypatch):
+    """As at a normal exit: no uncaught exception recorded (pytest records a failed
+    test's in sys.last_value, for post-mortem debugging)."""
+    for name in ("last_exc", "last_value", "last_type", "last_traceback"):
+        monkeypatch.delattr(sys, name, raising=False)
+
+
+def _failed_unseen(tmp_path, name="bad"):
+    """A save that fails in the background (its path lies under a regular file), done,
+    its outcome not looked at. (Not through ckptstore.save, which would raise an earlier
+    such failure instead.)"""
+    blocker = tmp_path / f"{name}-file"
+    blocker.write_bytes(b"not a directory")
+    done = threading.Event()
+    fut = lifecycle.track(start_save({"w": torch.ones(8)}, LocalStorage(blocker / "ckpt"), rt=runtime(),
+                                     attempt=names.new_attempt_id(), step=None, rank=0, world_size=1, metrics=None,
+                                     options=SaveOptions()))
+    fut.add_done_callback(lambda _f: done.set())  # does not observe it
+    assert done.wait(HANG_GUARD_S)
+    return fut, str(blocker / "ckpt")
+
+
+# ---------------------------------------------------------------- real processes
+
+def test_a_failed_save_nobody_looked_at_is_reported_at_exit_and_the_status_is_1(tmp_path):
+    """The issue's repro, ended by sys.exit(0): the report names the path, the reason and
+    what to do, the status is 1, and a file the program left open is still flushed."""
+    code = ("import sys, torch, ckptstore\n"
+            "log = open('log.txt', 'w'); log.write('step 1 done')\n"
+            "open('a_file', 'w').close()\n"
+            "ckptstore.save({'w': torch.zeros(1000)}, 'a_file/sub/x.pt')\n"
+            "sys.exit(0)\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=child_env(), capture_output=True, text=True,
+                       timeout=HANG_GUARD_S)
+    assert r.returncode == 1, (r.returncode, r.stderr)
+    lines = [line for line in r.stderr.splitlines() if line.startswith("ckptstore: ")]
+    assert len(lines) == 3, r.stderr
+    assert f"the save to {tmp_path / 'a_file/sub/x.pt'} failed" in lines[0], lines
+    assert "StorageError" in lines[0] and "Not a directory" in lines[0], lines
+    assert "is committed; checkpoints committed earlier are intact" in lines[1], lines
+    assert ".result()" in lines[1] and "ckptstore.wait()" in lines[1], lines
+    assert lines[2] == "ckptstore: exit status 1: a save did not commit", lines
+    assert (tmp_path / "log.txt").read_text() == "step 1 done"
+
+
+def test_ctrl_c_at_exit_says_what_it_waits_for_and_a_second_ctrl_c_abandons_the_wait(tmp_path):
+    """A save to an unreachable S3 endpoint (a closed port: each request retries for tens
+    of seconds) is in flight when Ctrl-C ends the program: the exit drain says what it
+    waits for, how much is left and for how long; a second Ctrl-C ends the wait with a
+    line naming the save that did not commit, and the process dies by SIGINT, as Python
+    does after a KeyboardInterrupt."""
+    url = "s3://bucket/run/x.pt"
+    code = ("import time, torch, ckptstore\n"
+            f"ckptstore.save({{'w': torch.ones(300_000)}}, {url!r})\n"
+            "print('saved', flush=True)\n"
+            "while True:\n"
+            "    time.sleep(0.05)  # training goes on until Ctrl-C\n")
+    env = child_env(CKPTSTORE_ATEXIT_TIMEOUT=200, **aws_env(f"http://127.0.0.1:{free_port()}"))
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    out, err = LineReader(proc.stdout), LineReader(proc.stderr)
+    try:
+        assert out.next() == "saved", err.lines
+        proc.send_signal(signal.SIGINT)  # the first Ctrl-C: the program ends, the save in flight
+        line = err.next()  # (the first Ctrl-C's traceback comes first)
+        while line is not None and not line.startswith("ckptstore: waiting"):
+            line = err.next()
+        assert line is not None, err.lines  # (None: the child ended without saying it waits)
+        assert line.startswith("ckptstore: waiting up to ") and "for 1 save in flight to commit" in line, line
+        assert "Ctrl-C stops waiting" in line, line
+        assert int(line.split("waiting up to ")[1].split("s ")[0]) <= 200, line
+        what = err.next()
+        assert what == f"ckptstore:   the save to {url}: 1.1 MiB of 1.1 MiB still to write, 1 of 1 chunks", what
+        proc.send_signal(signal.SIGINT)  # the second: stop waiting
+        rest = err.rest()
+        code = proc.wait(HANG_GUARD_S)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert code == -signal.SIGINT, (code, err.lines)
+    assert rest[0] == (f"ckptstore: stopped waiting (Ctrl-C): the save to {url} is not committed (1.1 MiB of "
+                       "1.1 MiB still to write, 1 of 1 chunks); checkpoints committed earlier are intact"), rest
+    assert not any("Traceback" in line for line in rest), rest  # (the first Ctrl-C's came before the wait)
+
+
+# ---------------------------------------------------------------- in this process
+
+@pytest.mark.parametrize("how", ["result", "exception", "wait", "next save", "nobody"])
+def test_a_failed_save_is_left_out_of_the_exit_report_once_the_program_saw_it(tmp_path, how, capsys,
+                                                                            no_exception_ending):
+    fut, where = _failed_unseen(tmp_path)
+    if how == "result":
+        with pytest.raises(StorageError):
+            fut.result()
+    elif how == "exception":
+        assert isinstance(fut.exception(), StorageError)
+    elif how == "wait":
+        with pytest.raises(StorageError):
+            ckptstore.wait()
+    elif how == "next save":
+        with pytest.raises(CkptStoreError, match="earlier save"):
+            ckptstore.save({"x": torch.zeros(2)}, str(tmp_path / "good"))
+    capsys.readouterr()
+    status = lifecycle.report_at_exit()
+    err = capsys.readouterr().err
+    if how != "nobody":
+        assert status is None and err == "", err
+        return
+    fut.exception()  # (observed now: the session's own exit is not this test's)
+    assert status == 1, err
+    assert f"ckptstore: the save to {where} failed and nothing waited for its outcome: StorageError: " in err, err
+    assert err.rstrip().endswith("ckptstore: exit status 1: a save did not commit"), err
+
+
+def test_a_failure_a_later_save_passed_over_is_raised_by_wait_or_reported_at_exit(tmp_path, capsys,
+                                                                                 no_exception_ending):
+    """The next save raises one earlier failure; another is not forgotten: wait()
+    raises it, and without that the exit report names it."""
+    first, _ = _failed_unseen(tmp_path, "one")
+    second, where = _failed_unseen(tmp_path, "two")
+    with pytest.raises(CkptStoreError, match="earlier save"):
+        ckptstore.save({"x": torch.zeros(2)}, str(tmp_path / "good"))
+    assert first.observed and not second.observed
+    capsys.readouterr()
+    assert lifecycle.report_at_exit() == 1
+    assert f"the save to {where} failed" in capsys.readouterr().err
+    with pytest.raises(StorageError) as ei:
+        ckptstore.wait()
+    assert ei.value is second.exception()
+    assert lifecycle.report_at_exit() is None
+
+
+class _Gated(LocalStorage):
+    """Holds every put (the manifest) until the gate opens: a save in flight."""
+
+    def __init__(self, root, gate: threading.Event, reached: threading.Event):
+        super().__init__(root)
+        self._gate, self._reached = gate, reached
+
+    def put(self, key, data, **kwargs):
+        self._reached.set()
+        assert self._gate.wait(HANG_GUARD_S)
+        return super().put(key, data, **kwargs)
+
+
+def test_an_exception_ending_the_program_keeps_its_status_unless_a_save_is_still_written(tmp_path, capsys,
+                                                                                       monkeypatch,
+                                                                                       no_exception_ending):
+    """An uncaught exception already makes the status non-zero: the report is printed
+    and the exit left alone. A save the drain gave up on (timeout, Ctrl-C) is still being
+    written: the process then ends at once, with the status Python gives that exception
+    (death by SIGINT for a KeyboardInterrupt), so that no write runs into finalization."""
+    monkeypatch.setattr(exiting, "_active", threading.Event())  # (exit mode is sticky: this test's alone)
+    fut, where = _failed_unseen(tmp_path)
+    monkeypatch.setattr(sys, "last_value", ValueError("the program's own error"), raising=False)
+    capsys.readouterr()
+    assert lifecycle.report_at_exit() is None
+    err = capsys.readouterr().err
+    assert f"the save to {where} failed" in err and "exit status" not in err, err
+    fut.exception()
+
+    gate, reached = threading.Event(), threading.Event()
+    where = _Gated(str(tmp_path / "slow"), gate, reached)
+    held = lifecycle.track(start_save({"w": torch.ones(8)}, where, rt=runtime(), attempt=names.new_attempt_id(),
+                                      step=7, rank=0, world_size=1, metrics=None, options=SaveOptions()))
+    try:
+        assert reached.wait(HANG_GUARD_S)
+        assert lifecycle.drain(0.0) is False  # the drain gives up at once: the save is lost
+        err = capsys.readouterr().err
+        assert (f"ckptstore: stopped waiting (after 0s: CKPTSTORE_EXIT_TIMEOUT / CKPTSTORE_ATEXIT_TIMEOUT): the save "
+                f"of step 7 to {where.describe()} is not committed (its data is written; its commit is running); "
+                "checkpoints committed earlier are intact") in err, err
+        monkeypatch.setattr(sys, "last_value", KeyboardInterrupt(), raising=False)
+        assert lifecycle.report_at_exit() == -signal.SIGINT
+        monkeypatch.delattr(sys, "last_value")
+        assert lifecycle.report_at_exit() == 1
+        assert where.describe() not in capsys.readouterr().err  # named once: by the drain
+    finally:
+        gate.set()
+    held.result(timeout=HANG_GUARD_S)  # it commits after all
+    assert lifecycle.report_at_exit() is None
+
+
+def test_the_exit_drain_says_what_it_waits_for_and_then_that_it_committed(tmp_path, monkeypatch):
+    """In this process: a drain that waits says so (here at once) naming the save and
+    what is left; the commit it waited for (released when the drain has said so) ends
+    it with a line saying it committed."""
+    monkeypatch.setattr(exiting, "_active", threading.Event())  # (exit mode is sticky: this test's alone)
+    monkeypatch.setattr(lifecycle, "ANNOUNCE_AFTER", 0.0)
+    gate, reached, said = threading.Event(), threading.Event(), []
+    where = _Gated(str(tmp_path / "slow"), gate, reached)
+
+    def say(line):
+        said.append(line)
+        if line.startswith("waiting"):
+            gate.set()  # the commit goes on once the drain said what it waits for
+
+    monkeypatch.setattr(lifecycle.exit_report, "say", say)
+    held = lifecycle.track(start_save({"w": torch.ones(1000)}, where, rt=runtime(), attempt=names.new_attempt_id(),
+                                      step=3, rank=0, world_size=1, metrics=None, options=SaveOptions()))
+    try:
+        assert reached.wait(HANG_GUARD_S)
+        assert lifecycle.drain(HANG_GUARD_S) is True
+    finally:
+        gate.set()
+    assert held.result(timeout=HANG_GUARD_S).step == 3
+    assert said[0].startswith("waiting up to ") and "for 1 save in flight to commit before exiting" in said[0], said
+    assert said[1:] == [f"  the save of step 3 to {where.describe()}: its data is written; its commit is running",
+                        f"done waiting: the save of step 3 to {where.describe()} committed"], said
