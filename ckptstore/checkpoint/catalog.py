@@ -22,10 +22,11 @@ class Attempt:
     attempt: str
     files: int
     bytes: int
-    newest_mtime: float  # the most recent write under the attempt (a release mark's included)
+    newest_mtime: float  # the most recent write under the attempt (a release mark's included, gc's claim not)
     voted: list[int]
     aborted: bool
     released: bool = False  # a gc deleted a manifest that read it (names.RELEASED_LEAF)
+    committing: float | None = None  # when its committer last marked it (claims.py), if it did
 
     def age(self, now: float) -> float:
         return max(0.0, now - self.newest_mtime)
@@ -116,6 +117,8 @@ def scan_location(storage: Storage, name: str) -> Location:
             a = loc.attempts[parts[1]] = Attempt(parts[1], 0, 0, 0.0, [], False)
         a.files += 1
         a.bytes += info.size
+        if kind == "claim":  # gc's own word (claims.py): its writing makes nothing young
+            continue
         a.newest_mtime = max(a.newest_mtime, info.mtime)
         if kind == "vote":
             a.voted.append(names.parse_vote_leaf(parts[2]))
@@ -123,6 +126,8 @@ def scan_location(storage: Storage, name: str) -> Location:
             a.aborted = True
         elif kind == "release":
             a.released = True
+        elif kind == "committing":
+            a.committing = info.mtime
     for a in loc.attempts.values():
         a.voted.sort()
     return loc
