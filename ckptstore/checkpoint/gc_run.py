@@ -23,6 +23,7 @@ from .. import names
 from ..errors import CkptStoreError, ObjectNotFoundError
 from ..storage import Storage
 from . import claims
+from .catalog import summarize
 from .commit import attempt_files, generations, read_manifest
 from .liveness import attempts_named, present
 
@@ -152,19 +153,14 @@ def _young(check: Recheck, d, gc_plan) -> str | None:
     released it, a save resumed), or its committer may be writing its manifest."""
     now = time.time() + gc_plan.clock_offset
     for attempt in d.attempts:
-        newest, mark, released = 0.0, None, False
-        for info in attempt_files(check.storage, attempt):
-            kind = names.attempt_file_of(info.key)[1]
-            if kind != "claim":  # gc's own: no sign of a save
-                newest = max(newest, info.mtime)
-            if kind == "committing":
-                mark = info.mtime
-            released = released or kind == "release"  # committed once: its committer is done
-        if now - newest < gc_plan.grace:
+        a = summarize(attempt, attempt_files(check.storage, attempt))
+        if a is None:
+            continue  # (nothing but temporaries left: nothing a save could commit)
+        if a.age(now) < gc_plan.grace:
             return f"attempt {attempt} was written to since the plan"
         held = check.generations() + d.seen_generations  # (those this run deleted too: their commits are over)
-        if not released and claims.committing(check.storage, attempt, mark, held, now):
-            return f"attempt {attempt} is being committed (its commit mark is {now - mark:.0f}s old)"
+        if not a.released and claims.committing(check.storage, attempt, a.committing, held, now):
+            return f"attempt {attempt} is being committed (its commit mark is {now - a.committing:.0f}s old)"
     return None
 
 

@@ -95,8 +95,9 @@ def present(storage: Storage, now: float, committed=frozenset(), held=None) -> t
     for loc in scan_store(storage):
         named: set[str] = set()
         for g in loc.generations:
-            try:
-                m = read_manifest(loc.storage, g)
+            try:  # (the scan read the visible one already)
+                m = loc.manifest if loc.manifest is not None and g == loc.generations[-1] else \
+                    read_manifest(loc.storage, g)
             except ObjectNotFoundError:
                 continue
             except CkptStoreError:
