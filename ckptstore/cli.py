@@ -349,7 +349,7 @@ def _keep_best(ctx, param, values):
 @click.option("--keep-best", multiple=True, callback=_keep_best, help="METRIC:min|max:N, repeatable.")
 @click.option("--grace", callback=_duration, default="6h", show_default=True,
               help="Leave uncommitted and released attempts alone until idle this long (0: delete "
-                   "released files at once; only for a store nothing writes to).")
+                   "dropped files at once; a save committing meanwhile keeps what it uses).")
 @click.option("--dry-run", is_flag=True, help="Print what would be deleted; change nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON report.")
 def gc(url, keep_last, keep_every, keep_within, keep_best, grace, dry_run, as_json) -> None:
@@ -359,7 +359,8 @@ def gc(url, keep_last, keep_every, keep_within, keep_best, grace, dry_run, as_js
     committed one are always kept. Without any --keep option no committed checkpoint is
     deleted. Manifests go before their files, so an interrupted gc is safe to re-run.
     The files of a deleted manifest are released, not deleted: a save in flight may
-    reference them, so a run after the grace deletes them (--grace 0: at once).
+    reference them, so a run after the grace deletes them (--grace 0: at once). What
+    waits for a later run is listed as pending, with the time it becomes deletable.
     """
     storage = _open(url, containers=False)
     policy = Retention(last=keep_last, every=keep_every, within=keep_within, best=keep_best)
@@ -390,9 +391,27 @@ def gc(url, keep_last, keep_every, keep_within, keep_best, grace, dry_run, as_js
         click.echo(f"{'would abort' if dry_run else 'aborted'} upload {_printable(key)}: a multipart upload left open")
     for key in p.empty_dirs:
         click.echo(f"{verb} empty dir  {_printable(key)}/: left by a save killed before its first file")
-    released = f"; released {_human_bytes(p.released_bytes)} (a gc run after the grace deletes it)" \
-        if p.released_bytes else ""
-    click.echo(f"{verb} {len(done)} item(s), {_human_bytes(p.bytes)}{released}; kept {len(p.kept)} checkpoint(s)")
+    for w in p.pending:
+        click.echo(f"pending {w.kind:<10} {_printable(w.location)}: {_printable(w.name)} {w.why}; deletable from "
+                   f"{_when(w.deletable_at)} ({_human_bytes(w.bytes)}, {w.files} file(s))")
+    summary = [f"{verb} {len(done)} item(s), {_human_bytes(p.bytes)}"]
+    if p.released_files:
+        summary.append(f"released {_human_bytes(p.released_bytes)} in {p.released_files} file(s): a gc run from "
+                       f"{_when(p.released_until)} deletes it")
+    if p.pending:
+        summary.append(f"pending {len(p.pending)} item(s), {_human_bytes(sum(w.bytes for w in p.pending))}: "
+                       f"the first deletable from {_when(min(w.deletable_at for w in p.pending))}")
+    click.echo("; ".join(summary + [f"kept {len(p.kept)} checkpoint(s)"]))
+
+
+def _when(t: float) -> str:
+    """A moment gc names: UTC, and how far off it is."""
+    at = _dt.datetime.fromtimestamp(t, _dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    left = int(t - time.time() + 0.5)
+    if left <= 0:
+        return f"{at} (now)"
+    hours, rest = divmod(left, 3600)
+    return f"{at} (in {hours}h {rest // 60}m)" if hours else f"{at} (in {rest // 60}m {rest % 60}s)"
 
 
 # ---------------------------------------------------------------------------- consolidate

@@ -33,6 +33,14 @@ OUTCOME_LEAF = "outcome.json"
 # flight may still reference; rewriting it makes the attempt young again, so the files go
 # only once it has been idle for the grace (gc.py).
 RELEASED_LEAF = "released.json"
+# In an attempt: the committer's word that it is about to write the manifest (generation
+# and time), rewritten right before its last look at the attempt; gc leaves an attempt
+# whose commit mark is fresh alone, whatever its grace (gc.py, "Commits beside gc").
+COMMITTING_LEAF = "committing.json"
+# In an attempt: gc's claim, written create-only before it deletes the files of an
+# attempt no manifest names; a committer that finds it (or an abort marker) at its last
+# look refuses to commit.
+CLAIM_LEAF = "gc-claim.json"
 TMP_MARK = ".tmp-"  # a temporary file of an unfinished put: "<final name>.tmp-<8 hex>"
 
 GENERATION_DIGITS = 10
@@ -141,6 +149,14 @@ def outcome_name(attempt: str) -> str:
     return f"{attempt_dir(attempt)}/{OUTCOME_LEAF}"
 
 
+def committing_name(attempt: str) -> str:
+    return f"{attempt_dir(attempt)}/{COMMITTING_LEAF}"
+
+
+def claim_name(attempt: str) -> str:
+    return f"{attempt_dir(attempt)}/{CLAIM_LEAF}"
+
+
 def heartbeat_name(attempt: str, rank: int) -> str:
     return f"{attempt_dir(attempt)}/heartbeat-r{_rank_field(rank)}"
 
@@ -162,7 +178,8 @@ def parse_vote_leaf(leaf: str) -> int | None:
 
 def attempt_leaf_kind(leaf: str) -> str | None:
     """What a file directly inside an attempt directory is: "data", "vote", "abort",
-    "outcome", "release", "heartbeat" or "temp"; None for a name ckptstore never writes there."""
+    "outcome", "release", "committing", "claim", "heartbeat" or "temp"; None for a name
+    ckptstore never writes there."""
     if _DATA_RE.fullmatch(leaf):
         return "data"
     if _VOTE_RE.fullmatch(leaf):
@@ -173,6 +190,10 @@ def attempt_leaf_kind(leaf: str) -> str | None:
         return "outcome"
     if leaf == RELEASED_LEAF:
         return "release"
+    if leaf == COMMITTING_LEAF:
+        return "committing"
+    if leaf == CLAIM_LEAF:
+        return "claim"
     if _HEARTBEAT_RE.fullmatch(leaf):
         return "heartbeat"
     if is_temp_name(leaf):

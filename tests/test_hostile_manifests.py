@@ -731,6 +731,8 @@ def test_a_rebuild_that_allocates_more_than_its_checkpoint_stored_is_a_format_er
         store.save(step, {"w": torch.full((4,), step, dtype=torch.int8)}).result()
     loc = os.path.join(root, names.step_dir_name(2))
     _plant_skeleton(loc, buf.getvalue())
+    # (the manifest agreeing with the skeleton's storage: a disagreement is refused first)
+    _edit(loc, lambda d: d["ranks"][0]["tensors"]["w"].update(dtype="qint8"))
     with pytest.raises(FormatError, match=r"malformed object skeleton: RuntimeError: .*allocate"):
         ckptstore.load(loc)
     with pytest.warns(CheckpointSkippedWarning, match="step 2"):

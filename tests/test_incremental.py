@@ -89,14 +89,14 @@ def test_gc_of_the_step_that_wrote_the_shared_chunks_keeps_them_for_the_newer_on
     store.gc()
     for step in (4, 5):
         assert same(store.load(step), model_state(step))
-    # a save that changes everything references nothing: step 1's data is then garbage
+    # a save that changes everything references nothing: step 1's data is then garbage,
+    # and goes with the manifest of its last reader (step 5, dropped after step 7)
     store.save(6, model_state(6, frozen_layers=0)).result()
+    assert list(step1.rglob("data-*.bin"))  # step 5, kept, reads it
     store.save(7, model_state(7, frozen_layers=0)).result()
     assert store.steps() == [6, 7]
-    freed = store.gc(dry_run=True).bytes
-    assert freed >= 9 * (1 << 20)  # the frozen layers' file
-    store.gc()
-    assert not step1.exists() and same(store.load(7), model_state(7, frozen_layers=0))
+    assert not step1.exists() and store.gc(dry_run=True).bytes == 0
+    assert same(store.load(7), model_state(7, frozen_layers=0))
 
 
 def test_a_byte_flip_in_a_shared_chunk_is_found_for_every_checkpoint_that_uses_it(tmp_path):
@@ -353,8 +353,9 @@ def test_a_gc_elsewhere_dropping_the_base_just_before_the_manifest_lands(tmp_pat
     """The narrowest window: the commit has checked its base and its files, and another
     process's gc drops that base before the manifest is written. gc releases the base's
     files instead of deleting them, so the new checkpoint stays whole, through later
-    gc runs too. (Deleting them at once, as a store's own writer may, is the race this
-    prevents: the control case shows the window is really hit.)"""
+    gc runs too. A gc that deletes them at once (as a store's own writer may, or one
+    with no grace) finds the commit in flight (its commit mark, claims.py) once the
+    base's manifest is gone, and leaves the files for a later run."""
     root = tmp_path / "s"
     store = rolled_back_to_step_1(root)
     fired = hooked(store, "put", lambda view, key: names.parse_manifest_name(key) is not None,
@@ -365,8 +366,8 @@ def test_a_gc_elsewhere_dropping_the_base_just_before_the_manifest_lands(tmp_pat
     assert m.generation == 2 and {b.step for _, _, b in m.blobs() if b.step is not None} == {1}
     assert not (root / "step-000000000001" / fmt.manifest_name(1)).exists()  # the base is gone
     if immediate:
-        with pytest.raises(ckptstore.CkptStoreError):
-            store.load(2)
+        assert same(store.load(2), model_state(2)) and verified(root)
+        assert list((root / "step-000000000001").rglob(names.RELEASED_LEAF))  # its files stay, marked released
         return
     assert same(store.load(2), model_state(2))
     assert list((root / "step-000000000001").rglob(names.RELEASED_LEAF))

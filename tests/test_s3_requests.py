@@ -95,17 +95,17 @@ def test_requests_per_checkpoint_grow_by_a_constant_per_rank(bucket, world):  # 
     # (the HEAD: open_append refuses to replace an object that exists, I2)
     assert got["writes"] == {("HEAD", "data"): others, ("PUT", "data"): others, ("PUT", "vote"): others}
 
-    # Rank 0 writes as they did, then commits: it reads each vote once, takes the files'
-    # sizes from the listing that showed the votes (no HEAD per file), and lists twice:
-    # the attempt (every vote was there at once) and the generations before the commit.
-    # Generation 1 has nothing older to retire, so no listing after the manifest.
+    # Rank 0 writes as they did, then commits: it reads each vote once and lists three
+    # times: the attempt (every vote was there at once), the generations, and the attempt
+    # once more after its commit mark (claims.py: gc's claim, and the files' sizes: no
+    # HEAD per file). Generation 1 has nothing older to retire, so no listing after the manifest.
     assert got["commit"] == {("HEAD", "data"): 1, ("PUT", "data"): 1, ("PUT", "vote"): 1,
-                             ("GET", "vote"): others, ("GET", "list"): 2, ("PUT", "manifest"): 1,
-                             ("PUT", "outcome"): 1}
+                             ("GET", "vote"): others, ("GET", "list"): 3, ("PUT", "committing"): 1,
+                             ("PUT", "manifest"): 1, ("PUT", "outcome"): 1}
 
     # A waiting rank whose commit is done: its outcome and its root, nothing else.
     assert got["waits"] == {("GET", "outcome"): others, ("GET", "manifest"): others}
-    assert sum(sum(c.values()) for c in got.values()) == 6 * world + 1  # docs/s3.md's table
+    assert sum(sum(c.values()) for c in got.values()) == 6 * world + 3  # docs/s3.md's table
 
 
 def test_a_second_generation_retires_the_first_from_the_listing_that_shows_it_visible(bucket):  # noqa: F811
@@ -119,9 +119,10 @@ def test_a_second_generation_retires_the_first_from_the_listing_that_shows_it_vi
     got = simulate(store, 2, counter)
     where = store.child(names.step_dir_name(STEP))
     assert [names.parse_manifest_name(k) for k in where.list("") if names.parse_manifest_name(k)] == [2]
-    # The attempt, the generations before the commit, and the one that shows it visible
-    # and names generation 1: three, where a second listing of the generations made four.
-    assert got["commit"][("GET", "list")] == 3
+    # The attempt, the generations before the commit, the attempt after the commit mark,
+    # and the one that shows it visible and names generation 1: four, where a second
+    # listing of the generations made five.
+    assert got["commit"][("GET", "list")] == 4
     attempts = {info.key.split("/")[1] for info in where.walk(names.ATTEMPTS_DIR + "/") if info.kind == "file"}
     assert len(attempts) == 2  # the old attempt's files stay for gc
     assert ("GET", "manifest") not in got["commit"]  # its files are not retired: it is not read

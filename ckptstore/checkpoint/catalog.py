@@ -22,10 +22,11 @@ class Attempt:
     attempt: str
     files: int
     bytes: int
-    newest_mtime: float  # the most recent write under the attempt (a release mark's included)
+    newest_mtime: float  # the most recent write under the attempt (a release mark's included, gc's claim not)
     voted: list[int]
     aborted: bool
     released: bool = False  # a gc deleted a manifest that read it (names.RELEASED_LEAF)
+    committing: float | None = None  # when its committer last marked it (claims.py), if it did
 
     def age(self, now: float) -> float:
         return max(0.0, now - self.newest_mtime)
@@ -104,28 +105,45 @@ def scan_location(storage: Storage, name: str) -> Location:
         if ours is None:
             loc.foreign.append(info.key)
             continue
-        kind = ours[1]
         loc.attempt_files.setdefault(parts[1], []).append(info)
-        if kind == "temp":
+        if ours[1] == "temp":
             # an interrupted vote or heartbeat write: gc's after the grace, even inside
             # an attempt a manifest references
             loc.temp_files.append((info.key, info.mtime))
+    for attempt, infos in loc.attempt_files.items():
+        a = summarize(attempt, infos)
+        if a is not None:
+            loc.attempts[attempt] = a
+    return loc
+
+
+def summarize(attempt: str, infos) -> Attempt | None:
+    """What ``attempt``'s files (ObjectInfo of the files ckptstore wrote in it, as
+    commit.attempt_files lists them) say of it; None when it holds only temporaries."""
+    a = None
+    for info in infos:
+        leaf = info.key.rsplit("/", 1)[-1]
+        kind = names.attempt_leaf_kind(leaf)
+        if kind == "temp":
             continue
-        a = loc.attempts.get(parts[1])
         if a is None:
-            a = loc.attempts[parts[1]] = Attempt(parts[1], 0, 0, 0.0, [], False)
+            a = Attempt(attempt, 0, 0, 0.0, [], False)
         a.files += 1
         a.bytes += info.size
+        if kind == "claim":  # gc's own word (claims.py): its writing makes nothing young
+            continue
         a.newest_mtime = max(a.newest_mtime, info.mtime)
         if kind == "vote":
-            a.voted.append(names.parse_vote_leaf(parts[2]))
+            a.voted.append(names.parse_vote_leaf(leaf))
         elif kind == "abort":
             a.aborted = True
         elif kind == "release":
             a.released = True
-    for a in loc.attempts.values():
+        elif kind == "committing":
+            a.committing = info.mtime
+    if a is not None:
         a.voted.sort()
-    return loc
+    return a
 
 
 def is_location(storage: Storage) -> bool:

@@ -55,7 +55,7 @@ from .._threads import run_all
 from ..runtime import runtime
 from ..storage import Storage
 from ..format_index import INDEX_VERSION
-from . import exiting
+from . import claims, exiting
 from .held import defer, held_attempts, references_lock, take_deferred
 from .indexes import build_root
 
@@ -273,17 +273,12 @@ def commit(storage: Storage, own: fmt.Vote, world_size: int, created_at: str, me
     votes = {0: own}
     deadline = Deadline(timeout, *committer_cadence(world_size))
     watch: PeerWatch | None = None
-    sizes: dict[str, int] = {}
     while True:
         entries: list[str] = []
         if world_size > 1:
-            # One listing a poll: votes, abort marker, and the sizes of the data files (a
-            # rank's file is complete before its vote is written, so the listing that shows
-            # the last vote shows every file whole: no HEAD per file at commit).
-            top = names.attempt_dir(attempt) + "/"  # (its own files only: nothing planted below)
-            listed = [info for info in storage.walk(top) if "/" not in info.key[len(top):]]
-            entries = [info.key.rsplit("/", 1)[-1] for info in listed]
-            sizes = {info.key: info.size for info in listed if info.kind == "file"}
+            # One listing a poll: votes and abort marker (the data files' sizes come from
+            # the last look, after the commit mark: no HEAD per file at commit).
+            entries = [info.key.rsplit("/", 1)[-1] for info in claims.attempt_listing(storage, attempt)]
             votes.update(read_votes(storage, attempt, entries, have=votes.keys(), pool=runtime().readers))
         refusals = [v for v in votes.values() if not v.ok]
         if refusals:
@@ -334,27 +329,12 @@ def commit(storage: Storage, own: fmt.Vote, world_size: int, created_at: str, me
     except (FormatError, IntegrityError) as e:  # (a table or index that cannot be read: refuse, do not hang)
         abort(storage, attempt, str(e))
         raise CommitError(f"{where}: refusing to commit: {e}") from e
-    try:
-        if indexed:  # each index is its data file's last blob: a file that holds it holds the rank's blobs
-            check_sizes(storage, here({b.file: b.offset + b.length for b in root["indexes"]}, storage),
-                        "data file", "the votes", runtime().readers, listed=sizes)
-        else:
-            check_files(storage, ranks, tensors, listed=sizes)
-    except CommitError as e:
-        abort(storage, attempt, str(e))
-        raise
     previous = generations(storage)
     generation = (previous[-1] + 1) if previous else 1
     if generation > names.MAX_GENERATION:
         abort(storage, attempt, f"generation {generation} does not fit a manifest name")
         raise CommitError(f"{where}: the location already holds generation {previous[-1]}, the highest a "
                           "manifest name can hold (a planted or damaged manifest?); nothing was committed")
-    if fence is not None:
-        try:
-            fence()
-        except CommitError as e:
-            abort(storage, attempt, f"{type(e).__name__}: {e}")  # the other ranks learn why (FencedError)
-            raise
     manifest = fmt.Manifest(
         generation=generation, attempt=attempt, step=own.step, world_size=world_size,
         created_at=created_at, committed_at=fmt.utc_now(), ranks=ranks, tensors=tensors, metrics=metrics,
@@ -371,15 +351,12 @@ def commit(storage: Storage, own: fmt.Vote, world_size: int, created_at: str, me
     except FormatError as e:
         abort(storage, attempt, str(e))
         raise CommitError(f"{where}: refusing to commit: {e}") from e
-    if base is not None and has_references(manifest):
-        try:
-            check_base(storage, base)
-        except CommitError as e:
-            abort(storage, attempt, str(e))
-            raise
+    _last_checks(storage, attempt, generation, ranks, tensors, root if indexed else None,
+                 base if base is not None and has_references(manifest) else None, fence)
     try:
         storage.put(names.manifest_name(generation), data, if_absent=True)
     except AlreadyExistsError as e:
+        claims.withdraw_mark(storage, attempt)  # (this attempt never commits: gc may take it)
         raise CommitConflictError(
             f"{where}: another writer committed generation {generation} first; this save was not committed"
         ) from e
@@ -399,6 +376,51 @@ def commit(storage: Storage, own: fmt.Vote, world_size: int, created_at: str, me
         warnings.warn(f"{where}: committed generation {generation}, but retiring older ones failed: {e}",
                       RuntimeWarning, stacklevel=2)
     return manifest
+
+
+LAST_CHECK_TRIES = 3  # commit marks before a commit whose checks keep overrunning the window gives up
+
+
+def _last_checks(storage: Storage, attempt: str, generation: int, ranks, tensors, root: dict | None,
+                 base: tuple[int, int] | None, fence) -> None:
+    """What must hold right before the manifest goes out, checked after the commit mark
+    (claims.py): no gc claim or abort marker, every file the manifest names there at
+    full length (the sizes from the look after the mark), the base of an incremental
+    save still present, no newer run (``fence``). The manifest must follow within
+    claims.COMMIT_WINDOW of the mark, so checks that took longer run again after a new
+    mark. Any refusal aborts the attempt."""
+    for _ in range(LAST_CHECK_TRIES):
+        marked = time.monotonic()
+        try:
+            claims.write_mark(storage, attempt, generation)
+            sizes = claims.last_look(storage, attempt)
+            if root is not None:  # each index is its data file's last blob: a file that holds it holds the rank's blobs
+                check_sizes(storage, here({b.file: b.offset + b.length for b in root["indexes"]}, storage),
+                            "data file", "the votes", runtime().readers, listed=sizes)
+            else:
+                check_files(storage, ranks, tensors, listed=sizes)
+            if base is not None:
+                check_base(storage, base)
+        except CommitError as e:
+            _refuse(storage, attempt, str(e))
+            raise
+        if fence is not None:
+            try:
+                fence()
+            except CommitError as e:
+                _refuse(storage, attempt, f"{type(e).__name__}: {e}")  # the other ranks learn why (FencedError)
+                raise
+        if time.monotonic() - marked <= claims.COMMIT_WINDOW:
+            return
+    reason = f"the checks before the manifest took longer than {claims.COMMIT_WINDOW:g}s {LAST_CHECK_TRIES} times"
+    _refuse(storage, attempt, reason)
+    raise CommitError(f"{storage.describe()}: {reason}; nothing was committed")
+
+
+def _refuse(storage: Storage, attempt: str, reason: str) -> None:
+    """A commit refused after its mark: abort the attempt, take the mark back."""
+    abort(storage, attempt, reason)
+    claims.withdraw_mark(storage, attempt)
 
 
 LISTING_LAG_TRIES = 4  # listings (0.05, 0.1, 0.2 s apart) before a just-written manifest counts as not listed

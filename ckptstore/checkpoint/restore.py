@@ -35,6 +35,7 @@ from ..errors import (
 from ..storage import Storage
 from . import nearby
 from .commit import generations, read_manifest
+from .dtype_record import check_dtype_record, check_storage_dtype
 from .flatten import GLOBAL, LOCAL, implied_storage_dtype, parse_skeleton_key, region_byte_offset, skeleton_key
 from .reader import BlobRead, check_extents, read_blobs
 from .weights_only import weights_only_refusal
@@ -398,6 +399,8 @@ def restore(storage: Storage, manifest: fmt.Manifest, rank: int, map_location=No
         if scope == GLOBAL and globals_as_meta:
             if key not in manifest.tensors:
                 raise FormatError(f"{where}: the skeleton names global tensor {key!r}, which the manifest lacks")
+            if storage_type is not torch.UntypedStorage:
+                check_storage_dtype(manifest.tensors[key], dtype, key, where)
             if manifest.tensors[key].nbytes != numel * dtype.itemsize:
                 raise FormatError(f"{where}: global tensor {key!r} holds {manifest.tensors[key].nbytes} bytes, "
                                   f"skeleton expects {numel * dtype.itemsize}")
@@ -407,6 +410,8 @@ def restore(storage: Storage, manifest: fmt.Manifest, rank: int, map_location=No
         table = raw_globals if scope == GLOBAL else raw
         if key not in table:
             raise FormatError(f"{where}: the skeleton names tensor {key!r}, which the manifest lacks")
+        if storage_type is not torch.UntypedStorage:
+            check_storage_dtype((manifest.tensors if scope == GLOBAL else state.tensors)[key], dtype, key, where)
         untyped = table[key]
         if untyped.nbytes() != numel * dtype.itemsize:
             raise FormatError(f"{where}: tensor {key!r} holds {untyped.nbytes()} bytes, skeleton expects {numel * dtype.itemsize}")
@@ -429,6 +434,7 @@ def restore(storage: Storage, manifest: fmt.Manifest, rank: int, map_location=No
         try:
             with gc_paused():  # rebuilds every tensor: no whole-heap collections meanwhile
                 result = unpickler.load()
+            check_dtype_record(stream.read(), state.tensors, where)  # (after the pickle's STOP)
         finally:
             if tls is not None:
                 tls.map_location = outer_map_location

@@ -29,6 +29,7 @@ from ..pipeline import RankWriter
 from .._gc import gc_paused
 from ..staging import StagingCopier, StagingPool
 from .capture import Captured, capture, pickle_captured
+from .dtype_record import dtype_record
 from .flatten import (
     GLOBAL,
     LOCAL,
@@ -186,7 +187,9 @@ def snapshot(obj, writer: RankWriter, pool: StagingPool | Callable[[frozenset], 
             _stage_captured(captured, out, writer, copier, on_storage, on_dtensor, limit)
             frozen, n = captured.frozen, len(captured.storages)  # not the storages: the worker needs none
             skeleton = lambda: pickle_captured(frozen, n)  # noqa: E731 (a worker calls it)
-    writer.submit_skeleton(skeleton)
+    # The skeleton ends with the dtypes of the rank's tensors (dtype_record.py): the
+    # manifest's alone are not covered by any hash. (On the worker: out.local is whole.)
+    writer.submit_skeleton(lambda: (skeleton() if callable(skeleton) else skeleton) + dtype_record(out.local))
     if hidden and pool_for is not None and not pool.pin_memory:
         _pin_for_next_saves(pool_for, frozenset(hidden))
     return out
