@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from .. import format as fmt
 from .._threads import run_all
 from ..errors import FormatError
-from ..format_index import (
+from ..format import (
     GlobalEntry,
     Index,
     Reads,
