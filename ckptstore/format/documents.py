@@ -83,6 +83,8 @@ class Vote:
         return {"replicas": [r.to_json() for r in self.replicas], "written_at": self.written_at}
 
     def to_json(self) -> dict:
+        if self.index is not None:
+            return json.loads(self.to_bytes())
         return {**self._head_json(), "state": self.state.to_json() if self.state is not None else None,
                 "shards": _entries_json(self.shards), **self._tail_json()}
 
