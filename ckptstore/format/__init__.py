@@ -5,20 +5,22 @@ Pure data: frozen dataclasses with JSON in and out. No I/O happens here; see
 
 This module is the face of the package: every name callers use is here
 (``from ckptstore import format as fmt``; ``fmt.Manifest``). The modules behind it, each
-importing only those above it in this list:
+importing only those above it in this list (and ``errors``, ``names``, ``config``, ``_gc``):
 
 | module | owns |
 |---|---|
 | ``constants.py`` | ``FORMAT_NAME``, the versions written and read, the size caps |
-| ``dtypes.py`` | canonical dtype names, the dtypes torch pickles typed |
-| ``strict.py`` | strict, bounded JSON in (fields, types, ints, lazy record names), stored times |
-| ``records.py`` | ``Blob``, ``Chunk``, ``TensorEntry``, ``RankState``, ``ReplicaHash`` |
-| ``text.py`` | the records' JSON text, written directly |
+| ``dtypes.py`` | canonical dtype names, the dtypes torch pickles typed (the one module importing torch) |
+| ``strict.py`` | strict, bounded JSON in: ``loads_json``, field, type and int checks, lazy record names; stored times |
+| ``records.py`` | ``Blob``, ``Chunk``, ``TensorEntry``, ``RankState``, ``ReplicaHash``, codec chains |
+| ``text.py`` | the records' stored JSON text, written directly |
 | ``coverage.py`` | coverage geometry: ``validate_coverage``, ``validate_chunks``, ``check_exact_cover`` |
 | ``validation.py`` | checkpoint-wide rules: ``validate_ranks``, ``validate_references``, ``validate_extents`` |
+| ``head.py`` | the members a manifest or vote has in every version, and the header check |
 | ``index.py`` | version 4's records: a rank's ``Index``, its table, its vote's ``Summary``, ``Reads``, ``GlobalEntry`` |
-| ``v4.py`` | version 4's root manifest members |
-| ``documents.py`` | ``Vote`` and ``Manifest`` |
+| ``v3.py`` | versions 1 to 3: votes and manifests that hold every record, in and out |
+| ``v4.py`` | version 4: votes naming an index, the root manifest, in and out |
+| ``documents.py`` | ``Vote`` and ``Manifest``, dispatching JSON in and out by version to ``v3`` / ``v4`` |
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from ..names import (
 from .constants import (
     FORMAT_NAME,
     FORMAT_VERSION,
+    INDEX_VERSION,
     MAX_BYTES,
     MAX_MARKER_BYTES,
     MAX_NDIM,
@@ -63,7 +66,6 @@ from .index import (
     FINGERPRINT_MODULUS,
     INDEX_CODEC,
     INDEX_STREAM,
-    INDEX_VERSION,
     GlobalEntry,
     Index,
     Reads,

@@ -1,39 +1,32 @@
 """The documents: :class:`Vote` (phase one of the commit) and :class:`Manifest` (a
-committed checkpoint), with their JSON in and out."""
+committed checkpoint): their fields, what a manifest sums up, and the thin dispatcher
+that sends JSON in and out to the code of the document's format version: ``v3.py``
+(versions 1 to 3: the document holds every record), ``v4.py`` (version 4: votes and
+a root that name per-rank indexes)."""
 
 from __future__ import annotations
 
-import functools
-import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from .._gc import gc_paused
-from ..errors import FormatError, UnsupportedVersionError
-from ..names import MAX_GENERATION, MAX_STEP, MAX_WORLD_SIZE, check_attempt_id, parse_data_file
-from .constants import FORMAT_NAME, FORMAT_VERSION, READ_VERSIONS, max_manifest_bytes
-from .coverage import validate_coverage
-from .records import Blob, RankState, ReplicaHash, TensorEntry, _entries_from_json
-from .strict import _expect, _fields, _int, _time, loads_json, utc_now
-from .text import _entries_json, _entries_text, _rank_text
-from .validation import validate_extents, validate_ranks, validate_references
+from ..errors import FormatError
+from ..names import parse_data_file
+from . import v3, v4
+from .constants import FORMAT_VERSION, INDEX_VERSION, max_manifest_bytes
+from .head import check_header
+from .index import GlobalEntry, Reads, Summary
+from .records import Blob, RankState, ReplicaHash, TensorEntry
+from .strict import expect, loads_json, utc_now
 
 
 class IncompleteManifestError(FormatError):
     """A version 4 root was asked for records that lie in indexes it was not given."""
 
 
-def _header_fields(d: dict, kind: str) -> int:
-    """Check the header; returns the format version."""
-    if d.get("format") != FORMAT_NAME:
-        raise FormatError(f"not a ckptstore {kind}: format is {d.get('format')!r}")
-    version = d.get("format_version")
-    if type(version) is not int or version not in READ_VERSIONS:
-        raise UnsupportedVersionError(
-            f"{kind} has format_version {version!r}; this ckptstore reads versions "
-            f"{', '.join(map(str, READ_VERSIONS))}"
-        )
-    return version
+def _shape(version: int):
+    """The module that reads and writes the documents of format ``version``."""
+    return v4 if version >= INDEX_VERSION else v3
 
 
 @dataclass(frozen=True)
@@ -55,113 +48,32 @@ class Vote:
     shards: Mapping[str, TensorEntry] = field(default_factory=dict)
     replicas: tuple[ReplicaHash, ...] = ()
     written_at: str = field(default_factory=utc_now)
-    # Version 4 (format_index.py): a yes-vote names the rank's index instead of holding
-    # its records (``state``, ``shards`` and ``replicas`` stay empty), and sums them up.
+    # Version 4 (v4.py): a yes-vote names the rank's index instead of holding its
+    # records (``state``, ``shards`` and ``replicas`` stay empty), and sums them up.
     index: Blob | None = None
-    summary: Any = None  # format_index.Summary
+    summary: Summary | None = None
 
     @property
     def format_version(self) -> int:
-        return 4 if self.index is not None else FORMAT_VERSION
-
-    def _head_json(self) -> dict:
-        """The members before ``state`` (the records follow them)."""
-        return {
-            "format": FORMAT_NAME,
-            "format_version": self.format_version,
-            "kind": "vote",
-            "attempt": self.attempt,
-            "step": self.step,
-            "world_size": self.world_size,
-            "rank": self.rank,
-            "ok": self.ok,
-            "error": self.error,
-        }
-
-    def _tail_json(self) -> dict:
-        """The members after ``shards``."""
-        return {"replicas": [r.to_json() for r in self.replicas], "written_at": self.written_at}
+        return INDEX_VERSION if self.index is not None else FORMAT_VERSION
 
     def to_json(self) -> dict:
-        if self.index is not None:
-            return json.loads(self.to_bytes())
-        return {**self._head_json(), "state": self.state.to_json() if self.state is not None else None,
-                "shards": _entries_json(self.shards), **self._tail_json()}
+        return _shape(self.format_version).vote_json(self)
 
     def to_bytes(self) -> bytes:
         """The stored vote: ``json.dumps(self.to_json())``, compact, byte for byte, with
         the chunk records written as text directly (as :meth:`Manifest.to_bytes`)."""
-        dumps = functools.partial(json.dumps, separators=(",", ":"), allow_nan=False)
-        if self.index is not None:
-            return dumps({**self._head_json(), "index": self.index.to_json(), "summary": self.summary.to_json(),
-                          "written_at": self.written_at}).encode()
-        names: dict[str, str] = {}
-        state = "null" if self.state is None else _rank_text(self.state, names)
-        return (f'{dumps(self._head_json())[:-1]},"state":{state},"shards":{_entries_text(self.shards, names)},'
-                f'{dumps(self._tail_json())[1:]}').encode()
+        return _shape(self.format_version).vote_bytes(self)
 
     @classmethod
     def from_json(cls, d: dict) -> "Vote":
-        what = "vote"
-        _expect(d, dict, what)
-        version = _header_fields(d, what)
-        head = {"format", "format_version", "kind", "attempt", "step", "world_size", "rank", "ok", "error", "written_at"}
-        _fields(d, head | ({"index", "summary"} if version >= 4 else {"state", "shards", "replicas"}), set(), what)
-        if d["kind"] != "vote":
-            raise FormatError(f"vote has kind {d['kind']!r}")
-        attempt = check_attempt_id(d["attempt"], "vote.attempt")
-        ok = _expect(d["ok"], bool, "vote.ok")
-        if version >= 4:
-            return cls._from_json_v4(d, attempt, ok)
-        state = RankState.from_json(d["state"], "vote.state", attempt) if d["state"] is not None else None
-        if ok and state is None:
-            raise FormatError("a yes-vote must carry the rank's state")
-        if d["error"] is not None:
-            _expect(d["error"], str, "vote.error")
-        replicas = _expect(d["replicas"], list, "vote.replicas")
-        return cls(
-            attempt=attempt,
-            step=None if d["step"] is None else _int(d["step"], "vote.step"),
-            world_size=_int(d["world_size"], "vote.world_size", 1, MAX_WORLD_SIZE),
-            rank=_int(d["rank"], "vote.rank", 0, MAX_WORLD_SIZE - 1),
-            ok=ok,
-            error=d["error"],
-            state=state,
-            shards=_entries_from_json(d["shards"], "vote.shards", attempt),
-            replicas=tuple(ReplicaHash.from_json(r, f"vote.replicas[{i}]") for i, r in enumerate(replicas)),
-            written_at=_time(d["written_at"], "vote.written_at"),
-        )
-
-    @classmethod
-    def _from_json_v4(cls, d: dict, attempt: str, ok: bool) -> "Vote":
-        from .index import Summary, index_blob
-
-        if d["error"] is not None:
-            _expect(d["error"], str, "vote.error")
-        rank = _int(d["rank"], "vote.rank", 0, MAX_WORLD_SIZE - 1)
-        if ok and (d["index"] is None or d["summary"] is None):
-            raise FormatError("a yes-vote must name the rank's index and carry its summary")
-        return cls(
-            attempt=attempt,
-            step=None if d["step"] is None else _int(d["step"], "vote.step"),
-            world_size=_int(d["world_size"], "vote.world_size", 1, MAX_WORLD_SIZE),
-            rank=rank, ok=ok, error=d["error"],
-            written_at=_time(d["written_at"], "vote.written_at"),
-            index=None if d["index"] is None else index_blob(d["index"], "vote.index", attempt, rank),
-            summary=None if d["summary"] is None else Summary.from_json(d["summary"], "vote.summary", attempt),
-        )
+        expect(d, dict, "vote")
+        return _shape(check_header(d, "vote")).vote_from_json(cls, d)
 
     @classmethod
     def from_bytes(cls, data: bytes, what: str = "vote") -> "Vote":
         with gc_paused():
             return cls.from_json(loads_json(data, what))
-
-
-_HEAD_FIELDS = frozenset({
-    "format", "format_version", "kind", "generation", "attempt", "step", "world_size",
-    "created_at", "committed_at", "byteorder", "metrics", "library",
-})
-_MANIFEST_FIELDS = _HEAD_FIELDS | {"ranks", "tensors"}
 
 
 @dataclass(frozen=True)
@@ -185,13 +97,13 @@ class Manifest:
     library: str = ""
     epoch: int | None = None  # the run incarnation that committed it (fencing; absent: none)
     format_version: int = FORMAT_VERSION  # as read; what the skeletons may hold depends on it
-    # Version 4, a root (format_index.py): rank i's index blob, the global tensors'
-    # dtypes, shapes and holders, and what its blobs read. As read, ``ranks`` and
-    # ``tensors`` are empty; checkpoint/indexes.py fills them from the indexes a
-    # reader needs (all of them: ``complete``).
+    # Version 4, a root (v4.py): rank i's index blob, the global tensors' dtypes, shapes
+    # and holders, and what its blobs read. As read, ``ranks`` and ``tensors`` are
+    # empty; checkpoint/indexes.py fills them from the indexes a reader needs (all of
+    # them: ``complete``).
     indexes: tuple[Blob, ...] | None = None
-    globals: Mapping[str, Any] = field(default_factory=dict)  # key -> format_index.GlobalEntry
-    reads: Any = None  # format_index.Reads
+    globals: Mapping[str, GlobalEntry] = field(default_factory=dict)
+    reads: Reads | None = None
     # The tables of global tensors the indexes read into it name (not stored in the
     # root: each rank's summary names its own), so that blobs() covers every byte.
     tables: tuple[Blob, ...] = ()
@@ -206,113 +118,21 @@ class Manifest:
         once every rank's index was read into it."""
         return self.indexes is None or len(self.ranks) == self.world_size
 
-    def _head_json(self) -> dict:
-        """The members before ``ranks`` (the records follow them, ``epoch`` last)."""
-        return {
-            "format": FORMAT_NAME,
-            "format_version": self.format_version,
-            "kind": "manifest",
-            "generation": self.generation,
-            "attempt": self.attempt,
-            "step": self.step,
-            "world_size": self.world_size,
-            "created_at": self.created_at,
-            "committed_at": self.committed_at,
-            "byteorder": self.byteorder,
-            "metrics": dict(self.metrics),
-            "library": self.library,
-        }
-
     def to_json(self) -> dict:
-        if self.indexes is not None:
-            return json.loads(self.to_bytes())
-        d = self._head_json()
-        d["ranks"] = [r.to_json() for r in self.ranks]
-        d["tensors"] = _entries_json(self.tensors)
-        if self.epoch is not None:
-            d["epoch"] = self.epoch
-        return d
+        return (v4 if self.indexed else v3).manifest_json(self)
 
     def to_bytes(self) -> bytes:
         """The stored manifest: ``json.dumps(self.to_json())``, compact, byte for byte,
         with the chunk records written as text directly instead of through a dict each
         (a manifest holds one per chunk; tests/test_format.py holds the two equal). A
         version 4 root is written as a root, whatever records were read into it."""
-        text = json.dumps(self._head_json(), separators=(",", ":"), allow_nan=False)
-        tail = "" if self.epoch is None else f',"epoch":{json.dumps(self.epoch)}'
-        if self.indexes is not None:
-            from .v4 import root_text
-
-            return f'{text[:-1]},{root_text(self.indexes, self.globals, self.reads)}{tail}}}'.encode()
-        names: dict[str, str] = {}
-        ranks = ",".join(_rank_text(r, names) for r in self.ranks)
-        return f'{text[:-1]},"ranks":[{ranks}],"tensors":{_entries_text(self.tensors, names)}{tail}}}'.encode()
+        return (v4 if self.indexed else v3).manifest_bytes(self)
 
     @classmethod
     def from_json(cls, d: Any) -> "Manifest":
-        what = "manifest"
-        _expect(d, dict, what)
-        version = _header_fields(d, what)
-        if version >= 4:
-            from .v4 import ROOT_FIELDS
-
-            _fields(d, _HEAD_FIELDS | ROOT_FIELDS, {"epoch"}, what)
-        else:
-            _fields(d, _MANIFEST_FIELDS, {"epoch"}, what)
-        if d["kind"] != "manifest":
-            raise FormatError(f"manifest has kind {d['kind']!r}")
-        if d["byteorder"] not in ("little", "big"):
-            raise FormatError(f"manifest.byteorder is {d['byteorder']!r}")
-        world_size = _int(d["world_size"], "manifest.world_size", 1, MAX_WORLD_SIZE)
-        attempt = check_attempt_id(d["attempt"], "manifest.attempt")
-        if version >= 4:
-            return cls._root_from_json(d, attempt, world_size)
-        ranks = _expect(d["ranks"], list, "manifest.ranks")
-        if len(ranks) != world_size:  # before parsing them: a claimed world size costs nothing
-            raise FormatError(f"manifest.ranks holds {len(ranks)} ranks, world_size is {world_size}")
-        m = cls(
-            **cls._head_from_json(d, attempt, world_size),
-            ranks=tuple(RankState.from_json(r, f"manifest.ranks[{i}]", attempt) for i, r in enumerate(ranks)),
-            tensors=_entries_from_json(d["tensors"], "manifest.tensors", attempt),
-            format_version=version,
-        )
-        validate_ranks(m.ranks, m.world_size)
-        for key, entry in m.tensors.items():
-            validate_coverage(entry, f"global tensor {key!r}")
-        validate_references(m)
-        validate_extents(m.blobs())
-        return m
-
-    @classmethod
-    def _root_from_json(cls, d: dict, attempt: str, world_size: int) -> "Manifest":
-        from .v4 import parse_root
-
-        indexes, globals_, reads = parse_root(d, attempt, world_size)
-        m = cls(**cls._head_from_json(d, attempt, world_size), ranks=(), format_version=d["format_version"],
-                indexes=indexes, globals=globals_, reads=reads)
-        if reads.references and m.step is None:
-            raise FormatError("manifest.references: a checkpoint that is not a step of a store refers to other steps")
-        if any(s == m.step for s, _ in reads.references):
-            raise FormatError(f"manifest.references: names its own step {m.step}")
-        if m.attempt in reads.earlier:
-            raise FormatError("manifest.earlier: names the manifest's own attempt")
-        validate_extents((r, None, b) for r, b in enumerate(indexes))
-        return m
-
-    @staticmethod
-    def _head_from_json(d: dict, attempt: str, world_size: int) -> dict:
-        return dict(
-            generation=_int(d["generation"], "manifest.generation", 1, MAX_GENERATION),
-            attempt=attempt,
-            step=None if d["step"] is None else _int(d["step"], "manifest.step", 0, MAX_STEP),
-            world_size=world_size,
-            created_at=_time(d["created_at"], "manifest.created_at"),
-            committed_at=_time(d["committed_at"], "manifest.committed_at"),
-            metrics=_expect(d["metrics"], dict, "manifest.metrics"),
-            byteorder=d["byteorder"],
-            library=_expect(d["library"], str, "manifest.library"),
-            epoch=_int(d["epoch"], "manifest.epoch", 1, MAX_GENERATION) if "epoch" in d else None,
-        )
+        expect(d, dict, "manifest")
+        version = check_header(d, "manifest")
+        return _shape(version).manifest_from_json(cls, d, version)
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "Manifest":

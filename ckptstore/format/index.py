@@ -8,6 +8,10 @@ tensors it wrote and its replica hashes. The root keeps what every reader needs 
 plan (the global tensors' dtypes and shapes, and which ranks' indexes hold them) and
 what gc, ``ls`` and the commit need without reading any index (byte totals, the
 attempts its blobs reference). Pure data, as ``format``: no I/O here.
+
+Here: the records (a rank's :class:`Index`, its table of global tensors, its vote's
+:class:`Summary`, :class:`Reads`, a root's :class:`GlobalEntry`, rank ranges); the
+version 4 vote and root documents themselves are ``v4.py``'s.
 """
 
 from __future__ import annotations
@@ -16,21 +20,19 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from .._gc import gc_paused
 from ..errors import FormatError
 from ..names import MAX_STEP, MAX_WORLD_SIZE, check_attempt_id, data_file_name, parse_data_file
-from .constants import FORMAT_NAME, MAX_BYTES, max_manifest_bytes
+from .constants import FORMAT_NAME, INDEX_VERSION, MAX_BYTES, max_manifest_bytes
 from .dtypes import dtype_from_name
-from .records import Blob, RankState, ReplicaHash, TensorEntry, _entries_from_json
-from .strict import _expect, _fields, _int, _int_list, loads_json
-from .text import _entries_text, _rank_text
+from .records import Blob, RankState, ReplicaHash, TensorEntry, entries_from_json
+from .strict import bounded_int, check_fields, expect, int_list, loads_json
+from .text import COMPACT, entries_text, rank_text
 
-INDEX_VERSION = 4  # the version whose manifests name indexes
 # Every index and table is one zstd frame of this level (pipeline.RankWriter.store_metadata).
 INDEX_CODEC = ({"id": "zstd", "level": 3},)
 INDEX_STREAM = 0  # and lies in its rank's data file of this stream
 FINGERPRINT_MODULUS = (1 << 61) - 1  # the coverage and replica fingerprints' prime
-
-_DUMPS = dict(separators=(",", ":"), allow_nan=False)
 
 
 def rank_ranges(ranks) -> tuple[tuple[int, int], ...]:
@@ -54,12 +56,12 @@ def ranges_ranks(ranges):
 
 
 def _ranges(v: Any, what: str, world_size: int) -> tuple[tuple[int, int], ...]:
-    _expect(v, list, what)
+    expect(v, list, what)
     if len(v) > world_size:
         raise FormatError(f"{what} holds {len(v)} rank ranges, more than the {world_size} ranks")
     out, last = [], -2
     for i, pair in enumerate(v):
-        bounds = _int_list(pair, what, f"[{i}]", max_len=2) if isinstance(pair, list) else ()
+        bounds = int_list(pair, what, f"[{i}]", max_len=2) if isinstance(pair, list) else ()
         if len(bounds) != 2 or not last + 1 < bounds[0] <= bounds[1] < world_size:
             raise FormatError(f"{what}[{i}] is not an ascending, disjoint rank range inside 0 .. {world_size - 1}")
         out.append(bounds)
@@ -81,10 +83,10 @@ class GlobalEntry:
 
     @classmethod
     def from_json(cls, d: Any, what: str, world_size: int) -> "GlobalEntry":
-        _fields(d, {"dtype", "shape", "ranks"}, set(), what)
-        dtype = _expect(d["dtype"], str, what, ".dtype")
+        check_fields(d, {"dtype", "shape", "ranks"}, set(), what)
+        dtype = expect(d["dtype"], str, what, ".dtype")
         size = dtype_from_name(dtype).itemsize
-        shape = _int_list(d["shape"], what, ".shape")
+        shape = int_list(d["shape"], what, ".shape")
         entry = TensorEntry(dtype, shape, ())
         if entry.numel * size > MAX_BYTES:
             raise FormatError(f"{what}: shape {list(shape)} of {dtype} exceeds 2**62 bytes")
@@ -92,11 +94,11 @@ class GlobalEntry:
 
 
 def _references(v: Any, what: str) -> tuple[tuple[int, str], ...]:
-    _expect(v, list, what)
+    expect(v, list, what)
     out = []
     for i, pair in enumerate(v):
-        _fields(pair, {"step", "attempt"}, set(), f"{what}[{i}]")
-        out.append((_int(pair["step"], f"{what}[{i}].step", 0, MAX_STEP),
+        check_fields(pair, {"step", "attempt"}, set(), f"{what}[{i}]")
+        out.append((bounded_int(pair["step"], f"{what}[{i}].step", 0, MAX_STEP),
                     check_attempt_id(pair["attempt"], f"{what}[{i}].attempt")))
     if out != sorted(set(out)):
         raise FormatError(f"{what} is not sorted and unique")
@@ -104,7 +106,7 @@ def _references(v: Any, what: str) -> tuple[tuple[int, str], ...]:
 
 
 def _attempts(v: Any, what: str) -> tuple[str, ...]:
-    _expect(v, list, what)
+    expect(v, list, what)
     out = tuple(check_attempt_id(a, f"{what}[{i}]") for i, a in enumerate(v))
     if list(out) != sorted(set(out)):
         raise FormatError(f"{what} is not sorted and unique")
@@ -132,8 +134,8 @@ class Reads:
 
     @classmethod
     def from_json(cls, d: dict, what: str) -> "Reads":
-        return cls(_int(d["stored_bytes"], f"{what}.stored_bytes"), _int(d["raw_bytes"], f"{what}.raw_bytes"),
-                   _int(d["referenced_bytes"], f"{what}.referenced_bytes"),
+        return cls(bounded_int(d["stored_bytes"], f"{what}.stored_bytes"), bounded_int(d["raw_bytes"], f"{what}.raw_bytes"),
+                   bounded_int(d["referenced_bytes"], f"{what}.referenced_bytes"),
                    _references(d["references"], f"{what}.references"), _attempts(d["earlier"], f"{what}.earlier"))
 
     @classmethod
@@ -180,12 +182,12 @@ class Summary:
 
     @classmethod
     def from_json(cls, d: Any, what: str, attempt: str) -> "Summary":
-        _fields(d, {"table", "coverage", "replicas"} | Reads.FIELDS, set(), what)
+        check_fields(d, {"table", "coverage", "replicas"} | Reads.FIELDS, set(), what)
         table = None if d["table"] is None else Blob.from_json(d["table"], f"{what}.table", attempt)
         if table is not None:
             check_cap(table, f"{what}.table")
-        return cls(table, _int(d["coverage"], f"{what}.coverage", 0, FINGERPRINT_MODULUS - 1),
-                   _int(d["replicas"], f"{what}.replicas", 0, FINGERPRINT_MODULUS - 1), Reads.from_json(d, what))
+        return cls(table, bounded_int(d["coverage"], f"{what}.coverage", 0, FINGERPRINT_MODULUS - 1),
+                   bounded_int(d["replicas"], f"{what}.replicas", 0, FINGERPRINT_MODULUS - 1), Reads.from_json(d, what))
 
 
 def table_bytes(tensors: Mapping[str, tuple[str, tuple[int, ...]]]) -> bytes:
@@ -193,16 +195,16 @@ def table_bytes(tensors: Mapping[str, tuple[str, tuple[int, ...]]]) -> bytes:
     sorted by key, so that ranks holding the same tensors store the same bytes."""
     doc = {"format": FORMAT_NAME, "format_version": INDEX_VERSION, "kind": "table",
            "tensors": {k: {"dtype": d, "shape": list(s)} for k, (d, s) in sorted(tensors.items())}}
-    return json.dumps(doc, **_DUMPS).encode()
+    return json.dumps(doc, **COMPACT).encode()
 
 
 def parse_table(data, what: str) -> dict[str, tuple[str, tuple[int, ...]]]:
     d = loads_json(bytes(data), what)
-    _expect(d, dict, what)
+    expect(d, dict, what)
     _header(d, what, "table")
-    _fields(d, {"format", "format_version", "kind", "tensors"}, set(), what)
+    check_fields(d, {"format", "format_version", "kind", "tensors"}, set(), what)
     out = {}
-    for key, e in _expect(d["tensors"], dict, f"{what}.tensors").items():
+    for key, e in expect(d["tensors"], dict, f"{what}.tensors").items():
         g = GlobalEntry.from_json({**e, "ranks": []} if isinstance(e, dict) else e, f"{what}[{key!r}]", 1)
         out[key] = (g.dtype, g.shape)
     return out
@@ -231,26 +233,24 @@ class Index:
         head = {"format": FORMAT_NAME, "format_version": INDEX_VERSION, "kind": "index",
                 "attempt": self.attempt, "rank": self.rank}
         tail = {"replicas": [r.to_json() for r in self.replicas], "summary": self.summary.to_json()}
-        return (f'{json.dumps(head, **_DUMPS)[:-1]},"state":{_rank_text(self.state, names)},'
-                f'"shards":{_entries_text(self.shards, names)},{json.dumps(tail, **_DUMPS)[1:]}').encode()
+        return (f'{json.dumps(head, **COMPACT)[:-1]},"state":{rank_text(self.state, names)},'
+                f'"shards":{entries_text(self.shards, names)},{json.dumps(tail, **COMPACT)[1:]}').encode()
 
     @classmethod
     def from_bytes(cls, data, what: str) -> "Index":
-        from .._gc import gc_paused
-
         with gc_paused():
             d = loads_json(bytes(data), what)
-            _expect(d, dict, what)
+            expect(d, dict, what)
             _header(d, what, "index")
-            _fields(d, {"format", "format_version", "kind", "attempt", "rank", "state", "shards", "replicas",
+            check_fields(d, {"format", "format_version", "kind", "attempt", "rank", "state", "shards", "replicas",
                         "summary"}, set(), what)
             attempt = check_attempt_id(d["attempt"], f"{what}.attempt")
-            replicas = _expect(d["replicas"], list, f"{what}.replicas")
+            replicas = expect(d["replicas"], list, f"{what}.replicas")
             return cls(
                 attempt=attempt,
-                rank=_int(d["rank"], f"{what}.rank", 0, MAX_WORLD_SIZE - 1),
+                rank=bounded_int(d["rank"], f"{what}.rank", 0, MAX_WORLD_SIZE - 1),
                 state=RankState.from_json(d["state"], f"{what}.state", attempt),
-                shards=_entries_from_json(d["shards"], f"{what}.shards", attempt),
+                shards=entries_from_json(d["shards"], f"{what}.shards", attempt),
                 replicas=tuple(ReplicaHash.from_json(r, f"{what}.replicas[{i}]") for i, r in enumerate(replicas)),
                 summary=Summary.from_json(d["summary"], f"{what}.summary", attempt),
             )

@@ -16,7 +16,7 @@ from ..errors import FormatError
 from ..names import MAX_STEP, MAX_WORLD_SIZE, check_data_file, check_relative_name, parse_data_file
 from .constants import MAX_BYTES, ZSTD_MAX_RATIO
 from .dtypes import dtype_from_name, itemsize
-from .strict import _Name, _expect, _fields, _int, _int_list
+from .strict import LazyName, bounded_int, check_fields, expect, int_list
 
 _DIGEST_RE = re.compile(r"[0-9a-f]{32}")
 
@@ -39,21 +39,21 @@ def _codec_chain(codec: Any, blob: str) -> tuple[dict, ...]:
     if codec == []:
         return ()
     what = f"{blob}.codec"
-    _expect(codec, list, what)
+    expect(codec, list, what)
     for c in codec:
-        _expect(c, dict, what, "[]")
+        expect(c, dict, what, "[]")
     ids = [c.get("id") for c in codec]
     if ids not in ([], ["zstd"], ["shuffle", "zstd"]):
         raise FormatError(f"{what} is an unknown codec chain {ids}")
     for c in codec:
         if c["id"] == "zstd":
             if c.keys() != _ZSTD_FIELDS:
-                _fields(c, _ZSTD_FIELDS, set(), f"{what} zstd record")
-            _int(c["level"], what, 1, 22, field=" zstd level")
+                check_fields(c, _ZSTD_FIELDS, set(), f"{what} zstd record")
+            bounded_int(c["level"], what, 1, 22, field=" zstd level")
         else:
             if c.keys() != _SHUFFLE_FIELDS:
-                _fields(c, _SHUFFLE_FIELDS, set(), f"{what} shuffle record")
-            _int(c["elementsize"], what, 1, 64, field=" shuffle elementsize")
+                check_fields(c, _SHUFFLE_FIELDS, set(), f"{what} shuffle record")
+            bounded_int(c["elementsize"], what, 1, 64, field=" shuffle elementsize")
     return tuple(codec)
 
 
@@ -104,9 +104,9 @@ class Blob:
         attempt's (of that step's location)."""
         step, earlier = None, False
         if type(d) is not dict or d.keys() != fields:
-            _fields(d, fields, {"step", "earlier"}, what)
+            check_fields(d, fields, {"step", "earlier"}, what)
             if "step" in d:
-                step = _int(d["step"], what, 0, MAX_STEP, ".step")
+                step = bounded_int(d["step"], what, 0, MAX_STEP, ".step")
             if "earlier" in d:
                 if d["earlier"] is not True:
                     raise FormatError(f"{what}.earlier must be true when present")
@@ -117,8 +117,8 @@ class Blob:
         digest = d["xxh3_128"]
         if type(digest) is not str or not _DIGEST_RE.fullmatch(digest):
             raise FormatError(f"{what}.xxh3_128 is not a 32-digit hex digest")
-        length = _int(d["length"], what, field=".length")
-        raw_length = _int(d["raw_length"], what, field=".raw_length")
+        length = bounded_int(d["length"], what, field=".length")
+        raw_length = bounded_int(d["raw_length"], what, field=".raw_length")
         if not codec and raw_length != length:
             raise FormatError(f"{what}: a raw blob's raw_length {raw_length} != its length {length}")
         if codec and raw_length > length * ZSTD_MAX_RATIO:
@@ -134,10 +134,10 @@ class Blob:
         elif _data_file_attempt(file) != attempt:
             check_data_file(file, attempt, f"{what}.file")  # raises, naming what is wrong
         if cls is not Blob:
-            return cls(file=file, offset=_int(d["offset"], what, field=".offset"), length=length,
+            return cls(file=file, offset=bounded_int(d["offset"], what, field=".offset"), length=length,
                        raw_length=raw_length, codec=codec, xxh3_128=digest, step=step, earlier=earlier)
-        return _new_blob(file, _int(d["offset"], what, field=".offset"), length, raw_length, codec, digest, step,
-                         earlier)
+        return _new_blob(file, bounded_int(d["offset"], what, field=".offset"), length, raw_length, codec, digest,
+                         step, earlier)
 
 
 def _blob_maker():
@@ -173,9 +173,9 @@ class Chunk:
 
     @classmethod
     def from_json(cls, d: dict, what: str, attempt: str) -> "Chunk":
-        _expect(d, dict, what)
+        expect(d, dict, what)
         blob = Blob.from_json(d, what, attempt, Blob._CHUNK_FIELDS)
-        return cls(_int_list(d["offsets"], what, ".offsets"), _int_list(d["sizes"], what, ".sizes"), blob)
+        return cls(int_list(d["offsets"], what, ".offsets"), int_list(d["sizes"], what, ".sizes"), blob)
 
 
 _ENTRY_FIELDS = frozenset({"dtype", "shape", "chunks"})
@@ -203,14 +203,14 @@ class TensorEntry:
     @classmethod
     def from_json(cls, d: dict, what: str, attempt: str) -> "TensorEntry":
         if type(d) is not dict or d.keys() != _ENTRY_FIELDS:
-            _fields(d, _ENTRY_FIELDS, set(), what)
-        dtype = _expect(d["dtype"], str, what, ".dtype")
+            check_fields(d, _ENTRY_FIELDS, set(), what)
+        dtype = expect(d["dtype"], str, what, ".dtype")
         size = dtype_from_name(dtype).itemsize
-        shape = _int_list(d["shape"], what, ".shape")
+        shape = int_list(d["shape"], what, ".shape")
         if math.prod(shape) * size > MAX_BYTES:
             raise FormatError(f"{what}: shape {list(shape)} of {dtype} exceeds 2**62 bytes")
-        chunks = _expect(d["chunks"], list, what, ".chunks")
-        return cls(dtype, shape, tuple([Chunk.from_json(c, _Name("{}.chunks[{}]", what, i), attempt)
+        chunks = expect(d["chunks"], list, what, ".chunks")
+        return cls(dtype, shape, tuple([Chunk.from_json(c, LazyName("{}.chunks[{}]", what, i), attempt)
                                         for i, c in enumerate(chunks)]))
 
 
@@ -231,12 +231,12 @@ class RankState:
 
     @classmethod
     def from_json(cls, d: dict, what: str, attempt: str) -> "RankState":
-        _fields(d, {"rank", "skeleton", "tensors"}, set(), what)
-        tensors = _expect(d["tensors"], dict, f"{what}.tensors")
+        check_fields(d, {"rank", "skeleton", "tensors"}, set(), what)
+        tensors = expect(d["tensors"], dict, f"{what}.tensors")
         return cls(
-            rank=_int(d["rank"], f"{what}.rank", 0, MAX_WORLD_SIZE - 1),
+            rank=bounded_int(d["rank"], f"{what}.rank", 0, MAX_WORLD_SIZE - 1),
             skeleton=Blob.from_json(d["skeleton"], f"{what}.skeleton", attempt),
-            tensors={k: TensorEntry.from_json(v, _Name("{}.tensors[{!r}]", what, k), attempt)
+            tensors={k: TensorEntry.from_json(v, LazyName("{}.tensors[{!r}]", what, k), attempt)
                      for k, v in tensors.items()},
         )
 
@@ -263,15 +263,16 @@ class ReplicaHash:
 
     @classmethod
     def from_json(cls, d: dict, what: str) -> "ReplicaHash":
-        _fields(d, {"key", "offsets", "sizes", "xxh3_128"}, set(), what)
-        digest = _expect(d["xxh3_128"], str, f"{what}.xxh3_128")
+        check_fields(d, {"key", "offsets", "sizes", "xxh3_128"}, set(), what)
+        digest = expect(d["xxh3_128"], str, f"{what}.xxh3_128")
         if not _DIGEST_RE.fullmatch(digest):
             raise FormatError(f"{what}.xxh3_128 is not a 32-digit hex digest")
-        return cls(_expect(d["key"], str, f"{what}.key"), _int_list(d["offsets"], f"{what}.offsets"),
-                   _int_list(d["sizes"], f"{what}.sizes"), digest)
+        return cls(expect(d["key"], str, f"{what}.key"), int_list(d["offsets"], f"{what}.offsets"),
+                   int_list(d["sizes"], f"{what}.sizes"), digest)
 
 
-def _entries_from_json(d: Any, what: str, attempt: str) -> dict[str, TensorEntry]:
-    _expect(d, dict, what)
-    return {k: TensorEntry.from_json(v, _Name("{}[{!r}]", what, k), attempt) for k, v in d.items()}
+def entries_from_json(d: Any, what: str, attempt: str) -> dict[str, TensorEntry]:
+    """A JSON object of tensor entries by key (a manifest's ``tensors``, a vote's or index's ``shards``)."""
+    expect(d, dict, what)
+    return {k: TensorEntry.from_json(v, LazyName("{}[{!r}]", what, k), attempt) for k, v in d.items()}
 

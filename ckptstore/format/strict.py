@@ -1,7 +1,7 @@
 """Strict, bounded JSON in: what every record and document parser of ``ckptstore.format``
 reads with. Duplicate keys, NaN, unknown or missing fields, wrong types and ints outside
 their bounds are a FormatError naming the record; record names are built only for an
-error (``_Name``). Also the stored times (ISO 8601, UTC)."""
+error (``LazyName``). Also the stored times (ISO 8601, UTC)."""
 
 from __future__ import annotations
 
@@ -22,8 +22,9 @@ def parse_time(iso: str) -> float:
     return _dt.datetime.fromisoformat(iso).timestamp()
 
 
-def _time(v: Any, what: str) -> str:
-    _expect(v, str, what)
+def iso_time(v: Any, what: str) -> str:
+    """A stored ISO 8601 time, checked (kept as its text)."""
+    expect(v, str, what)
     try:
         parse_time(v)
     except (ValueError, OverflowError, OSError) as e:
@@ -58,8 +59,8 @@ def _no_constant(name: str):
 # ---------------------------------------------------------------------------- helpers
 # Hot on large manifests (every chunk record passes here): error texts are built as
 # ``what + field`` only when a check fails, never on the way through; a record's own
-# name (``manifest.ranks[0].tensors['w'].chunks[0]``) is a _Name until then.
-class _Name:
+# name (``manifest.ranks[0].tensors['w'].chunks[0]``) is a LazyName until then.
+class LazyName:
     """``template.format(*args)``, formatted only when an error message uses it."""
 
     __slots__ = ("template", "args")
@@ -72,7 +73,8 @@ class _Name:
         return self.template.format(*self.args)
 
 
-def _expect(obj: Any, kind: type | tuple, what: str, field: str = "") -> Any:
+def expect(obj: Any, kind: type | tuple, what: str, field: str = "") -> Any:
+    """``obj``, if it is a ``kind`` (a bool is no int), else a FormatError naming ``what + field``."""
     if kind is int and isinstance(obj, bool):
         raise FormatError(f"{what}{field} must be an int, got {obj!r}")
     if not isinstance(obj, kind):
@@ -80,9 +82,9 @@ def _expect(obj: Any, kind: type | tuple, what: str, field: str = "") -> Any:
     return obj
 
 
-def _fields(d: Any, required: set[str] | frozenset, optional: set[str], what: str) -> dict:
+def check_fields(d: Any, required: set[str] | frozenset, optional: set[str], what: str) -> dict:
     """Check a JSON object has exactly the known fields (I4: unknown fields are errors)."""
-    _expect(d, dict, what)
+    expect(d, dict, what)
     if not optional and d.keys() == required:
         return d
     missing = required - d.keys()
@@ -94,21 +96,23 @@ def _fields(d: Any, required: set[str] | frozenset, optional: set[str], what: st
     return d
 
 
-def _int_list(v: Any, what: str, field: str = "", max_len: int = MAX_NDIM) -> tuple[int, ...]:
-    _expect(v, list, what, field)
+def int_list(v: Any, what: str, field: str = "", max_len: int = MAX_NDIM) -> tuple[int, ...]:
+    """A list of at most ``max_len`` ints in 0 .. 2**62 (offsets, sizes, a shape), as a tuple."""
+    expect(v, list, what, field)
     if len(v) > max_len:
         raise FormatError(f"{what}{field} has {len(v)} entries, at most {max_len} are allowed")
     for x in v:
         if type(x) is not int:
-            _expect(x, int, what, field)
+            expect(x, int, what, field)
         if not 0 <= x <= MAX_BYTES:
             raise FormatError(f"{what}{field} holds {x}, outside 0 .. 2**62")
     return tuple(v)
 
 
-def _int(v: Any, what: str, low: int = 0, high: int = MAX_BYTES, field: str = "") -> int:
+def bounded_int(v: Any, what: str, low: int = 0, high: int = MAX_BYTES, field: str = "") -> int:
+    """An int in ``low .. high`` (by default a byte count: 0 .. 2**62)."""
     if type(v) is not int:
-        _expect(v, int, what, field)
+        expect(v, int, what, field)
     if not low <= v <= high:
         raise FormatError(f"{what}{field} is {v}, outside {low} .. {high}")
     return v

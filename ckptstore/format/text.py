@@ -9,6 +9,8 @@ from typing import Mapping
 
 from .records import Blob, RankState, TensorEntry
 
+COMPACT = dict(separators=(",", ":"), allow_nan=False)  # json.dumps(..., **COMPACT): the stored text
+
 
 def _ints(values) -> str:
     return ",".join([str(int(v)) for v in values])
@@ -19,7 +21,7 @@ def _blob_fields(b: Blob, names: dict[str, str]) -> str:
     file = names.get(b.file)
     if file is None:
         file = names[b.file] = json.dumps(b.file)
-    codec = "[]" if not b.codec else json.dumps([dict(c) for c in b.codec], separators=(",", ":"), allow_nan=False)
+    codec = "[]" if not b.codec else json.dumps([dict(c) for c in b.codec], **COMPACT)
     step = "" if b.step is None else f',"step":{int(b.step)}'
     if b.earlier:
         step += ',"earlier":true'
@@ -27,8 +29,8 @@ def _blob_fields(b: Blob, names: dict[str, str]) -> str:
             f'"codec":{codec},"xxh3_128":{json.dumps(b.xxh3_128)}{step}')
 
 
-def _entries_text(entries: Mapping[str, TensorEntry], names: dict[str, str]) -> str:
-    """``json.dumps(_entries_json(entries))``, compact, written directly."""
+def entries_text(entries: Mapping[str, TensorEntry], names: dict[str, str]) -> str:
+    """``json.dumps(entries_json(entries))``, compact, written directly."""
     parts = []
     for key, e in entries.items():
         chunks = ",".join([f'{{"offsets":[{_ints(c.offsets)}],"sizes":[{_ints(c.sizes)}],{_blob_fields(c.blob, names)}}}'
@@ -37,10 +39,10 @@ def _entries_text(entries: Mapping[str, TensorEntry], names: dict[str, str]) -> 
     return "{" + ",".join(parts) + "}"
 
 
-def _rank_text(r: "RankState", names: dict[str, str]) -> str:
-    return f'{{"rank":{int(r.rank)},"skeleton":{{{_blob_fields(r.skeleton, names)}}},"tensors":{_entries_text(r.tensors, names)}}}'
+def rank_text(r: RankState, names: dict[str, str]) -> str:
+    return f'{{"rank":{int(r.rank)},"skeleton":{{{_blob_fields(r.skeleton, names)}}},"tensors":{entries_text(r.tensors, names)}}}'
 
 
-def _entries_json(entries: Mapping[str, TensorEntry]) -> dict:
+def entries_json(entries: Mapping[str, TensorEntry]) -> dict:
     return {k: v.to_json() for k, v in entries.items()}
 

@@ -10,7 +10,7 @@ from ..names import MAX_WORLD_SIZE
 from .constants import REFERENCE_VERSION
 from .coverage import validate_coverage
 from .records import RankState
-from .strict import _Name
+from .strict import LazyName
 
 if TYPE_CHECKING:
     from .documents import Manifest
@@ -25,7 +25,7 @@ def validate_ranks(ranks: tuple[RankState, ...], world_size: int) -> None:
         raise FormatError(f"ranks {seen[:16]}{'...' if len(seen) > 16 else ''} do not match world_size {world_size}")
     for r in ranks:
         for key, entry in r.tensors.items():
-            validate_coverage(entry, _Name("rank {} tensor {!r}", r.rank, key))
+            validate_coverage(entry, LazyName("rank {} tensor {!r}", r.rank, key))
 
 
 def validate_references(m: "Manifest") -> None:
