@@ -40,7 +40,7 @@ class Written:
 
 
 # Indexes and tables are JSON, which zstd shrinks 5-10x: compressed whatever the save's
-# policy, always as one frame of this level (format_index.INDEX_CODEC).
+# policy, always as one frame of this level (format.INDEX_CODEC).
 METADATA_ZSTD_LEVEL = 3
 BATCH_BYTES = 1 << 20  # small chunks go to the workers in batches of about this much
 BATCH_ITEMS = 256

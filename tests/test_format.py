@@ -137,6 +137,18 @@ def test_vote_bytes_are_the_json_of_its_records(ok):
     assert vote.to_bytes() == json.dumps(vote.to_json(), separators=(",", ":"), allow_nan=False).encode()
 
 
+def test_a_version_4_vote_is_its_json_in_its_own_shape():
+    """A version 4 yes-vote names its index and sums it up: to_json gives that shape
+    (what to_bytes stores and from_json reads), not version 3's records."""
+    index = fmt.Blob(fmt.data_file_name(ATTEMPT, 1, fmt.INDEX_STREAM), 0, 90, 400, fmt.INDEX_CODEC, DIGEST)
+    summary = fmt.Summary(None, 5, 7, fmt.Reads(100, 400))
+    vote = fmt.Vote(ATTEMPT, 1200, 2, 1, ok=True, index=index, summary=summary)
+    d = vote.to_json()
+    assert d["format_version"] == 4 and "state" not in d and d["index"] == index.to_json()
+    assert vote.to_bytes() == json.dumps(d, separators=(",", ":"), allow_nan=False).encode()
+    assert fmt.Vote.from_json(json.loads(json.dumps(d))) == vote
+
+
 def test_manifest_of_a_real_save_reads_back_equal(tmp_ckpt):
     fut = ckptstore.save({"w": torch.randn(3, 4), "b": torch.zeros(4)}, str(tmp_ckpt))
     m = fut.result(timeout=60)

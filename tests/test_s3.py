@@ -286,6 +286,33 @@ def test_append_offsets_follow_arrival_order_from_many_threads(bucket):
         assert data[off:off + len(pieces[i])] == pieces[i]
 
 
+def test_the_append_writer_needs_of_its_store_only_an_upload_target(bucket):
+    """writer.py reaches the store that opens it only through an UploadTarget (client,
+    bucket, keys, the name its messages use, the store's translate, put and delete):
+    a target made by hand uploads, names its object, and uses its put and delete."""
+    from ckptstore.storage.s3.writer import UploadTarget, _S3AppendWriter
+
+    st = s3util.s3_storage(bucket, "tg")
+    calls = []
+
+    def target(key: str) -> UploadTarget:
+        return UploadTarget(client=st.client, bucket=st.bucket, key=key, full_key=f"tg/{key}", where=f"<{key}>",
+                            translate=lambda e: StorageError(f"<{key}> failed: {e}"),
+                            put=lambda data: calls.append(("put", key, bytes(data))),
+                            delete=lambda: calls.append(("delete", key)))
+
+    w = _S3AppendWriter(target("x.bin"), st.part_plan())
+    assert w.key == "x.bin" and w.append(b"abc") == 0 and w.append(b"de") == 3 and w.close() == 5
+    assert st.read("x.bin") == b"abcde"
+    with pytest.raises(StorageError, match="^<x.bin>: append after close or abort$"):
+        w.append(b"f")
+    w.abort()  # after it completed: the target's delete
+    hint = 4 * st.part_size
+    w = _S3AppendWriter(target("empty.bin"), st.part_plan(size_hint=hint), size_hint=hint)
+    assert w.close() == 0  # multipart from the start, nothing appended: the target's put
+    assert calls == [("delete", "x.bin"), ("put", "empty.bin", b"")]
+    assert not st.exists("empty.bin")
+
 def test_append_streams_a_multipart_upload_in_part_size_parts(bucket, proxy):
     st = s3util.s3_storage(bucket, "mp", proxy.url)
     data = random.Random(1).randbytes(20_000_000)

@@ -54,7 +54,7 @@ from .._jitter import jitter as _jitter
 from .._threads import run_all
 from ..runtime import runtime
 from ..storage import Storage
-from ..format_index import INDEX_VERSION
+from ..format import INDEX_VERSION
 from . import claims, exiting
 from .held import defer, held_attempts, references_lock, take_deferred
 from .indexes import build_root

@@ -3,7 +3,7 @@ builds the root from the votes alone, and readers read only the indexes they nee
 
 - **Writing** (:func:`seal`, on the rank's commit thread, before its data file is made
   durable): the table of global tensors the rank holds and its index are appended as
-  two more blobs; the vote names the index and sums it up (format_index.Summary).
+  two more blobs; the vote names the index and sums it up (format.Summary).
 - **Committing** (:func:`build_root`): the committer reads each distinct table once
   and checks I5 by fingerprints (fingerprint.py), so its work grows with the ranks,
   not with their chunks. A fingerprint that does not add up sends it to the exact
@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from .. import format as fmt
 from .._threads import run_all
 from ..errors import FormatError
-from ..format_index import (
+from ..format import (
     GlobalEntry,
     Index,
     Reads,

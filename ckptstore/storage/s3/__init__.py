@@ -47,7 +47,7 @@ Modules:
 | ``errors.py`` | error translation (botocore -> the package's storage errors, by retry class), redaction of endpoint secrets, the backoff of the one retry loop of our own |
 | ``store.py`` | :class:`S3Storage` |
 | ``request_args.py`` | parameters every request carries: ``ExpectedBucketOwner``, ``RequestPayer``, SSE-KMS |
-| ``writer.py`` | the streaming multipart append writer (``open_append``) and its part plan (``plan_parts``) |
+| ``writer.py`` | the streaming multipart append writer (``open_append``) and its part plan (``plan_parts``); it knows of the store only the ``UploadTarget`` it is handed |
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ from .client import (
 )
 from .errors import CONFLICT, EXISTS, NOT_IMPLEMENTED, _NOT_FOUND, _STREAM_ERRORS, _backoff, _client_error, _scrub_exception, translate
 from .request_args import RequestArgs
-from .writer import PartPlan, _byte_view, _S3AppendWriter, plan_parts
+from .writer import PartPlan, UploadTarget, _byte_view, _S3AppendWriter, plan_parts
 
 _DELETE_BATCH = 1000  # DeleteObjects limit
 CONDITIONAL_WRITES = ("probe", "trust", "single-writer")
@@ -423,7 +423,13 @@ class S3Storage(Storage):
         plan = self.part_plan(size_hint, writers)
         if self.exists(key):
             raise AlreadyExistsError(f"{self.describe(key)}: already exists")
-        return _S3AppendWriter(self, key, plan, size_hint)
+        return _S3AppendWriter(self._upload_target(key), plan, size_hint)
+
+    def _upload_target(self, key: str) -> UploadTarget:
+        """What the append writer of the checked ``key`` needs of this store."""
+        return UploadTarget(client=self._shared.client, bucket=self._shared.bucket, key=key, full_key=self._k(key),
+                            where=self.describe(key), translate=lambda e: self._translate(e, key),
+                            put=lambda data: self.put(key, data), delete=lambda: self.delete(key))
 
     def readinto(self, key: str, offset: int, out, on_piece=None) -> None:
         self._check(key)

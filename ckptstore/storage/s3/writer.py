@@ -12,6 +12,10 @@ size for the whole upload, large enough that the hinted size fits in S3's 10,000
 for the first 1,000 parts, then doubling every 1,000, so that no object needs more than
 10,000 parts. Either way an object that outgrows its plan's uniform parts gets growing
 ones (docs/s3.md, "Streaming multipart appends").
+
+The writer knows nothing of the store that opened it but an :class:`UploadTarget`: the
+client, bucket and full key of its one object, how the store names it in messages and
+translates errors, and the store's put and delete of that object.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from __future__ import annotations
 import collections
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Callable
 
 from boto3.s3.transfer import TransferConfig
 from s3transfer.manager import TransferManager
@@ -30,10 +34,6 @@ from ..._threads import DaemonThreadPool
 from ...errors import CkptStoreError, StorageError
 from ..base import AppendWriter
 from .client import DEFAULT_CONCURRENCY, DEFAULT_PART_SIZE, MAX_PART_SIZE, MAX_PARTS, MiB
-
-if TYPE_CHECKING:
-    from .store import S3Storage
-
 
 # Memory an upload may hold, in parts: those in flight, one read and waiting for a slot,
 # and the two the append queue holds (see _S3AppendWriter).
@@ -112,6 +112,21 @@ def plan_parts(part_size: int, max_concurrency: int, tier: int, size_hint: int |
     return PartPlan(size, uniform_parts, tier, in_flight)
 
 
+@dataclass(frozen=True)
+class UploadTarget:
+    """The one object an append writer uploads, and all it needs of the store that
+    opened it (``S3Storage.open_append`` makes it)."""
+
+    client: Any  # the boto3 S3 client
+    bucket: str
+    key: str  # the store's key of the object
+    full_key: str  # its S3 key: the store's prefix, '/', key
+    where: str  # its s3:// URL for messages, endpoint secrets redacted (the store's describe(key))
+    translate: Callable[[BaseException], CkptStoreError]  # a failed request's error, as the store raises it
+    put: Callable[[bytes], None]  # store the whole object with one PutObject
+    delete: Callable[[], None]  # delete the object
+
+
 def _byte_view(out) -> memoryview:
     mv = out if isinstance(out, memoryview) else memoryview(out)
     return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
@@ -160,11 +175,10 @@ class _S3AppendWriter(AppendWriter):
     s3transfer holds at most ``plan.in_flight`` parts plus the one it is handing over.
     """
 
-    def __init__(self, storage: S3Storage, key: str, plan: PartPlan, size_hint: int | None = None):
-        self.key = key
-        self._s = storage
+    def __init__(self, target: UploadTarget, plan: PartPlan, size_hint: int | None = None):
+        self.key = target.key
+        self._t = target
         self._plan = plan
-        sh = storage._shared
         self._cv = threading.Condition()
         self._ready: collections.deque[bytes] = collections.deque()  # full parts, in order
         self._filling = None  # the native.BytesPart being filled, or None
@@ -192,9 +206,9 @@ class _S3AppendWriter(AppendWriter):
         # close() with one PutObject). Below that the first part decides, as usual.
         self._multipart = size_hint is not None and size_hint >= 2 * plan.part_size(1)
         subscribers = [_MultipartFromStart(plan.part_size(1))] if self._multipart else None
-        self._manager = TransferManager(sh.client, config, executor_cls=DaemonThreadPool)
+        self._manager = TransferManager(target.client, config, executor_cls=DaemonThreadPool)
         with self._cv:
-            self._future = self._manager.upload(_Feed(self), sh.bucket, storage._k(key), subscribers=subscribers)
+            self._future = self._manager.upload(_Feed(self), target.bucket, target.full_key, subscribers=subscribers)
 
     # -- the producer side (any thread)
     def append(self, data) -> int:
@@ -203,7 +217,7 @@ class _S3AppendWriter(AppendWriter):
         with self._cv:
             while True:
                 if self._closed:
-                    raise StorageError(f"{self._s.describe(self.key)}: append after close or abort")
+                    raise StorageError(f"{self._t.where}: append after close or abort")
                 if self._stop is not None:
                     raise StorageError(str(self._stop))
                 if self._future.done():
@@ -215,7 +229,7 @@ class _S3AppendWriter(AppendWriter):
                         try:
                             self._fill(mv)
                         except BaseException as e:  # (a part's memory): part of it may be in; nothing after is sound
-                            self._stop = StorageError(f"{self._s.describe(self.key)}: append failed: {e}")
+                            self._stop = StorageError(f"{self._t.where}: append failed: {e}")
                             self._cv.notify_all()
                             raise
                         self._queued += n
@@ -249,8 +263,8 @@ class _S3AppendWriter(AppendWriter):
         try:
             self._future.result()
         except BaseException as e:
-            return self._s._translate(e, self.key)
-        return StorageError(f"{self._s.describe(self.key)}: the upload ended before close")
+            return self._t.translate(e)
+        return StorageError(f"{self._t.where}: the upload ended before close")
 
     # -- the consumer side (s3transfer's submission thread)
     def _take(self, amount: int | None) -> bytes:
@@ -275,7 +289,7 @@ class _S3AppendWriter(AppendWriter):
             finally:
                 self._want = 0
             if want is not None and self._parts > MAX_PARTS and self._queued:  # (the read that finds the end is no part)
-                self._stop = StorageError(f"{self._s.describe(self.key)}: object exceeds S3's {MAX_PARTS} parts; "
+                self._stop = StorageError(f"{self._t.where}: object exceeds S3's {MAX_PARTS} parts; "
                                           "use a larger part_size")
                 raise self._stop
             # Whole parts only: part k is plan.part_size(k), at least what is asked.
@@ -295,23 +309,23 @@ class _S3AppendWriter(AppendWriter):
     def close(self) -> int:
         with self._cv:
             if self._closed:
-                raise StorageError(f"{self._s.describe(self.key)}: closed twice")
+                raise StorageError(f"{self._t.where}: closed twice")
             self._closed = True
             empty = self._multipart and self._size == 0
             if empty:  # a multipart upload needs a part: stop it before it completes with none
-                self._stop = StorageError(f"{self._s.describe(self.key)}: empty; stored with one PutObject")
+                self._stop = StorageError(f"{self._t.where}: empty; stored with one PutObject")
             else:
                 self._eof = True
             self._cv.notify_all()
         if empty:
             self._cancel()
-            self._s.put(self.key, b"")
+            self._t.put(b"")
             self._completed = True
             return 0
         try:
             self._future.result()
         except BaseException as e:
-            raise self._s._translate(e, self.key) from e
+            raise self._t.translate(e) from e
         finally:
             self._manager.shutdown()
         self._completed = True
@@ -333,13 +347,13 @@ class _S3AppendWriter(AppendWriter):
             with self._cv:
                 self._closed = True
                 if self._stop is None:
-                    self._stop = StorageError(f"{self._s.describe(self.key)}: upload aborted")
+                    self._stop = StorageError(f"{self._t.where}: upload aborted")
                 self._ready.clear()
                 self._filling = None
                 self._queued = 0
                 self._cv.notify_all()
             self._cancel()
             if self._completed:
-                self._s.delete(self.key)
+                self._t.delete()
         except BaseException:
             pass
