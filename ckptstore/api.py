@@ -26,7 +26,6 @@ import torch
 from . import format as fmt
 from . import lifecycle
 from . import names
-from .checkpoint.commit import generations, read_manifest, write_failure_vote
 from .checkpoint.fencing import check_fence
 from .checkpoint.container import MAGIC, read_container, read_container_file, replace_file, write_container
 from .checkpoint.group import agree_on_attempt, gather, rank_and_world
@@ -35,9 +34,11 @@ from .checkpoint.references import index as index_references
 from .checkpoint.references import resolve as resolve_references
 from .checkpoint import nearby
 from .checkpoint.indexes import expand, for_load
+from .checkpoint.manifests import generations, latest_manifest, read_manifest
 from .checkpoint.reshard import fill_template
-from .checkpoint.restore import latest_manifest, restore
+from .checkpoint.restore import restore
 from .checkpoint.save import SaveFuture, SaveOptions, start_save
+from .checkpoint.votes import write_failure_vote
 from .checkpoint.weights_only import resolve_weights_only
 from .codecs import CompressionPolicy
 from .checkpoint import gc

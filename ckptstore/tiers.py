@@ -21,7 +21,7 @@ from collections import deque
 
 from . import format as fmt
 from . import lifecycle, names
-from .checkpoint.commit import read_capped
+from .checkpoint.manifests import read_capped
 from .checkpoint.promote import Throttle, promote
 from .checkpoint.save import SaveFuture, _refuse
 from .errors import AlreadyExistsError, CkptStoreError, FormatError, ObjectNotFoundError
@@ -150,7 +150,7 @@ def sweep_own_data(tier, rank: int, retired_here: set[str], keep: set[str], now:
     import time
 
     from . import names
-    from .checkpoint.commit import generations, read_manifest
+    from .checkpoint.manifests import generations, read_manifest
     from .checkpoint.gc import attempts_named
 
     now = time.time() if now is None else now

@@ -24,7 +24,7 @@ references lead to). The mark makes the attempt young again, so the usual rule f
 files no manifest names (idle for the grace) deletes them one grace later at the
 earliest, and each attempt deletion checks the attempt's age again just before it
 runs. A save checks that its base manifest is still there just before it commits
-(commit.check_base): a base present then keeps its files for at least the grace, and
+(validation.check_base): a base present then keeps its files for at least the grace, and
 a base gone refuses the commit. The store's own writer, which protects the bases of
 its saves itself (``Store``), and a run with no grace delete the files at once
 (``immediate``), but not while a commit is in flight.
@@ -46,7 +46,7 @@ from ..errors import CkptStoreError
 from ..storage import Storage
 from . import claims
 from .catalog import Location, read_pin, read_skip_mark, scan_store
-from .commit import read_manifest
+from .manifests import read_manifest
 from .gc_run import run_deletions
 from .liveness import _references_of_unreadable, attempts_named, references_of, with_unreadable
 from .retention import Candidate, Retention, select_kept
