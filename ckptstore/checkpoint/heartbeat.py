@@ -160,7 +160,7 @@ class Deadline:
     """Polling with backoff until a deadline: waits on storage, never on the training
     process group (votes travel through storage, so background threads need no
     collectives). The waiting rank's heartbeat, which keeps gc from taking its attempt
-    for abandoned (I7), is beaten by the save's own thread (exiting.Heartbeat) from the
+    for abandoned (I7), is beaten by the save's own thread (:class:`Heartbeat`) from the
     start of the save to its end, waits included.
 
     The delay starts at ``start`` and doubles up to ``cap``; each sleep is jittered
@@ -180,6 +180,7 @@ class Deadline:
         return True
 
 
+# Every rank polls the same prefix while it waits, and an object store serves a prefix a
 # bounded rate (S3: about 5,500 GETs and LISTs per second). The ranks that wait for the
 # commit make one small GET per poll, spread so that together they make at most about
 # FOLLOWER_POLLS_PER_S (at most eight times that at their first poll); the committer's

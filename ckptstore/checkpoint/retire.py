@@ -7,6 +7,7 @@ older generation's files to gc, which knows what every kept manifest references.
 from __future__ import annotations
 
 import contextlib
+import time
 
 from .. import names
 from ..errors import CkptStoreError
@@ -64,3 +65,21 @@ def _retire(storage: Storage, below: int, live_attempt: str, files: bool, keep, 
     defer(storage, doomed & held)
     for attempt in sorted(doomed - held):  # (parsed: grammar)
         storage.delete_many([info.key for info in attempt_files(storage, attempt)])
+
+
+LISTING_LAG_TRIES = 4  # listings (0.05, 0.1, 0.2 s apart) before a just-written manifest counts as not listed
+
+
+def listing_with_newest(storage: Storage, generation: int) -> list[int] | None:
+    """A listing of the generations that shows ``generation`` as the newest, or None: a
+    store whose listings may lag a write for a moment (some S3-compatible ones) gets a
+    short, bounded back-off before retiring is skipped (gc retires later)."""
+    for attempt in range(LISTING_LAG_TRIES):
+        gens = generations(storage)
+        if gens[-1:] == [generation]:
+            return gens
+        if gens and gens[-1] > generation:  # a newer one: no wait changes that
+            return None
+        if attempt + 1 < LISTING_LAG_TRIES:
+            time.sleep(0.05 * 2 ** attempt)
+    return None
