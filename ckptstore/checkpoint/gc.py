@@ -1,6 +1,7 @@
 """Garbage collection: retention for committed checkpoints, and cleanup of superseded
 generations and of the debris of failed or abandoned attempts. This module plans;
-gc_run.py carries a plan out.
+gc_run.py carries a plan out; gc_dirs.py says which empty directories of killed saves
+the store removes.
 
 Safe beside running saves (I7): an attempt no manifest references is deleted only
 when nothing under it changed for the grace period; deletions are explicit keys
@@ -47,6 +48,7 @@ from ..storage import Storage
 from . import claims
 from .catalog import Location, read_pin, read_skip_mark, scan_store
 from .manifests import read_manifest
+from .gc_dirs import empty_dirs
 from .gc_run import run_deletions
 from .liveness import _references_of_unreadable, attempts_named, references_of, with_unreadable
 from .retention import Candidate, Retention, select_kept
@@ -318,16 +320,6 @@ def _releases(fresh: dict[str, set[str]], label: str, manifests: list, where: di
         held = where[loc_name].attempts if loc_name in where else {}
         out += [(loc_name, a) for a in sorted(attempts) if a in held]
     return tuple(out)
-
-
-# A save makes its attempt's directory, then its first file: however short the grace (0
-# for a Store's own retention), an empty one younger than this may be a save's next step.
-EMPTY_DIR_MIN_AGE = 600.0
-
-
-def empty_dirs(storage: Storage, grace: float, dry_run: bool = False) -> list[str]:
-    """Remove (or list) the empty directories of saves killed before their first file."""
-    return storage.remove_stale_empty_dirs(max(grace, EMPTY_DIR_MIN_AGE), dry_run=dry_run)
 
 
 def execute(storage: Storage, gc_plan: GcPlan, on_deleted=None) -> None:
