@@ -397,6 +397,35 @@ def _device_checks(nvml, lim: HealthLimits) -> list[Check]:
     return out
 
 
+def gpu_memory_used() -> dict[str, tuple[int, int]] | None:
+    """``{uuid: (used bytes, total bytes)}`` of each selected device (as
+    ``CUDA_VISIBLE_DEVICES`` selects), or None without NVML or devices, or when NVML
+    fails: the supervisor waits on these for a previous attempt's memory to be freed."""
+    try:
+        import pynvml as nvml
+    except ImportError:
+        return None
+    try:
+        nvml.nvmlInit()
+    except Exception:  # noqa: BLE001 - no NVML, no readings
+        return None
+    try:
+        indices, _, _ = _select(nvml, int(nvml.nvmlDeviceGetCount()))
+        out = {}
+        for i in indices:
+            handle = nvml.nvmlDeviceGetHandleByIndex(i)
+            info = nvml.nvmlDeviceGetMemoryInfo(handle)
+            out[_text(nvml.nvmlDeviceGetUUID(handle))] = (int(info.used), int(info.total))
+        return out or None
+    except Exception:  # noqa: BLE001 - a reading that fails is no reading
+        return None
+    finally:
+        try:
+            nvml.nvmlShutdown()
+        except Exception:  # noqa: BLE001
+            pass
+
+
 # ---------------------------------------------------------------------------- disks
 def _nearest_existing(path: str) -> str:
     p = os.path.abspath(path)

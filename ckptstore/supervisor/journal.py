@@ -32,7 +32,8 @@ and as the name), ``host``; then the fields of its kind:
   training step time, as the ranks' progress reports last said).
 - ``measure``: ``attempt``, ``save_blocking_s``, ``step_s``: written once per attempt,
   at its first save, so that ``status`` can advise an interval before any failure.
-- ``give_up``: ``reason`` (str), ``code`` (int exit status), ``class``.
+- ``give_up``: ``reason`` (str), ``code`` (int exit status), ``class`` ("deterministic",
+  "restart_limit", "preemption_limit", "no_progress", "timeout", "store", "preempted").
 - ``unhealthy``: ``checks`` (the failed ones: list of {name, ok, detail, value}),
   ``reason`` (str); the last event of a run that stopped on an unhealthy node.
 - ``finish``: ``attempt``, ``step`` (last step), ``save_blocking_s``, ``step_s``.

@@ -1,13 +1,19 @@
 """One attempt of a supervised job: torch's own launcher (``torch.distributed.run``),
 with its rendezvous, agent and error files, and the outcome written as JSON.
 
-    python -m ckptstore.supervisor.launch RESULT.json [torchrun options] SCRIPT [ARGS...]
+    python -c "<command()'s stub>" RESULT.json [torchrun options] SCRIPT [ARGS...]
 
 The supervisor (``ckptstore run``) starts this in a process group of its own per
 attempt and relaunches it whole after a failure (torchrun's in-place restarts did not
 re-form the gloo group reliably: see docs/runbook.md). ``RESULT.json`` tells the
 supervisor how each failed rank ended: exit code or signal, and the exception and
 traceback that torchelastic's error file holds.
+
+The launcher imports the ckptstore package the supervisor runs (:func:`command`: not
+``python -m``, which puts the working directory first: a checkout's source folder there
+was imported instead), and every worker of a Python script starts through
+``bootstrap.py`` (:func:`through_bootstrap`), which records its uncaught exception in
+the error file whatever the script imports.
 """
 
 from __future__ import annotations
@@ -20,6 +26,29 @@ import sys
 from .progress import die_with_parent
 
 ENV_SUPERVISOR = "CKPTSTORE_SUPERVISOR_PID"  # the supervisor this launcher must not outlive
+BOOTSTRAP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bootstrap.py")
+# the directory that holds this ckptstore package (site-packages, or a checkout on PYTHONPATH)
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def command(result_path: str, launcher_args: list[str]) -> list[str]:
+    """The launcher's command line: this package's launcher, imported from the
+    directory this package lives in, whatever the working directory holds ('' of
+    ``-c``, the working directory, is replaced by it)."""
+    stub = (f"import sys; sys.path[:1 if sys.path and sys.path[0] == '' else 0] = [{PACKAGE_ROOT!r}]; "
+            "from ckptstore.supervisor.launch import main; sys.exit(main())")
+    return [sys.executable, "-c", stub, result_path, *launcher_args]
+
+
+def through_bootstrap(args) -> None:
+    """Make torchrun's parsed ``args`` start each worker through bootstrap.py (the
+    script, or ``-m`` module, and its arguments become the bootstrap's); a program run
+    with ``--no-python`` is left as it is (it is not Python)."""
+    if args.no_python:
+        return
+    mode = "run-path" if getattr(args, "run_path", False) else "module" if args.module else "file"
+    args.training_script_args = [mode, args.training_script, *args.training_script_args]
+    args.training_script, args.module = BOOTSTRAP, False
 
 
 def _failure(f) -> dict:
@@ -63,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = torchrun.parse_args(rest)
     args.max_restarts = 0  # the supervisor relaunches; torchrun's in-place restarts stay off (runbook)
+    through_bootstrap(args)
     try:
         torchrun.run(args)
     except ChildFailedError as e:

@@ -2,11 +2,15 @@
 after a failure decide from evidence whether to relaunch it, and record everything in
 the run's journal in the store.
 
-Per attempt: health checks of the node; ``python -m ckptstore.supervisor.launch`` (torch's
-launcher, in a process group of its own, ``--max-restarts 0``: the supervisor relaunches
-it whole, which re-forms the process group every time, where torchrun's in-place worker
-restarts did not); the ranks' progress files (supervisor/progress.py) for hang
-detection; at the end, the launcher's result for the classification (classify.py).
+Per attempt: the gate (gate.py: the last attempt's GPU memory freed, the node's health
+checks, rechecked for a bounded time); the launcher (launch.py: torch's launcher, in a
+session of its own, ``--max-restarts 0``: the supervisor relaunches it whole, which
+re-forms the process group every time, where torchrun's in-place worker restarts did
+not; every worker through bootstrap.py); the ranks' progress files (progress.py) for
+hang detection; at the end, the launcher's result for the classification
+(classify.py) and the decision (decide.py). Every failure and relaunch is one
+``ckptstore run:`` line on stderr; the alert command runs in the background
+(alerts.py).
 """
 
 from __future__ import annotations
@@ -21,43 +25,37 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 from .. import format as fmt
 from .._jitter import jitter as _jitter
 from ..storage import Storage, open_storage
+from . import launch
+from .alerts import Alerts
 from .classify import Verdict, classify
-from .health import EXIT_UNHEALTHY, HealthLimits, check_node, checks_json, healthy
+from .decide import EXIT_DETERMINISTIC, EXIT_NO_PROGRESS, EXIT_RESTART_LIMIT, History, Policy, decide
+from .gate import EXIT_STORE_UNREACHABLE, Gate
+from .health import EXIT_UNHEALTHY, check_node, checks_json
 from .journal import Journal, new_run_id
 from .launch import ENV_SUPERVISOR
 from .progress import ENV_DIR, read_progress
 from .status import newest_checkpoint
 
+__all__ = ["EXIT_DETERMINISTIC", "EXIT_FINISHED", "EXIT_NO_PROGRESS", "EXIT_RESTART_LIMIT", "EXIT_RUN_TIMEOUT",
+           "EXIT_STOPPED", "EXIT_STORE_UNREACHABLE", "EXIT_UNHEALTHY", "Policy", "Supervisor"]
 
-# Exit status of `ckptstore run` (docs/runbook.md).
+# Exit status of `ckptstore run` (docs/runbook.md); 10-12: decide.py, 13: health.py, 15: gate.py.
 EXIT_FINISHED = 0
-EXIT_DETERMINISTIC = 10
-EXIT_RESTART_LIMIT = 11
-EXIT_NO_PROGRESS = 12
-EXIT_RUN_TIMEOUT = 14  # (13, EXIT_UNHEALTHY: health.py)
+EXIT_RUN_TIMEOUT = 14
 EXIT_STOPPED = 143  # the supervisor itself got SIGTERM (the whole job preempted): no restart
 
 POLL_S = 0.5  # how often the supervisor looks at the job (progress files, exit)
 STOP_GRACE_S = 30.0  # SIGTERM to SIGKILL, as torchrun gives its workers
 
 
-@dataclass(frozen=True)
-class Policy:
-    max_restarts: int = 10
-    max_restarts_per_hour: int | None = 30
-    backoff_s: float = 1.0  # first delay before a relaunch; doubles per consecutive failure
-    backoff_max_s: float = 60.0
-    hang_timeout_s: float = 600.0  # no rank advanced for this long (saves and loads excepted)
-    first_progress_timeout_s: float = 1800.0  # launch to first reported step
-    run_timeout_s: float | None = None
-    no_progress_restarts: int = 3  # failures in a row without a newer committed step
-    alert: str | None = None  # a shell command; the event arrives as JSON on its stdin
-    health: HealthLimits = HealthLimits()
+def say(line: str) -> None:
+    """One line of the supervisor's own on stderr."""
+    print(f"ckptstore run: {line}", file=sys.stderr, flush=True)
 
 
 class Supervisor:
@@ -73,70 +71,74 @@ class Supervisor:
         self.world_size, self.nnodes = world_size, nnodes
         self._stop_signal: int | None = None
         self._proc: subprocess.Popen | None = None
-        self._previous_sig: str | None = None  # the last failure's signature (classify.py)
+        self.alerts = Alerts(policy.alert)
+        self.gate = Gate(lambda: check_node(self.store_url, list(self.staging_dirs), self.policy.health),
+                         policy, lambda: self._stop_signal is not None)
         self._worker_pids: set[int] = set()  # the current attempt's ranks (progress files)
         self._progress_dir = ""
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> int:
+        try:
+            return self._run()
+        finally:
+            self.alerts.drain()  # the last events' alerts (a give-up's) go out before the exit
+
+    def _run(self) -> int:
         started = time.monotonic()
         self._install_signals()
         policy = asdict(self.policy)
         policy["alert"] = bool(self.policy.alert)  # the command may hold a secret (a webhook URL)
         self._event("run_start", command=self.launcher_args, world_size=self.world_size, nnodes=self.nnodes,
                     hosts=[socket.gethostname()], policy=policy)
-        failure_times: list[float] = []  # of the failures that count against the limits
-        stalled, consecutive = 0, 0
+        history = History()
         last_ckpt = self._stored_checkpoint()[0]  # where the last attempt (or the first) resumes
         attempt = 0
         while True:
-            checks = check_node(self.store_url, list(self.staging_dirs), self.policy.health)
-            if not healthy(checks):
-                reason = "; ".join(f"{c.name}: {c.detail}" for c in checks if not c.ok)
+            fit = self.gate.before_launch(relaunch=attempt > 0)
+            if fit.state == "stopped":
+                return self._stopped()
+            if fit.state == "unhealthy":
                 # the last event: `status` reads the run as ended on an unhealthy node
-                self._event("unhealthy", checks=[c for c in checks_json(checks) if not c["ok"]], reason=reason)
-                print(f"ckptstore run: unhealthy node: {reason}", file=sys.stderr, flush=True)
+                self._event("unhealthy", checks=[c for c in checks_json(fit.checks) if not c["ok"]],
+                            reason=fit.reason)
+                say(f"unhealthy node: {fit.reason} (exit {EXIT_UNHEALTHY})")
                 return EXIT_UNHEALTHY
+            if fit.state == "store":
+                return self._give_up(f"the store is unreachable: {fit.reason} (checked for "
+                                     f"{self.policy.outage_window_s:g}s; the node is healthy)",
+                                     EXIT_STORE_UNREACHABLE, "store")
             self._event("attempt_start", attempt=attempt)
             outcome = self._attempt(attempt, started)
             if outcome.klass == "finished":
                 self._event("finish", attempt=attempt, step=outcome.evidence.get("step"),
                             save_blocking_s=outcome.evidence.get("save_blocking_s"),
                             step_s=outcome.evidence.get("step_s"))
+                say(f"finished: attempt {attempt}, {_last_step(outcome.evidence.get('step'))}")
                 return EXIT_FINISHED
             if outcome.klass == "timeout":
                 return self._give_up(outcome.reason, EXIT_RUN_TIMEOUT, "timeout")
             ckpt, ckpt_t = self._resume_point(outcome.evidence)
-            self._record_failure(attempt, outcome, ckpt, ckpt_t)
-            if self._stop_signal is not None:
-                return self._stopped()
-            if outcome.klass == "deterministic":
-                return self._give_up(f"deterministic error: {outcome.reason}", EXIT_DETERMINISTIC, "deterministic")
-            now = time.monotonic()
-            counted = outcome.klass != "preempted"  # a preemption is not the job's fault: no budget spent
-            if counted:
-                failure_times.append(now)
-                self._previous_sig = outcome.signature
             # Progress: a step committed beyond where this attempt started (where its ranks
             # say they resumed, else the previous failure's resume point); never a step
             # that went back, nor a store that could not be read.
             start = outcome.evidence["resumed_step"] if outcome.evidence.get("resume_reported") else last_ckpt
             advanced = ckpt is not None and (start is None or ckpt > start)
             last_ckpt = ckpt if ckpt is not None else last_ckpt
-            stalled = stalled + 1 if (counted and not advanced) else 0
-            # backoff grows only while stuck: a newer checkpoint starts it over
-            consecutive = (1 if counted else 0) if advanced else consecutive + counted
-            if stalled >= self.policy.no_progress_restarts:
-                return self._give_up(f"no checkpoint newer than step {ckpt} in {stalled} failures in a row",
-                                     EXIT_NO_PROGRESS, "no_progress")
-            if len(failure_times) > self.policy.max_restarts:
-                return self._give_up(f"restart limit reached ({self.policy.max_restarts})", EXIT_RESTART_LIMIT,
-                                     "restart_limit")
-            hour = [t for t in failure_times if now - t < 3600]
-            if self.policy.max_restarts_per_hour is not None and len(hour) > self.policy.max_restarts_per_hour:
-                return self._give_up(f"{len(hour)} failures within an hour (limit "
-                                     f"{self.policy.max_restarts_per_hour})", EXIT_RESTART_LIMIT, "restart_limit")
-            self._backoff(consecutive if counted else 0)
+            decision = decide(self.policy, history, outcome, advanced, time.monotonic(), checkpoint=ckpt)
+            outcome.klass, outcome.reason = decision.klass, decision.reason
+            self._record_failure(attempt, outcome, ckpt, ckpt_t)
+            failed = _failure_line(attempt, outcome)
+            if self._stop_signal is not None:
+                say(f"{failed}; not relaunched: the supervisor was stopped")
+                return self._stopped()
+            if decision.code is not None:
+                say(f"{failed}; not relaunched")
+                return self._give_up(decision.give_up_reason, decision.code, decision.give_up_class)
+            wait = _jitter.uniform(decision.backoff_s / 2, decision.backoff_s) if decision.backoff_s > 0 else 0.0
+            resumes = f"resuming from step {ckpt}" if ckpt is not None else "from the start (no checkpoint)"
+            say(f"{failed}; relaunch in {wait:.1f}s as attempt {attempt + 1}, {resumes}")
+            self._sleep(wait)  # jitter: the nodes do not relaunch in lockstep
             if self._stop_signal is not None:  # stopped while waiting: no new launch
                 return self._stopped()
             attempt += 1
@@ -154,8 +156,7 @@ class Supervisor:
         os.mkdir(progress_dir)
         result_path = os.path.join(work, "result.json")
         env = dict(os.environ, **{ENV_DIR: progress_dir, ENV_SUPERVISOR: str(os.getpid())})
-        cmd = [sys.executable, "-m", "ckptstore.supervisor.launch", result_path, "--max-restarts=0",
-               *self.launcher_args]
+        cmd = launch.command(result_path, ["--max-restarts=0", *self.launcher_args])
         launched = time.monotonic()
         launched_t = time.time()
         self._proc = subprocess.Popen(cmd, env=env, start_new_session=True)
@@ -211,7 +212,7 @@ class Supervisor:
                                   "before the job could save", exit_code=code)
             else:
                 result = _read_json(result_path) or {"failures": {}, "launcher_error": f"exit code {code}"}
-                verdict = classify(result, watch.max_step, self._previous_sig)
+                verdict = classify(result, watch.max_step, relaunched=attempt > 0 and not watch.trained)
         verdict.evidence.update(evidence)
         return verdict
 
@@ -271,7 +272,7 @@ class Supervisor:
 
     def _give_up(self, reason: str, code: int, klass: str) -> int:
         self._event("give_up", reason=reason, code=code, **{"class": klass})
-        print(f"ckptstore run: gave up: {reason} (exit {code})", file=sys.stderr, flush=True)
+        say(f"gave up: {reason} (exit {code})")
         return code
 
     def _event(self, kind: str, **fields) -> None:
@@ -279,9 +280,9 @@ class Supervisor:
             event = self.journal.append(kind, **fields)
         except Exception as e:  # the journal must not take the job down with it
             event = {"kind": kind, "run": self.journal.run_id, "at": fmt.utc_now(), **fields}
-            print(f"ckptstore run: could not journal {kind}: {e}", file=sys.stderr, flush=True)
-        if kind in ("failure", "give_up", "unhealthy") and self.policy.alert:
-            _alert(self.policy.alert, event)
+            say(f"could not journal {kind}: {e}")
+        if kind in ("failure", "give_up", "unhealthy"):
+            self.alerts.send(event)
 
     def _stored_checkpoint(self, at_most: int | None = None) -> tuple[int | None, float | None]:
         """The store's newest committed step (not above ``at_most``) and its commit time
@@ -307,11 +308,8 @@ class Supervisor:
             return stored, stored_t
         return reported, reported_t
 
-    def _backoff(self, consecutive: int) -> None:
-        if consecutive <= 0:
-            return
-        delay = min(self.policy.backoff_max_s, self.policy.backoff_s * 2 ** (consecutive - 1))
-        end = time.monotonic() + _jitter.uniform(delay / 2, delay)  # jitter: nodes do not relaunch in lockstep
+    def _sleep(self, seconds: float) -> None:
+        end = time.monotonic() + seconds
         while self._stop_signal is None and time.monotonic() < end:
             time.sleep(min(POLL_S, max(0.0, end - time.monotonic())))
 
@@ -371,8 +369,12 @@ class _ProgressWatch:
         if self.busy:
             self.last_change = now
 
-    def hung(self, policy: Policy) -> str | None:
-        now = time.monotonic()
+    def hung(self, policy: Policy, now: float | None = None) -> str | None:
+        """Why the attempt is hung, or None. Only ranks that report progress are judged:
+        a script that never reports (no Checkpointer) is never hung."""
+        now = time.monotonic() if now is None else now
+        if not self.seen:
+            return None
         if not self.trained:
             if now - self.launched > policy.first_progress_timeout_s and not self.busy:
                 return f"no training step within {policy.first_progress_timeout_s:.0f}s of the launch"
@@ -423,25 +425,14 @@ def _read_json(path: str) -> dict | None:
         return None
 
 
-ALERT_TIMEOUT_S = 30.0
+def _last_step(step) -> str:
+    return f"last step {step}" if step is not None else "no step reported"
 
 
-def _alert(command: str, event: dict) -> None:
-    """Run the user's alert command with the event as JSON on stdin (best effort). It
-    runs in a session of its own: at the timeout the shell and everything of its group
-    are killed (a hung ``curl`` would otherwise hold the supervisor's output open); a
-    command it started in the background and left is the user's."""
-    try:
-        proc = subprocess.Popen(command, shell=True, stdin=subprocess.PIPE, text=True, start_new_session=True)
-    except OSError as e:
-        print(f"ckptstore run: alert command failed: {e}", file=sys.stderr, flush=True)
-        return
-    try:
-        proc.communicate(json.dumps(event, default=str), timeout=ALERT_TIMEOUT_S)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        print(f"ckptstore run: alert command failed: {e}", file=sys.stderr, flush=True)
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # the shell and what it is waiting for
-        except OSError:
-            pass
-        proc.wait()
+def _failure_line(attempt: int, v: Verdict) -> str:
+    """The one stderr line of a failed attempt (the relaunch or its absence is added)."""
+    reason = " ".join(str(v.reason).split())
+    if len(reason) > 400:
+        reason = reason[:400] + "..."
+    where = "" if "step" in reason else f" ({_last_step(v.evidence.get('step'))})"
+    return f"attempt {attempt} failed: {v.klass}: {reason}{where}"
