@@ -295,3 +295,22 @@ def test_status_names_stragglers_from_the_journaled_step_times(tmp_path, monkeyp
     hostile = summarize([{"kind": "step_times", "t": 1.0, "ranks": {"x": 1, "1": "slow", "2": -1.0, "3": 1e308,
                                                                     "4": 1e-308}}], now=2.0)
     assert isinstance(hostile["stragglers"], list)  # no crash on odd figures
+
+
+def test_a_real_save_stuck_on_rank_1_is_ended_at_the_save_timeout_and_the_run_recovers(tmp_path):
+    """One short real launch (2 CPU ranks): rank 1 blocks inside the save of step 15,
+    rank 0 waits for it in the save's agreement. Both report `saving`, which held the
+    hang clock: the attempt waited for gloo's 30-minute timeout."""
+    from test_supervisor import Supervised, journal, kinds
+
+    store = tmp_path / "store"
+    job = Supervised(store, tmp_path, "--save-timeout", "4", "--hang-timeout", "inf",
+                     fault=f"hangsave:15:{tmp_path / 'stuck-once'}")
+    assert job.finish() == runner.EXIT_FINISHED, job.output()[-3000:]
+    events = journal(store)
+    (late,) = kinds(events, "section_timeout")
+    assert (late["section"], late["source"], late["bound_s"]) == ("save", "ceiling", 4.0)
+    assert late["elapsed_s"] > 4.0 and late["step"] in (14, 15)
+    (failure,) = kinds(events, "failure")
+    assert failure["class"] == "hang" and "save section" in failure["reason"]
+    assert any(e.get("longest", {}).get("save") for e in kinds(events, "sections"))
