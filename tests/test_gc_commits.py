@@ -274,16 +274,23 @@ def test_I8_a_future_dated_commit_mark_does_not_keep_gc_from_deleting_data_anywh
 
 
 def test_a_commit_mark_counts_while_dated_within_the_clock_tolerance_of_now(tmp_path):
+    """A mark counts for the lease (120 s) after its date, and from up to the clock
+    tolerance (60 s) before it; one dated later than that is no commit in flight."""
     from ckptstore.checkpoint import claims
 
     root = str(tmp_path / "store")
     now = 2_000_000_000.0
     where = LocalStorage(os.path.join(root, names.step_dir_name(9)))
-    for ahead, fresh in [(-claims.COMMIT_LEASE + 1, True), (-claims.COMMIT_LEASE, False), (0, True),
-                         (claims.MARK_CLOCK_TOLERANCE, True), (claims.MARK_CLOCK_TOLERANCE + 1, False)]:
+
+    def check(ahead: float, fresh: bool) -> None:
         attempt = _plant_mark(root, 9, 1, now + ahead)
         assert claims.committing(where, attempt, now + ahead, [], now) is fresh, ahead
         assert claims.committing(where, attempt, now + ahead, [1], now) is False  # generation 1 is there
+
+    for ahead, fresh in [(-119, True), (-120, False), (0, True), (30, True), (600, False), (4 * 365 * 86400, False)]:
+        check(ahead, fresh)
+    check(claims.MARK_CLOCK_TOLERANCE, True)
+    check(claims.MARK_CLOCK_TOLERANCE + 1, False)
 
 
 def test_a_commit_leaves_no_commit_mark_behind(tmp_path):
@@ -379,4 +386,5 @@ def test_I8_gc_whose_release_marks_overrun_the_window_keeps_that_checkpoint_and_
     gc_mod.execute(clock.storage(root), plan)
     monkeypatch.undo()
     assert clock.writes == 3 and d.skipped is not None and "release marks took longer than" in d.skipped, d
-    assert ckptstore.Store(root).steps() == [0, 1] and ckptstore.verify(os.path.join(root, names.step_dir_name(0))) == []
+    assert ckptstore.Store(root).steps() == [0, 1]
+    assert ckptstore.verify(os.path.join(root, names.step_dir_name(0))) == []  # its files all there

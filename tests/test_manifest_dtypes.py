@@ -151,9 +151,9 @@ def test_I4_checkpoints_with_the_first_record_or_none_still_load(tmp_path, monke
     """Skeletons written before the digest (``ckptstore-dtypes:`` and the dtypes alone) or
     before any record: loaded and verified as before, and a dtype edit is still refused
     under the first record. (A regression guard: the code before this change read these too.)"""
-    from ckptstore.checkpoint import dtype_record, snapshot
+    from ckptstore.checkpoint import snapshot
 
-    first = lambda local: dtype_record.MARK_DTYPES + ",".join(d for d, _ in local.values()).encode()  # noqa: E731
+    first = lambda local: b"ckptstore-dtypes:" + ",".join(d for d, _ in local.values()).encode()  # noqa: E731
     monkeypatch.setattr(snapshot, "dtype_record", first if record == "dtypes" else (lambda local: b""))
     location = str(tmp_path / "ckpt")
     ckptstore.save({"w": tensor_of("float32"), "k": torch.arange(3)}, location).result()

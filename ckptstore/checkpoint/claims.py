@@ -95,10 +95,10 @@ class Windowed:
                     (self.seconds is not None and ended - first >= self.seconds):
                 return
 
-    def overran(self, what: str) -> str:
+    def overran(self, what: str, until: str = "") -> str:
         """Why the work gave up: ``what`` took longer than the window every try."""
-        return (f"{what} took longer than {COMMIT_WINDOW:g}s (COMMIT_LEASE / 2) {self.tries} time(s), the "
-                f"slowest {self.slowest:.1f}s")
+        return (f"{what} took longer than {COMMIT_WINDOW:g}s (COMMIT_LEASE / 2) each of {self.tries} time(s)"
+                f"{until} (the slowest {self.slowest:.1f}s)")
 
 
 def write_mark(storage: Storage, attempt: str, generation: int) -> None:

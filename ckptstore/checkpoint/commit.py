@@ -411,7 +411,7 @@ def _last_checks(storage: Storage, attempt: str, generation: int, ranks, tensors
                 raise
     if tries.in_time:
         return
-    reason = tries.overran("the checks before the manifest") + ", until the commit's timeout"
+    reason = tries.overran("the checks before the manifest", " until the commit's timeout")
     _refuse(storage, attempt, reason)
     raise CommitError(f"{storage.describe()}: {reason}; nothing was committed")
 
