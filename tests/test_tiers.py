@@ -265,7 +265,7 @@ def test_a_split_local_tier_keeps_data_files_apart_from_the_commit_records(tmp_p
     store.save(1, state(1)).result()
     assert sorted(p.name for p in (tmp_path / "node").rglob("*") if p.is_file()) == ["data-r00000-s00.bin"]
     assert sorted(p.name for p in (tmp_path / "shared").rglob("*") if p.is_file()) == [
-        "committing.json", "manifest-0000000001.json"]  # (the commit mark: a commit record too)
+        "manifest-0000000001.json"]  # (the commit mark, a commit record too, went once it landed)
     assert split.list("") == ["step-000000000001/"] and same(store.load(1), state(1))
 
 

@@ -352,7 +352,8 @@ def commit(storage: Storage, own: fmt.Vote, world_size: int, created_at: str, me
         abort(storage, attempt, str(e))
         raise CommitError(f"{where}: refusing to commit: {e}") from e
     _last_checks(storage, attempt, generation, ranks, tensors, root if indexed else None,
-                 base if base is not None and has_references(manifest) else None, fence)
+                 base if base is not None and has_references(manifest) else None, fence,
+                 deadline.end - time.monotonic())
     try:
         storage.put(names.manifest_name(generation), data, if_absent=True)
     except AlreadyExistsError as e:
@@ -362,6 +363,7 @@ def commit(storage: Storage, own: fmt.Vote, world_size: int, created_at: str, me
         ) from e
     if world_size > 1:
         write_outcome(storage, attempt, {"committed": generation})
+    claims.withdraw_mark(storage, attempt)  # (served: the manifest names the attempt)
     if generation == 1:
         return manifest  # nothing older to retire (the first save of a location: no listing)
     try:
@@ -378,19 +380,16 @@ def commit(storage: Storage, own: fmt.Vote, world_size: int, created_at: str, me
     return manifest
 
 
-LAST_CHECK_TRIES = 3  # commit marks before a commit whose checks keep overrunning the window gives up
-
-
 def _last_checks(storage: Storage, attempt: str, generation: int, ranks, tensors, root: dict | None,
-                 base: tuple[int, int] | None, fence) -> None:
+                 base: tuple[int, int] | None, fence, left: float) -> None:
     """What must hold right before the manifest goes out, checked after the commit mark
     (claims.py): no gc claim or abort marker, every file the manifest names there at
     full length (the sizes from the look after the mark), the base of an incremental
-    save still present, no newer run (``fence``). The manifest must follow within
+    save still present, no newer run (``fence``). The checks must end within
     claims.COMMIT_WINDOW of the mark, so checks that took longer run again after a new
-    mark. Any refusal aborts the attempt."""
-    for _ in range(LAST_CHECK_TRIES):
-        marked = time.monotonic()
+    mark, for the ``left`` seconds of the commit's timeout. Any refusal aborts the attempt."""
+    tries = claims.Windowed(seconds=left)
+    for _ in tries:
         try:
             claims.write_mark(storage, attempt, generation)
             sizes = claims.last_look(storage, attempt)
@@ -410,9 +409,9 @@ def _last_checks(storage: Storage, attempt: str, generation: int, ranks, tensors
             except CommitError as e:
                 _refuse(storage, attempt, f"{type(e).__name__}: {e}")  # the other ranks learn why (FencedError)
                 raise
-        if time.monotonic() - marked <= claims.COMMIT_WINDOW:
-            return
-    reason = f"the checks before the manifest took longer than {claims.COMMIT_WINDOW:g}s {LAST_CHECK_TRIES} times"
+    if tries.in_time:
+        return
+    reason = tries.overran("the checks before the manifest", " until the commit's timeout")
     _refuse(storage, attempt, reason)
     raise CommitError(f"{storage.describe()}: {reason}; nothing was committed")
 
