@@ -14,7 +14,8 @@ a drain that waits more than a second says for what and how much is left; a Ctrl
 while it waits stops it, naming what is lost; and a failed save whose error the
 program never saw (no ``result()`` / ``exception()`` on its future, no ``wait()``, no
 later save that raised it) is reported on stderr when the process exits, which then
-exits with status 1 unless an exception is already ending it."""
+exits with status 1 unless it is already ending with a non-zero one (an exception,
+``sys.exit(n)``)."""
 
 from __future__ import annotations
 
@@ -288,13 +289,13 @@ def report_at_exit() -> int | None:
     have saved, report (:func:`_report`), and say how the process must end: None, as
     it would have; else at once (:func:`exit_report.exit_now`) with that status.
 
-    - a save failed and nobody saw it: status 1, unless an exception is already
-      ending the program (it exits non-zero by itself: None);
+    - a save failed and nobody saw it: status 1, unless the program is already
+      ending with a non-zero status (None): an exception ends it, or it called
+      ``sys.exit(n)`` with a non-zero ``n`` (``exit_report.chosen_status``);
     - a save is still in flight (the drain gave up on it): at once in any case, so
       that no write of it runs into the interpreter's finalization (a thread coming
       back from native code there aborts the process), with the status the program
-      was ending with when an exception ends it (``exit_report.exception_status``),
-      else 1."""
+      was ending with when an exception or ``sys.exit(n)`` ends it, else 1."""
     with _lock:
         late = bool(_waited_for())
     if late:
@@ -305,6 +306,9 @@ def report_at_exit() -> int | None:
     by_exception = exit_report.exception_status()
     if by_exception is not None:
         return by_exception if lost else None
+    chosen = exit_report.chosen_status()  # sys.exit(n): a non-zero n stands
+    if chosen:
+        return chosen if lost else None
     exit_report.say(f"exit status {exit_report.EXIT_STATUS}: a save did not commit")
     return exit_report.EXIT_STATUS
 
@@ -332,8 +336,9 @@ def _after_fork_in_child() -> None:
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
 # Registered when ckptstore is imported, so that it runs after the atexit handlers the
-# program registers later (last registered, first run), the exit drain among them.
-atexit.register(_at_exit)
+# program registers later (last registered, first run), the exit drain among them; when
+# it ends the process it runs those registered before it first (exit_report).
+exit_report.register_report(_at_exit)
 
 
 def install_hooks() -> None:
@@ -342,6 +347,7 @@ def install_hooks() -> None:
         return
     _hooks_installed = True
     atexit.register(lambda: drain(config().atexit_timeout))
+    exit_report.watch_sys_exit()  # (the status a sys.exit(n) gives is kept: report_at_exit)
     if threading.current_thread() is not threading.main_thread():
         return
     if not config().handle_sigterm:  # CKPTSTORE_HANDLE_SIGTERM=0
