@@ -96,7 +96,7 @@ def waiting(pending: list, seconds: float) -> list[str]:
 
 def done_waiting(waited: list) -> str:
     """The drain's last words when it said it waits and every save settled."""
-    committed = [f for f in waited if f.done() and f._future.exception() is None]
+    committed = [f for f in waited if f.done() and f.failure() is None]
     if len(waited) == 1:
         f = waited[0]
         return f"done waiting: {describe(f)} " + ("committed" if committed else "did not commit")
@@ -115,7 +115,7 @@ def gave_up(pending: list, why: str) -> list[str]:
 
 def failure(future) -> str:
     """One failed save nobody looked at: what, where, why."""
-    exc = future._future.exception()
+    exc = future.failure()
     line = f"{describe(future)} failed and nothing waited for its outcome: {type(exc).__name__}: {printable(exc)}"
     return line + " (the local tier holds the step)" if getattr(future, "promotion", False) else line
 

@@ -201,11 +201,11 @@ class Checkpointer:
         if self._reporter is not None:  # where the next attempt resumes (a local tier's commit too)
             reporter = self._reporter
             future.add_done_callback(
-                lambda f: reporter.note_committed(step, time.time()) if f._future.exception() is None else None)
+                lambda f: reporter.note_committed(step, time.time()) if f.failure() is None else None)
         if self.on_commit is not None:
             on_commit = self.on_commit
             # (not f.exception(): that would mark a failure seen, and the next save would not raise it)
-            future.add_done_callback(lambda f: on_commit(step) if f._future.exception() is None else None)
+            future.add_done_callback(lambda f: on_commit(step) if f.failure() is None else None)
         self.last_saved = step
         self._last_save_time = time.monotonic()
         return future
