@@ -214,7 +214,7 @@ class Checkpointer:
             reporter = self._reporter
 
             def committed(f):
-                if f._future.exception() is None:
+                if f.failure() is None:
                     reporter.note_committed(step, time.time())
                     reporter.note_longest("save", time.monotonic() - began)  # start to commit
 
@@ -222,7 +222,7 @@ class Checkpointer:
         if self.on_commit is not None:
             on_commit = self.on_commit
             # (not f.exception(): that would mark a failure seen, and the next save would not raise it)
-            future.add_done_callback(lambda f: on_commit(step) if f._future.exception() is None else None)
+            future.add_done_callback(lambda f: on_commit(step) if f.failure() is None else None)
         self.last_saved = step
         self._last_save_time = time.monotonic()
         return future

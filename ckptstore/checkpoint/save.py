@@ -102,6 +102,13 @@ class SaveFuture:
         self.observed = True
         return exc
 
+    def failure(self) -> BaseException | None:
+        """The error of a save that is done and failed; None while in flight or once
+        committed. Unlike :meth:`exception`, it does not count as the program's look at
+        the outcome (``observed``): for ckptstore's own bookkeeping (the exit report,
+        callbacks on commit)."""
+        return self._future.exception() if self._future.done() else None
+
     def done(self) -> bool:
         return self._future.done()
 
@@ -145,8 +152,7 @@ class SaveFuture:
         self._settled.set()  # (the beat, which calls this, stops by itself)
 
     def __repr__(self) -> str:
-        state = "committed" if self.done() and self._future.exception() is None else (
-            "failed" if self.done() else "in flight")
+        state = "in flight" if not self.done() else "failed" if self.failure() is not None else "committed"
         return f"<SaveFuture {self.where} step={self.step} {state}>"
 
 
