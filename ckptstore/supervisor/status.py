@@ -36,7 +36,9 @@ taken into ``[0, now]`` (no event can show a run longer than the clock allows, s
 MTBF 1e300 s and ``every="auto"`` stop saving), events are taken in time order, and
 every field copied into the summary is reduced to its documented type and a bounded
 size (``command``: at most ``MAX_LIST`` strings; ``checks``: at most ``MAX_LIST``
-records of scalar fields), so that no event can crash ``status`` or its JSON.
+records of scalar fields), so that no event can crash ``status`` or its JSON. Every
+string copied is redacted (``journal.redact_text``: no URL's password or signature),
+also for journals written before the writer redacted.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ from .. import format as fmt
 from .. import names
 from ..checkpoint.catalog import read_skip_mark, scan_location
 from ..storage import Storage
-from .journal import Journal, finite_float, latest_run
+from .journal import URL_TOKEN_MAX, Journal, finite_float, latest_run, redact_text
 
 PRIOR_MTBF_S = 24 * 3600.0  # before a failure is seen: one a day, a common large-job figure
 # The longest interval status recommends and every="auto" waits between saves, whatever
@@ -240,7 +242,11 @@ def _int(v) -> int | None:
 
 
 def _str(v, limit: int = _TEXT) -> str | None:
-    return v[:limit] if isinstance(v, str) else None
+    """A journaled string, cut to ``limit`` characters, with its credentials redacted
+    (``journal.redact_text``): journals written before the writer redacted hold them
+    as written. Redacted before it is cut, so that a URL cut in two shows no part of
+    its password; at most ``URL_TOKEN_MAX`` characters beyond ``limit`` are read."""
+    return redact_text(v[:limit + URL_TOKEN_MAX])[:limit] if isinstance(v, str) else None
 
 
 def _strs(v) -> list | None:
