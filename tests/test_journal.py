@@ -684,3 +684,25 @@ def test_status_redacts_a_journal_written_before_the_writer_did(tmp_path):
     started = time.perf_counter()
     assert len(jmod.redact_text("x://" + "a" * 60_000 + "/@")) <= jmod.URL_TOKEN_MAX + 3
     assert time.perf_counter() - started < 1.0
+
+
+def test_the_recommended_interval_has_a_minimum_whatever_the_journal_claims():
+    """A hostile journal of many failures in a short run drove the MTBF near 0 and the
+    interval with it: ``every="auto"`` saved at almost every step. The interval is at
+    least MIN_INTERVAL_SAVES blocking save costs."""
+    from ckptstore.supervisor.status import young_daly
+
+    assert young_daly(1.0, 1e-9) == 5.0 and young_daly(0.5, 1e-300) == 2.5
+    assert young_daly(2.0, 100.0) == 20.0  # above it, Young/Daly as before
+    events = [ev("run_start", 0)] + [fail(1 + i * 1e-4, None, "transient", save_blocking_s=0.2, step_s=0.01)
+                                     for i in range(5000)]
+    s = summarize(events, now=2.0)
+    assert s["mtbf_s"] < 1e-3
+    assert s["recommended_interval_s"] == pytest.approx(1.0) and s["recommended_interval_steps"] == 100
+    # and Checkpointer(every="auto") with that MTBF
+    ckpt = ckptstore.Checkpointer.__new__(ckptstore.Checkpointer)
+    ckpt._save_blocking_s, ckpt._mtbf_s = 0.2, s["mtbf_s"]
+    assert ckpt.auto_interval_s() == pytest.approx(1.0)
+    from ckptstore.supervisor.status import MIN_INTERVAL_SAVES
+
+    assert MIN_INTERVAL_SAVES == 5.0

@@ -24,11 +24,11 @@ nodes may each journal the same one):
   up), ``end - t`` of that failure. Failures before any resume are startup.
 - ``goodput = (wall_s - startup_s - recovery_s - lost_s) / wall_s``, clamped to [0, 1];
   None while ``wall_s`` is 0.
-- Young/Daly: ``recommended_interval_s = min(MAX_INTERVAL_S, sqrt(2 * C * M))``, C
-  the latest journaled ``save_blocking_s``, M ``mtbf_s`` or, before the first failure
-  that counts, ``PRIOR_MTBF_S``; ``recommended_interval_steps = max(1, round(interval /
-  step_s))`` with the latest journaled ``step_s``. None while C (or step_s) was never
-  measured.
+- Young/Daly: ``recommended_interval_s = min(MAX_INTERVAL_S, max(MIN_INTERVAL_SAVES * C,
+  sqrt(2 * C * M)))``, C the latest journaled ``save_blocking_s``, M ``mtbf_s`` or,
+  before the first failure that counts, ``PRIOR_MTBF_S``; ``recommended_interval_steps
+  = max(1, round(interval / step_s))`` with the latest journaled ``step_s``. None while
+  C (or step_s) was never measured.
 
 The journal is untrusted input, and so is a caller's event list: an event's ``t`` is
 taken into ``[0, now]`` (no event can show a run longer than the clock allows, so
@@ -56,6 +56,11 @@ PRIOR_MTBF_S = 24 * 3600.0  # before a failure is seen: one a day, a common larg
 # The longest interval status recommends and every="auto" waits between saves, whatever
 # the journal says: a failure then costs at most this much work.
 MAX_INTERVAL_S = 6 * 3600.0
+# The shortest: this many times the blocking cost of a save, whatever MTBF the journal
+# claims (100,000 failure events in a minute made it ~0 and every="auto" save at every
+# step), so the blocking saves never take more than a sixth of the run's time. Young/Daly
+# is below it only for an MTBF under 12.5 save costs, where it no longer holds anyway.
+MIN_INTERVAL_SAVES = 5.0
 MAX_LIST = 256  # entries of a journaled list (command, checks) copied into a summary
 CLASSES = ("transient", "deterministic", "hang", "preempted")
 _TERMINAL = {"finish": "finished", "give_up": "gave_up", "unhealthy": "unhealthy"}
@@ -153,11 +158,12 @@ def summarize(events: list[dict], now: float, checkpoint: dict | None = None) ->
 
 
 def young_daly(save_s: float, mtbf_s: float) -> float:
-    """Young/Daly's checkpoint interval ``sqrt(2 * save_s * mtbf_s)``, at most
-    MAX_INTERVAL_S (0 for a cost or MTBF that is not a positive finite number)."""
+    """Young/Daly's checkpoint interval ``sqrt(2 * save_s * mtbf_s)``, at least
+    MIN_INTERVAL_SAVES times ``save_s`` and at most MAX_INTERVAL_S (0 for a cost or MTBF
+    that is not a positive finite number)."""
     if not (_num(save_s) and _num(mtbf_s)) or save_s <= 0 or mtbf_s <= 0:
         return 0.0
-    return min(MAX_INTERVAL_S, math.sqrt(2.0 * save_s * mtbf_s))
+    return min(MAX_INTERVAL_S, max(MIN_INTERVAL_SAVES * save_s, math.sqrt(2.0 * save_s * mtbf_s)))
 
 
 def _finite(o):
