@@ -25,7 +25,7 @@ from ckptstore.checkpoint.restore import latest_manifest
 from ckptstore.checkpoint.retention import Retention
 from ckptstore.checkpoint.verify import verify
 from ckptstore import names
-from ckptstore.errors import AlreadyExistsError, FormatError, IntegrityError, ObjectNotFoundError
+from ckptstore.errors import AlreadyExistsError, IntegrityError, ObjectNotFoundError
 from ckptstore.storage import LocalStorage
 from ckptstore.tiers import PromotionWarning
 
