@@ -468,6 +468,7 @@ class Store:
     def _add_local_tier(self, local, durable_every, local_keep, promote_bandwidth, compression, commit_timeout,
                         chunk_bytes, local_shared, storage_options) -> None:
         from .storage.split import SplitStorage
+        from .storage.urls import parse_location
         from .tiers import Promoter, check_places
 
         if isinstance(durable_every, bool) or not isinstance(durable_every, int) or durable_every < 1:
@@ -478,9 +479,9 @@ class Store:
                      incremental=False)  # a promotion copies whole checkpoints: no references
         places = {"the local tier": tier.storage, "the durable store": self.storage}
         if local_shared is not None:
-            s3 = os.fspath(local_shared).startswith("s3://")  # storage_options are S3's
+            s3 = parse_location(local_shared)[0] == "s3"  # storage_options are S3's (the URL rule: urls.py)
             places["local_shared"] = open_storage(local_shared, **((storage_options or {}) if s3 else {}))
-        check_places(places)  # no two overlap; each local place bound to this durable store
+        check_places(places, self.process_group)  # no two overlap; each local place bound to this durable store
         if local_shared is not None:
             tier.storage = SplitStorage(places["local_shared"], tier.storage)
         self.local, self.durable_every = tier, durable_every

@@ -22,6 +22,7 @@ from collections import deque
 from . import format as fmt
 from . import lifecycle, names
 from .checkpoint.commit import read_capped
+from .checkpoint.group import rank_and_world
 from .checkpoint.promote import Throttle, promote
 from .checkpoint.save import SaveFuture, _refuse
 from .errors import AlreadyExistsError, CkptStoreError, FormatError, ObjectNotFoundError
@@ -184,24 +185,31 @@ def sweep_own_data(tier, rank: int, retired_here: set[str], keep: set[str], now:
 
 
 # ---------------------------------------------------------------------------- which store a local tier is
-def check_places(places: dict[str, Storage]) -> None:
+def check_places(places: dict[str, Storage], group=None) -> None:
     """A two-tier store's places (``"the durable store"``, ``"the local tier"`` and,
     on several nodes, ``"local_shared"``): refuse any two that overlap, then bind each
-    local place to the durable store (:func:`bind_local_tier`), then check the overlap
-    again (binding creates the directories, so every alias of one is now seen)."""
+    local place to the durable store (:func:`bind_local_tier`).
+
+    Every rank of ``group`` opens the store, but only rank 0 creates the durable store's
+    ``store-id.json``: on a store without atomic create-only puts
+    (``conditional_writes="single-writer"``) ranks creating it at once would each take
+    their own id while the last put wins, and a local place bound to a lost id is
+    refused ever after. A rank that finds none yet leaves its places unbound until the
+    next start (:func:`bind_local_tier`)."""
     refuse_overlaps(places)
     durable = places["the durable store"]
+    create = rank_and_world(group)[0] == 0
     for what, place in places.items():
         if place is not durable:
-            bind_local_tier(place, durable, what)
-    refuse_overlaps(places)
+            bind_local_tier(place, durable, what, create=create)
 
 
 def refuse_overlaps(places: dict[str, Storage]) -> None:
-    """ValueError when two places are one, or one lies inside the other: as URLs, and on
-    local disk also as real paths (a symlink to the durable directory) and as directories
-    (the same device and inode: a bind mount), nesting either way. Local retention
-    would otherwise delete the durable tier's steps as its own."""
+    """ValueError when two places are one, or one lies inside the other, nesting either
+    way: as URLs or paths as given, and on local disk as directories (device and inode:
+    a symlink, a bind mount; a place that does not exist yet is judged by the nearest
+    directory above it that does). Local retention would otherwise delete the durable
+    tier's steps as its own."""
     for (a, sa), (b, sb) in itertools.combinations(places.items(), 2):
         why = _overlap(sa, sb)
         if why is not None:
@@ -214,34 +222,36 @@ def _overlap(a: Storage, b: Storage) -> str | None:
     ra, rb = a.describe().rstrip("/") + "/", b.describe().rstrip("/") + "/"
     if ra.startswith(rb) or rb.startswith(ra):
         return "one path lies in the other"
-    if not (isinstance(a, LocalStorage) and isinstance(b, LocalStorage)):
-        return None
-    pa, pb = (os.path.join(os.path.realpath(s.root), "") for s in (a, b))
-    if pa.startswith(pb) or pb.startswith(pa):
-        return f"as real paths, {pa} and {pb}"
-    ia, ib = _ancestry(a.root), _ancestry(b.root)
-    if (ia and ia[0] in ib) or (ib and ib[0] in ia):  # a directory of one is the other or above it
-        return "one directory (device and inode) is, or holds, the other"
+    if isinstance(a, LocalStorage) and isinstance(b, LocalStorage):
+        da, db = _directory(a.root), _directory(b.root)
+        if _within(da, db) or _within(db, da):
+            return "one directory (device and inode) is, or holds, the other"
     return None
 
 
-def _ancestry(path: str) -> list[tuple[int, int]]:
-    """(device, inode) of the directory ``path`` and of every directory above it, found
-    through ``..`` (the kernel's parent of the directory reached, whatever the path
-    spelled: a symlink's target's parent, a bind mount's), ``path`` first; [] when
-    ``path`` is no directory yet (its real path was compared already)."""
+def _directory(path) -> tuple[list[tuple[int, int]], tuple[str, ...]]:
+    """Where ``path`` is on disk, whatever it spells: the (device, inode) of the nearest
+    directory at or above it that exists and of every directory above that one, found
+    through ``..`` (the kernel's parent of the directory reached: a symlink's target's,
+    a bind mount's), nearest first; and the names below it not created yet."""
     flags = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY
+    path, missing = os.path.abspath(path), ()
+    while True:
+        try:
+            fd = os.open(path, flags)
+            break
+        except OSError:
+            parent, name = os.path.split(path)
+            if parent == path:
+                return [], missing
+            path, missing = parent, (name,) + missing
+    chain: list[tuple[int, int]] = []
     try:
-        fd = os.open(path, flags)
-    except OSError:
-        return []
-    out: list[tuple[int, int]] = []
-    try:
-        while len(out) < 4096:
+        while True:
             st = os.fstat(fd)
-            if (st.st_dev, st.st_ino) in out:  # the root: its parent is itself
+            if (st.st_dev, st.st_ino) in chain:  # the root: its parent is itself
                 break
-            out.append((st.st_dev, st.st_ino))
+            chain.append((st.st_dev, st.st_ino))
             parent = os.open("..", flags, dir_fd=fd)
             os.close(fd)
             fd = parent
@@ -249,23 +259,35 @@ def _ancestry(path: str) -> list[tuple[int, int]]:
         pass  # a parent we may not open: compare what was found
     finally:
         os.close(fd)
-    return out
+    return chain, missing
 
 
-def bind_local_tier(local: Storage, durable: Storage, what: str = "the local tier") -> None:
+def _within(a, b) -> bool:
+    """Whether the place ``a`` (:func:`_directory`) is ``b`` or lies inside it."""
+    (ca, ma), (cb, mb) = a, b
+    if not ca or not cb:
+        return False
+    if not mb:  # b exists: it is a's nearest existing directory or above it
+        return cb[0] in ca
+    return ca[0] == cb[0] and ma[:len(mb)] == mb  # neither created yet: below one directory
+
+
+def bind_local_tier(local: Storage, durable: Storage, what: str = "the local tier", create: bool = True) -> None:
     """Bind ``local`` to the durable store ``durable``, or refuse it (ValueError) when it
     is bound to another store.
 
     The durable store's identity is a random id in ``store-id.json`` at its root,
-    created once (create-only) by the first two-tier store opened on it; a local place
-    holds ``tier-binding.json`` (create-only) naming that id. So two jobs given one
-    local directory, or a local directory reused for a new store at the same URL (the
-    old one deleted), are refused: the second would resume the first one's steps, and
-    each one's local retention delete the other's only copies. While the durable store
+    created once (create-only, then read back: the stored one is the id) by the first
+    two-tier store opened on it, by its rank 0; a local place holds
+    ``tier-binding.json`` (create-only) naming that id. So two jobs given one local
+    directory, or a local directory reused for a new store at the same URL (the old one
+    deleted), are refused: the second would resume the first one's steps, and each
+    one's local retention delete the other's only copies. While the durable store
     cannot be read (an outage) the check is left out with a RuntimeWarning: the local
-    tier is what keeps a job checkpointed through one."""
+    tier is what keeps a job checkpointed through one. ``create=False`` (a rank other
+    than 0): a store with no identity yet is left as it is, and ``local`` unbound."""
     try:
-        ident = _store_identity(durable)
+        ident = _store_identity(durable) if create else _read_identity(durable)
     except FormatError:
         raise
     except (CkptStoreError, OSError) as e:
@@ -273,6 +295,8 @@ def bind_local_tier(local: Storage, durable: Storage, what: str = "the local tie
                       f"({local.describe()}) is used without checking which store it belongs to",
                       RuntimeWarning, stacklevel=5)
         return
+    if ident is None:
+        return  # rank 0 creates it; this rank's places are bound at the next start
     binding = {"format": fmt.FORMAT_NAME, "kind": "tier_binding", "store": ident,
                "durable": durable.describe(), "created_at": fmt.utc_now()}
     bound = _create_or_read(local, names.TIER_BINDING_NAME, binding, "tier binding")
@@ -287,9 +311,20 @@ def bind_local_tier(local: Storage, durable: Storage, what: str = "the local tie
 
 
 def _store_identity(durable: Storage) -> str:
+    """The durable store's id, created when it has none."""
     record = {"format": fmt.FORMAT_NAME, "kind": "store_id", "id": secrets.token_hex(16),
               "created_at": fmt.utc_now()}
-    ident = _create_or_read(durable, names.STORE_ID_NAME, record, "store id").get("id")
+    return _valid_identity(durable, _create_or_read(durable, names.STORE_ID_NAME, record, "store id"))
+
+
+def _read_identity(durable: Storage) -> str | None:
+    """The durable store's id, or None while it has none."""
+    found = _create_or_read(durable, names.STORE_ID_NAME, None, "store id")
+    return None if found is None else _valid_identity(durable, found)
+
+
+def _valid_identity(durable: Storage, found: dict) -> str:
+    ident = found.get("id")
     if not (isinstance(ident, str) and len(ident) == 32 and all(c in "0123456789abcdef" for c in ident)):
         raise FormatError(f"{durable.describe(names.STORE_ID_NAME)}: holds no store id (32 hex digits): "
                           "restore it, or delete it and every local tier's "
@@ -297,18 +332,23 @@ def _store_identity(durable: Storage) -> str:
     return ident
 
 
-def _create_or_read(storage: Storage, name: str, record: dict, what: str) -> dict:
+def _create_or_read(storage: Storage, name: str, record: dict | None, what: str) -> dict | None:
     """The JSON object stored under ``name``, written as ``record`` when there is none
-    (create-only: of two writers, both read the winner's)."""
-    for _ in range(2):
+    (None: not written, and None returned). What is returned is always what was read
+    from the store, after our own put too: where create-only puts are not atomic
+    (``conditional_writes="single-writer"``) another writer's put may have replaced
+    ours, and the stored one wins."""
+    for _ in range(3):
         try:
             found = fmt.loads_json(read_capped(storage, name, fmt.MAX_MARKER_BYTES, what), what)
         except ObjectNotFoundError:
+            if record is None:
+                return None
             try:
                 storage.put(name, json.dumps(record).encode(), if_absent=True)
-                return record
             except AlreadyExistsError:
-                continue  # another rank or job created it first: read theirs
+                pass  # another rank or job created it first
+            continue  # read back what is stored: ours, or the winner's
         except FormatError as e:
             raise FormatError(f"{storage.describe(name)}: {e}") from None
         if not isinstance(found, dict):

@@ -311,7 +311,8 @@ class Checkpointer:
         with the MTBF the run's journal has observed (``ckptstore status``; a prior of
         one failure a day before any) and the cost of this run's last save (the first
         save comes at the first step, to measure it); never more than
-        ``supervisor.status.MAX_INTERVAL_S`` (6 hours), whatever the journal claims."""
+        ``supervisor.status.MAX_INTERVAL_S`` (6 hours) nor less than
+        ``MIN_INTERVAL_SAVES`` (5) times that cost, whatever the journal claims."""
         if self._save_blocking_s is None:
             return 0.0
         return young_daly(self._save_blocking_s, self._mtbf_s)

@@ -24,7 +24,9 @@ from ckptstore.checkpoint.promote import promote
 from ckptstore.checkpoint.restore import latest_manifest
 from ckptstore.checkpoint.retention import Retention
 from ckptstore.checkpoint.verify import verify
-from ckptstore.errors import IntegrityError
+from ckptstore import names
+from ckptstore.errors import AlreadyExistsError, IntegrityError, ObjectNotFoundError
+from ckptstore.storage import LocalStorage
 from ckptstore.tiers import PromotionWarning
 
 pytest.importorskip("moto.server")
@@ -524,3 +526,99 @@ def test_a_local_tier_opens_during_a_durable_outage(tmp_path, monkeypatch):
     with pytest.warns(RuntimeWarning, match="durable store cannot be read"):
         store = ckptstore.Store(tmp_path / "durable", local=tmp_path / "local")
     assert store.local is not None and not (tmp_path / "local" / "tier-binding.json").exists()
+
+
+# ---------------------------------------------------------------------------- review of issue 34: store-id races
+class _NoConditionalPuts(LocalStorage):
+    """A durable store without atomic create-only puts (``conditional_writes=
+    "single-writer"``: exists(), then a plain put). ``blind``: this rank looked before
+    another rank's put landed, so it sees no store-id.json; ``racer``: a record another
+    writer puts right after ours (last writer wins)."""
+
+    blind = False
+    racer = None
+
+    def _hidden(self, key):
+        return self.blind and key == names.STORE_ID_NAME
+
+    def read(self, key, *args, **kwargs):
+        if self._hidden(key):
+            raise ObjectNotFoundError(key)
+        return super().read(key, *args, **kwargs)
+
+    def exists(self, key):
+        return False if self._hidden(key) else super().exists(key)
+
+    def put(self, key, data, if_absent=False):
+        if if_absent and key == names.STORE_ID_NAME:
+            if self.exists(key):
+                raise AlreadyExistsError(key)
+            super().put(key, data)
+            if self.racer is not None:
+                super().put(key, json.dumps(self.racer).encode())
+            return
+        return super().put(key, data, if_absent=if_absent)
+
+
+def _racer():
+    return {"format": "ckptstore", "kind": "store_id", "id": "ab" * 16, "created_at": "2026-01-01T00:00:00+00:00"}
+
+
+def test_the_store_id_read_back_after_a_put_is_the_one_bound(tmp_path):
+    """``_create_or_read`` returned its own record after a put and never read back: where
+    another writer's put replaced it, the local tier was bound to an id that is not
+    stored, and every restart was refused as "belongs to another store"."""
+    from ckptstore import tiers
+
+    durable = _NoConditionalPuts(tmp_path / "durable")
+    durable.racer = _racer()
+    tiers.check_places({"the local tier": LocalStorage(tmp_path / "local"), "the durable store": durable})
+    binding = json.loads((tmp_path / "local" / names.TIER_BINDING_NAME).read_text())
+    assert binding["store"] == json.loads((tmp_path / "durable" / names.STORE_ID_NAME).read_text())["id"]
+    ckptstore.Store(tmp_path / "durable", local=tmp_path / "local")  # a restart is not refused
+
+
+def test_only_rank_0_creates_the_store_id_and_no_rank_binds_an_id_not_stored(tmp_path, monkeypatch):
+    """Every rank created store-id.json: on a store without atomic create-only puts rank 1,
+    which looked before rank 0's put landed, wrote its own id over rank 0's, and rank 1
+    or every later start was refused ("belongs to another store")."""
+    from ckptstore import tiers
+
+    rank = [0]
+    monkeypatch.setattr(tiers, "rank_and_world", lambda group=None: (rank[0], 2), raising=False)
+    durable = _NoConditionalPuts(tmp_path / "durable")
+    for r in (0, 1):
+        rank[0], durable.blind = r, r == 1  # rank 1 looked before rank 0's put landed
+        tiers.check_places({"the local tier": LocalStorage(tmp_path / f"node{r}"), "the durable store": durable})
+    ident = json.loads((tmp_path / "durable" / names.STORE_ID_NAME).read_text())["id"]
+    assert json.loads((tmp_path / "node0" / names.TIER_BINDING_NAME).read_text())["store"] == ident
+    assert not (tmp_path / "node1" / names.TIER_BINDING_NAME).exists()  # bound at its next start:
+    durable.blind = False
+    tiers.check_places({"the local tier": LocalStorage(tmp_path / "node1"), "the durable store": durable})
+    assert json.loads((tmp_path / "node1" / names.TIER_BINDING_NAME).read_text())["store"] == ident
+    for r in (0, 1):  # every restart of either rank is let in
+        rank[0] = r
+        tiers.check_places({"the local tier": LocalStorage(tmp_path / f"node{r}"), "the durable store": durable})
+
+
+def test_one_overlap_check_sees_an_alias_below_a_directory_not_created_yet(tmp_path, monkeypatch):
+    """The overlap check ran twice (before and after binding) because a place that does
+    not exist yet was not compared as a directory; a bind-mount alias of the durable
+    store's directory, with the local tier below it, is refused before anything is
+    written."""
+    from ckptstore import tiers
+
+    durable = tmp_path / "durable"
+    durable.mkdir()
+    (tmp_path / "mnt").symlink_to(durable)  # stands for a bind mount: no real path reveals it
+    monkeypatch.setattr(tiers.os.path, "realpath", lambda p: os.path.abspath(p))
+    places = {"the local tier": LocalStorage(tmp_path / "mnt" / "node" / "local"),
+              "the durable store": LocalStorage(durable)}
+    with pytest.raises(ValueError, match="device and inode"):
+        tiers.refuse_overlaps(places)
+    assert not (durable / "node").exists()
+    for fresh in (("a", "b"), ("a", "b", "c")):  # neither created yet: judged by where they would be
+        places = {"x": LocalStorage(tmp_path.joinpath(*fresh[:2])), "y": LocalStorage(tmp_path.joinpath(*fresh))}
+        with pytest.raises(ValueError, match="overlap"):
+            tiers.refuse_overlaps(places)
+    tiers.refuse_overlaps({"x": LocalStorage(tmp_path / "a" / "b"), "y": LocalStorage(tmp_path / "a" / "c")})

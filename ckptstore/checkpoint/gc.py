@@ -45,7 +45,7 @@ from .. import names
 from ..errors import CkptStoreError
 from ..storage import Storage
 from . import claims
-from .catalog import Location, read_pin, read_skip_mark, scan_store
+from .catalog import Location, read_pin, scan_store, skip_verdict
 from .commit import read_manifest
 from .gc_run import run_deletions
 from .liveness import _references_of_unreadable, attempts_named, references_of, with_unreadable
@@ -164,7 +164,7 @@ def plan(storage: Storage, policy: Retention = Retention(), grace: float = DEFAU
                     released_until=started + grace)
     committed = [loc for loc in locations if loc.committed]
     cands = [Candidate(_label(loc), loc.ranked_step, loc.committed_at(), dict(loc.manifest.metrics), loc.pinned,
-                       read_skip_mark(loc) is not None)
+                       skip_verdict(loc))
              for loc in committed]
     result.kept = select_kept(cands, policy, now)
     for loc in committed:
