@@ -24,12 +24,35 @@ from . import lifecycle, names
 from .checkpoint.commit import read_capped
 from .checkpoint.promote import Throttle, promote
 from .checkpoint.save import SaveFuture, _refuse
-from .errors import AlreadyExistsError, CkptStoreError, FormatError, ObjectNotFoundError
+from .errors import (
+    AlreadyExistsError,
+    CheckpointNotFoundError,
+    CkptStoreError,
+    FormatError,
+    IntegrityError,
+    NotCommittedError,
+    ObjectNotFoundError,
+    StorageError,
+    TemplateMismatchError,
+    TransientStorageError,
+    UnsupportedVersionError,
+)
 from .storage import LocalStorage, Storage
 
 
 class PromotionWarning(RuntimeWarning):
     """A promotion to the durable tier failed or falls behind; the local tier holds the step."""
+
+
+class TierFallbackWarning(UserWarning):
+    """A step's local copy could not be loaded; its durable copy was."""
+
+
+# What makes one tier's copy of a step unusable while another's may be sound: its bytes
+# or files. (A template that does not fit, or a newer format, fails every copy alike.)
+_COPY_FAULTS = (IntegrityError, FormatError, CheckpointNotFoundError, StorageError, NotCommittedError)
+# (a transient storage error is an outage, not the copy's fault: it is raised, to be retried)
+_NOT_COPY_FAULTS = (TemplateMismatchError, UnsupportedVersionError, TransientStorageError)
 
 
 class Promoter:

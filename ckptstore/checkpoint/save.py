@@ -45,6 +45,17 @@ class SaveOptions:
     warn_unsafe: bool = True
 
 
+def save_options(compression: str | CompressionPolicy, commit_timeout: float, chunk_bytes: int | None,
+             pickle_protocol: int) -> SaveOptions:
+    """The options of a save from the public calls' arguments (``ckptstore.save``,
+    ``Store``)."""
+    policy = compression if isinstance(compression, CompressionPolicy) else CompressionPolicy(mode=compression)
+    kw = {} if chunk_bytes is None else {"chunk_bytes": int(chunk_bytes)}
+    return SaveOptions(compression=policy, commit_timeout=float(commit_timeout),
+                       pickle_protocol=pickle_protocol, **kw)
+
+
+
 class Progress(NamedTuple):
     """How far a save in flight is (the exit drain's messages): chunks and raw bytes of
     tensor data written of those staged; ``committing``: the data file is durable and
