@@ -35,7 +35,8 @@ from .staging.cuda import check_stream
 from .storage import MemoryStorage, Storage, is_url, open_storage
 from .store import Store
 from .tiers import TierFallbackWarning  # noqa: F401 (re-exported)
-from .warmup import prepare, state_nbytes, tensors_in  # noqa: F401 (re-exported)
+from .checkpoint.walk import tensors_in  # noqa: F401 (re-exported)
+from .warmup import prepare, state_nbytes  # noqa: F401 (re-exported)
 
 wait = lifecycle.wait
 

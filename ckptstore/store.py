@@ -1,14 +1,21 @@
-"""``Store``: the checkpoints of a training run, one per step, under one root."""
+"""``Store``: the checkpoints of a training run, one per step, under one root.
+
+It owns a store's saves (the attempt agreement, incremental references, retention after
+a commit, the fence of its run), its listing (steps, manifests, pins) and its loads (the
+step resolved, each copy tried in tier order, one retry rule: checkpoint/load.py). What
+it has of tiers is a :class:`~ckptstore.tiers.Tiers` (everything about more than one
+tier lives in tiers.py) and, when it is itself a tier above another store, the
+:class:`~ckptstore.tiers.UpperTier` role that gives it its fence and the steps it keeps.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
 import json
+import math
 import os
-import socket
 import threading
-import warnings
 from typing import Any
 
 from . import format as fmt
@@ -16,13 +23,13 @@ from . import lifecycle
 from . import names
 from .checkpoint.commit import generations, write_failure_vote
 from .checkpoint.fencing import check_fence
-from .checkpoint.group import agree_on_attempt, gather, rank_and_world
+from .checkpoint.group import agree_on_attempt, rank_and_world
 from .checkpoint.references import index as index_references
 from .checkpoint import nearby
 from .checkpoint.indexes import expand
-from .checkpoint.load import RELOADS, load_checkpoint
+from .checkpoint.load import Reading, load_once, with_reloads
 from .checkpoint.restore import latest_manifest
-from .checkpoint.save import SaveFuture, save_options, start_save
+from .checkpoint.save import SaveFuture, SaveOptions, save_options, start_save
 from .checkpoint.weights_only import resolve_weights_only
 from .codecs import CompressionPolicy
 from .checkpoint import gc
@@ -35,17 +42,17 @@ from .errors import (
     FencedError,
     NotCommittedError,
 )
+from .resume import resume as collective_resume
 from .runtime import runtime
 from .staging.cuda import check_stream
 from .storage import Storage, open_storage
-from .tiers import TierFallbackWarning, _COPY_FAULTS, _NOT_COPY_FAULTS
+from .tiers import Tiers, UpperTier, load_first
 
 
 def _if_present(location: Storage, generation: int, references: dict) -> dict:
     """``references`` while the manifest they came from is still there, else none: a
     gc run elsewhere dropped it, and with it the right to its files (gc.py)."""
     return references if location.exists(names.manifest_name(generation)) else {}
-
 
 
 class Store:
@@ -76,56 +83,50 @@ class Store:
                  storage_options: dict | None = None, local=None, durable_every: int = 1,
                  local_keep: Retention | None = None, promote_bandwidth: float | None = None,
                  local_shared=None, incremental: bool = True):
-        self.url = os.fspath(url) if not isinstance(url, str) else url
-        self.storage = open_storage(self.url, **(storage_options or {}))
-        self.process_group = process_group
-        self.options = save_options(compression, commit_timeout, chunk_bytes, 2)
-        self.keep = keep
-        self.grace = parse_duration(grace)
+        url = os.fspath(url) if not isinstance(url, str) else url
+        self._open(url, open_storage(url, **(storage_options or {})), process_group,
+                   save_options(compression, commit_timeout, chunk_bytes, 2), keep, parse_duration(grace),
+                   incremental=bool(incremental) and local is None)  # (a tiered store promotes whole files)
+        if local is not None:
+            self._tiers = Tiers(self, local, durable_every=durable_every, local_keep=local_keep,
+                                promote_bandwidth=promote_bandwidth, commit_timeout=float(commit_timeout),
+                                local_shared=local_shared, storage_options=storage_options)
+        elif local_shared is not None:
+            raise ValueError("local_shared names where a local tier's commit records go: it needs local=")
+
+    def _open(self, url: str, storage: Storage, process_group, options: SaveOptions, keep: Retention | None,
+              grace: float, incremental: bool, role: UpperTier | None = None) -> None:
+        self.url, self.storage, self.process_group, self.options = url, storage, process_group, options
+        self.keep, self.grace, self.incremental = keep, grace, incremental
         # This run's epoch (fencing): claimed by resume(); its saves record it, and their
         # commit is refused once a newer run has claimed the store.
         self.epoch: int | None = None
-        self._epochs = self.storage  # where epochs are claimed: with two tiers, the durable one
-        self._protect = frozenset  # steps retention must keep whatever the policy says
-        self.local: Store | None = None
-        self._promoter = None
-        self._saves = 0
-        self._committed_here: set[str] = set()  # local attempts this process saw commit (tiers.sweep_own_data)
-        self._sweeping = threading.Lock()
-        self._one_node = False  # every rank of the group runs on one host (checked at the first save)
-        self.incremental = bool(incremental) and local is None  # (a tiered store promotes whole files)
+        self._role = role  # this store as a tier above another (tiers.UpperTier); None: the durable one
+        self._tiers: Tiers | None = None  # the tiers above this one (tiers.py); None: one tier
         self._references: dict = {}  # what the next save may reference (references.index)
         self._reference_base: tuple[int, int] | None = None  # (step, generation) of the manifest they came from
         self._bases_in_flight: list[int] = []  # the reference steps of saves not settled yet
         self._base_lock = threading.Lock()
-        if local is not None:
-            self._add_local_tier(local, durable_every, local_keep, promote_bandwidth, compression,
-                                 commit_timeout, chunk_bytes, local_shared, storage_options)
-        elif local_shared is not None:
-            raise ValueError("local_shared names where a local tier's commit records go: it needs local=")
 
-    def _add_local_tier(self, local, durable_every, local_keep, promote_bandwidth, compression, commit_timeout,
-                        chunk_bytes, local_shared, storage_options) -> None:
-        from .storage.split import SplitStorage
-        from .tiers import Promoter, check_places
+    def upper_tier(self, url: str, storage: Storage, role: UpperTier, keep: Retention) -> "Store":
+        """A store over ``storage`` (``url``: how messages name it) serving as a tier above
+        this one in ``role`` (its fence, the steps it keeps: tiers.UpperTier): this
+        store's process group, save options and grace, retention ``keep``, no incremental
+        saves (a promotion copies whole checkpoints: no references). Tiers builds each
+        of its upper tiers with it."""
+        tier = Store.__new__(Store)
+        tier._open(url, storage, self.process_group, self.options, keep, self.grace, incremental=False, role=role)
+        return tier
 
-        if isinstance(durable_every, bool) or not isinstance(durable_every, int) or durable_every < 1:
-            raise ValueError(f"durable_every must be an int >= 1, got {durable_every!r}")
-        tier = Store(local, process_group=self.process_group, compression=compression,
-                     commit_timeout=commit_timeout, chunk_bytes=chunk_bytes,
-                     keep=local_keep if local_keep is not None else Retention(last=2), grace=self.grace,
-                     incremental=False)  # a promotion copies whole checkpoints: no references
-        places = {"the local tier": tier.storage, "the durable store": self.storage}
-        if local_shared is not None:
-            s3 = os.fspath(local_shared).startswith("s3://")  # storage_options are S3's
-            places["local_shared"] = open_storage(local_shared, **((storage_options or {}) if s3 else {}))
-        check_places(places)  # no two overlap; each local place bound to this durable store
-        if local_shared is not None:
-            tier.storage = SplitStorage(places["local_shared"], tier.storage)
-        self.local, self.durable_every = tier, durable_every
-        tier._epochs = self.storage
-        self._promoter = Promoter(tier, self, promote_bandwidth, float(commit_timeout))
-        tier._protect = self._promoter.pending_steps
+    @property
+    def local(self) -> "Store | None":
+        """The local tier, a store of its own (None: one tier)."""
+        return self._tiers.local if self._tiers is not None else None
+
+    @property
+    def durable_every(self) -> int | None:
+        """Every how many saves one is promoted to the durable tier (None: one tier)."""
+        return self._tiers.durable_every if self._tiers is not None else None
 
     def __repr__(self) -> str:
         return f"Store({self.url!r})"
@@ -152,8 +153,8 @@ class Store:
         state when it is not the current one (side streams, a save from a helper thread).
         """
         stream = check_stream(stream, "Store.save")
-        if self.local is not None:
-            return self._save_tiered(step, state, metrics, replicated, durable, stream)
+        if self._tiers is not None:
+            return self._tiers.save(step, state, metrics, replicated, durable, stream)
         lifecycle.raise_earlier_failure()
         where = self.location(step)
         attempt, step0 = agree_on_attempt(step, self.process_group)
@@ -164,7 +165,7 @@ class Store:
             write_failure_vote(self.location(step0), attempt, step0, world, rank, error)
             raise error
         fence = None if self.epoch is None else self._fence
-        with self._base_lock:  # (one step with the retention's look at the bases: _apply_retention)
+        with self._base_lock:  # (one step with the retention's look at the bases: apply_retention)
             refs, base = None, self._reference_base if self.incremental and self._references else None
             if self.incremental:
                 refs = {k: b for k, b in self._references.items() if b.step != step}
@@ -175,7 +176,7 @@ class Store:
             refs = functools.partial(_if_present, self.location(base[0]), base[1], refs)
         after_commit = None
         if self.keep is not None and rank == 0:  # (once committed, the manifest itself keeps what it reads)
-            after_commit = lambda manifest: (settled(), self._apply_retention(step, manifest))  # noqa: E731
+            after_commit = lambda manifest: (settled(), self.apply_retention(step, manifest))  # noqa: E731
         options = dataclasses.replace(self.options, replicated=tuple(replicated), epoch=self.epoch, fence=fence,
                                       references=refs, reference_base=base, stream=stream)
         try:
@@ -212,71 +213,9 @@ class Store:
             self._references = index_references(manifest, rank_and_world(self.process_group)[0])
             self._reference_base = (manifest.step, manifest.generation)
 
-    def _save_tiered(self, step, state, metrics, replicated, durable: bool, stream) -> SaveFuture:
-        rank, world = rank_and_world(self.process_group)
-        split = not getattr(self.local.storage, "sees_all_data", True)
-        if not split and world > 1 and not self._one_node:
-            # Votes and the manifest of the local tier travel through its directory, which
-            # only the ranks of one node share (docs/tiers.md, "Across nodes"). Asked once,
-            # of every rank alike (a collective in the blocking part, as the save's own).
-            hosts = sorted(set(gather(socket.gethostname(), self.process_group)))
-            if len(hosts) > 1:
-                raise ValueError(f"{self.url}: a local tier on several nodes ({', '.join(hosts[:4])}"
-                                 f"{', ...' if len(hosts) > 4 else ''}) needs local_shared=, a location every "
-                                 "rank shares; see docs/tiers.md")
-            self._one_node = True
-        self.local.epoch = self.epoch
-        if self._saves == 0:  # this process's first: count on from the saves since the newest durable step
-            self._saves = self._local_saves_since_durable()
-        self._saves += 1  # first: a save that raises on one rank only must not skew the ranks' counts
-        future = self.local.save(step, state, metrics, replicated=replicated, stream=stream)
-        if split:
-            future.add_done_callback(lambda f, r=rank: self._after_local_commit(f, r))
-        if durable or self._saves % self.durable_every == 0:
-            fence = None if self.epoch is None else functools.partial(check_fence, self.storage, self.epoch)
-            self._promoter.schedule(future, rank, world, fence, first=durable)
-        return future
-
-    def _local_saves_since_durable(self) -> int:
-        """Local steps newer than the durable tier's newest, at most ``durable_every`` - 1:
-        where the count of saves stood when an earlier process of the run stopped. Counted
-        per process from 0, a job restarted more often than every ``durable_every`` saves
-        promoted nothing, and losing the node lost every step. (Every rank reads the same
-        listings before its first save: the counts agree.)"""
-        try:
-            durable = self._committed_steps()
-            newest = durable[-1] if durable else -1
-            since = sum(1 for s in self.local.steps() if s > newest)
-        except CkptStoreError:
-            return 0  # (the durable tier unreadable: count from here)
-        return min(since, self.durable_every - 1)
-
-    def _after_local_commit(self, future: SaveFuture, rank: int) -> None:
-        """A local save on several nodes committed: sweep this rank's files that no
-        checkpoint of the local tier needs any more, on its own node
-        (tiers.sweep_own_data), off the commit thread; one sweep at a time."""
-        if future._future.exception() is not None:
-            return  # only after a commit: a failed save's files are gc's rule (grace) to judge
-        self._committed_here.add(future.attempt)
-        if self._sweeping.acquire(blocking=False):
-            threading.Thread(target=self._sweep, args=(rank,), name="ckptstore-sweep", daemon=True).start()
-
-    def _sweep(self, rank: int) -> None:
-        from .tiers import sweep_own_data
-
-        try:
-            for key in sweep_own_data(self.local, rank, set(self._committed_here),
-                                      self._promoter.pending_attempts()):
-                self._committed_here.discard(names.parse_data_file(key.split("/", 1)[1])[0])
-        except Exception as e:  # only disk space: the next save sweeps again
-            warnings.warn(f"{self.local.url}: sweeping this node's old data files failed: {e}", RuntimeWarning,
-                          stacklevel=1)
-        finally:
-            self._sweeping.release()
-
-    def _apply_retention(self, committed: int | None = None, manifest: fmt.Manifest | None = None) -> None:
+    def apply_retention(self, committed: int | None = None, manifest: fmt.Manifest | None = None) -> None:
         """Retention after the commit of step ``committed`` (its ``manifest``), or after
-        a promotion. The store's own writer deletes a dropped checkpoint's files at once:
+        a promotion (tiers.Promoter calls it). The store's own writer deletes a dropped checkpoint's files at once:
         the only saves that could reference them are its own, whose bases it protects.
         A save starting meanwhile either registered its base before the protected steps
         are taken, or takes the new checkpoint as its base (one lock for both)."""
@@ -293,28 +232,21 @@ class Store:
         gc.collect(self.storage, self.keep, self.grace, protect=protect, immediate=True)
 
     def _fence(self) -> bool:
-        """FencedError when a newer run claimed the store. A local tier's runs are claimed
-        on the durable tier: when that cannot be read (an S3 outage) the local commit goes
-        on, with a warning (False), since the local tier is what keeps training
-        checkpointed through the outage; its promotion checks again on the durable tier."""
-        try:
-            check_fence(self._epochs, self.epoch)
-        except FencedError:
-            raise
-        except CkptStoreError as e:
-            if self._epochs is self.storage:
-                raise
-            warnings.warn(f"{self.url}: the durable tier, where runs are claimed, cannot be read ({e}); this local "
-                          "tier's commit goes on without that check", RuntimeWarning, stacklevel=2)
-            return False
+        """FencedError when a newer run claimed the store; False when that cannot be
+        checked now and the commit goes on (an upper tier's, while the durable tier
+        where its runs are claimed cannot be read: UpperTier.fence)."""
+        if self._role is not None:
+            return self._role.fence(self.url, self.epoch)
+        check_fence(self.storage, self.epoch)
         return True
 
     def _kept_here(self, committed: int | None = None) -> dict[int, str]:
-        """Steps this process needs whatever the policy says: a local tier's promotions
-        in flight, the step the next incremental save references (``committed``, the
-        step just committed, is about to be it; after a rollback it need not be among
-        the newest), and the steps that saves still in flight reference."""
-        kept = {step: "promotion in flight" for step in self._protect()}
+        """Steps this process needs whatever the policy says: an upper tier's steps that
+        the tiers below it still need (promotions in flight: UpperTier.kept), the step
+        the next incremental save references (``committed``, the step just committed, is
+        about to be it; after a rollback it need not be among the newest), and the steps
+        that saves still in flight reference."""
+        kept = self._role.kept() if self._role is not None else {}
         base = committed if committed is not None else (self._reference_base[0] if self._references else None)
         if self.incremental and base is not None:
             kept.setdefault(base, "the next incremental save's reference")
@@ -342,24 +274,25 @@ class Store:
 
     def steps(self) -> list[int]:
         """Committed steps, ascending (with two tiers: those either tier holds)."""
-        if self.local is not None:
-            return sorted(set(self._committed_steps()) | set(self.local.steps()))
-        return self._committed_steps()
+        if self._tiers is not None:
+            return sorted(set(self.committed_steps()) | self._tiers.upper_steps())
+        return self.committed_steps()
 
     def tiers_of(self, step: int) -> list[tuple[str | None, "Store"]]:
         """The tiers holding ``step`` committed, in the order a load tries them:
         ``("local", store)`` before ``("durable", store)``; one tier: ``(None, self)``."""
-        if self.local is None:
+        if self._tiers is None:
             return [(None, self)] if generations(self.location(step)) else []
-        tiers = [("local", self.local), ("durable", self)]
-        return [(name, s) for name, s in tiers if generations(s.location(step))]
+        return self._tiers.holders(step)
 
     def _copies(self, step: int) -> list[tuple[str | None, "Store"]]:
         """Where a load of ``step`` looks, in order: with one tier, this store (no
-        listing: the load lists the location itself); with two, ``tiers_of``."""
-        return self.tiers_of(step) if self.local is not None else [(None, self)]
+        listing: the load lists the location itself); with more, ``tiers_of``."""
+        return self._tiers.holders(step) if self._tiers is not None else [(None, self)]
 
-    def _committed_steps(self) -> list[int]:
+    def committed_steps(self) -> list[int]:
+        """The steps committed in this store's own storage, ascending (with two tiers:
+        the durable tier's; ``steps()`` adds the local tier's)."""
         found = []
         for name in self.storage.list(""):
             step = names.parse_step_dir_name(name.rstrip("/"))
@@ -428,41 +361,29 @@ class Store:
         returns ``(state, LoadInfo)``.
         """
         weights_only = resolve_weights_only(weights_only, None)[0]  # (TORCH_FORCE_WEIGHTS_ONLY_LOAD)
-        for tries in range(RELOADS):
-            chosen = self._resolve(step)
-            try:
-                obj, info = self._load_nearest(chosen, map_location, weights_only, rank, template)
-                return (obj, info) if return_info else obj
-            except CkptStoreError as e:
-                if step is not None and isinstance(e, (CheckpointNotFoundError, NotCommittedError)) \
-                        and step not in self.steps():  # name the steps there are
-                    raise type(e)(f"{e}; {self._nearest(step)}") from e
-                # The same rule one level up: retention removed the latest step while we
-                # read it (its manifest is gone), so the latest is another step now.
-                if step is not None or tries == RELOADS - 1 or chosen in self.steps():
-                    raise
+        chosen: list[int | None] = [None]
 
+        def once(reading: Reading):
+            chosen[0] = None
+            chosen[0] = self._resolve(step)
+            holders = self._copies(chosen[0])
+            if not holders:
+                raise CheckpointNotFoundError(f"{self.location(chosen[0]).describe()}: no committed checkpoint")
+            return load_first(holders, chosen[0], reading, functools.partial(
+                load_once, map_location=map_location, weights_only=weights_only, rank=rank, pickle_load_args=None,
+                template=template, group=self.process_group, step=chosen[0], reading=reading))
 
-    def _load_nearest(self, step: int, map_location, weights_only: bool, rank, template):
-        """(object, LoadInfo) of ``step`` from the first tier whose copy loads; a copy
-        with bad bytes or files falls back to the next tier, with a warning."""
-        holders = self._copies(step)
-        if not holders:
-            raise CheckpointNotFoundError(f"{self.location(step).describe()}: no committed checkpoint")
-        for i, (tier, store) in enumerate(holders):
-            try:
-                obj, info = load_checkpoint(store.location(step), map_location, weights_only, rank, None,
-                                          template, self.process_group, step=step)
-            except _NOT_COPY_FAULTS:
-                raise
-            except _COPY_FAULTS as e:
-                if i == len(holders) - 1:
-                    raise
-                warnings.warn(f"{store.location(step).describe()}: the {tier} copy of step {step} cannot be "
-                              f"loaded ({type(e).__name__}: {e}); loading the {holders[i + 1][0]} copy",
-                              TierFallbackWarning, stacklevel=4)
-                continue
-            return obj, dataclasses.replace(info, tier=tier)
+        def chosen_gone() -> bool:
+            # The latest step, retired by retention while we read it: the latest is another now.
+            return step is None and chosen[0] is not None and chosen[0] not in self.steps()
+
+        try:
+            obj, info = with_reloads(once, chosen_gone)
+        except (CheckpointNotFoundError, NotCommittedError) as e:
+            if step is not None and step not in self.steps():  # name the steps there are
+                raise type(e)(f"{e}; {self._nearest(step)}") from e
+            raise
+        return (obj, info) if return_info else obj
 
     def resume(self, template=None, *, map_location=None, weights_only: bool = True,
                validate=None, mark_skipped: bool = True, claim: bool = False):
@@ -489,17 +410,12 @@ class Store:
         :class:`~ckptstore.FencedError`. The default does not claim: a job that only
         reads (an evaluation) must not fence off the training job writing the store.
         """
-        from .resume import resume
-
-        return resume(self, template, map_location=map_location,
-                      weights_only=resolve_weights_only(weights_only, None)[0],
-                      validate=validate, mark_skipped=mark_skipped, claim=claim)
-
+        return collective_resume(self, template, map_location=map_location,
+                                 weights_only=resolve_weights_only(weights_only, None)[0],
+                                 validate=validate, mark_skipped=mark_skipped, claim=claim)
 
 
 def _check_metrics(metrics: dict | None) -> dict:
-    import math
-
     metrics = dict(metrics or {})
     for k, v in metrics.items():
         if not isinstance(k, str):

@@ -24,9 +24,9 @@ from . import format as fmt
 from . import lifecycle
 from . import names
 from .store import Store
-from .warmup import tensors_in
 from .checkpoint import exiting
 from .checkpoint.flatten import _is_dtensor
+from .checkpoint.walk import tensors_in
 from .checkpoint.group import rank_and_world
 from .config import config
 from .resume import ResumeInfo

@@ -3,13 +3,13 @@ and the bytes a state's tensors will take."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from concurrent.futures import Future
 from typing import Any
 
 import torch
 
 from . import lifecycle
+from .checkpoint.walk import tensors_in
 from .runtime import runtime
 
 
@@ -69,19 +69,3 @@ def state_nbytes(state: Any) -> int:
             seen.add(storage._cdata)
             total += storage.nbytes()
     return total
-
-
-def tensors_in(obj):
-    """Every tensor in nested mappings, lists and tuples (a tensor reached twice comes
-    twice). Each container is walked once, without recursion: a state that holds
-    itself, or nests deeper than Python's stack, is walked like any other (pickle saves
-    both)."""
-    stack, seen = [obj], set()
-    while stack:
-        o = stack.pop()
-        if isinstance(o, torch.Tensor):
-            yield o
-        elif isinstance(o, (Mapping, list, tuple)) and id(o) not in seen:
-            seen.add(id(o))
-            stack.extend(o.values() if isinstance(o, Mapping) else o)
-

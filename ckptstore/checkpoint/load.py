@@ -9,6 +9,7 @@ import dataclasses
 import pickle
 import warnings
 from dataclasses import dataclass, field
+from typing import Callable, TypeVar
 
 from .. import format as fmt
 from .. import names
@@ -20,6 +21,8 @@ from .indexes import for_load
 from .references import resolve as resolve_references
 from .reshard import fill_template
 from .restore import latest_manifest, restore
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -44,41 +47,76 @@ class WorldSizeChangedWarning(UserWarning):
     """Loading a checkpoint saved on another number of ranks."""
 
 
-
 RELOADS = 3  # how often a load starts again when what it read was retired under it
 
 
-def load_checkpoint(storage: Storage, map_location, weights_only: bool, rank: int | None, pickle_load_args,
-                  template=None, group=None, pickle_module=None, step: int | None = None):
-    """(object, LoadInfo) of the visible checkpoint at ``storage``.
+class Reading:
+    """The manifest one try of a load is reading (where, which generation), for the
+    retry rule of :func:`with_reloads`."""
 
-    The one retry rule of a load (format.md, read order step 5): when reading fails and
-    the manifest being read is gone, a newer generation (or retention) retired it under
-    the load, so start again from the listing; any other failure is the checkpoint's
-    own and is raised as it is."""
+    def __init__(self) -> None:
+        self.storage: Storage | None = None
+        self.generation = 0
+
+    def note(self, storage: Storage, manifest: fmt.Manifest) -> None:
+        self.storage, self.generation = storage, manifest.generation
+
+    def retired(self) -> bool:
+        """Whether the manifest being read is gone (a newer generation or retention
+        retired it under the load); False when none was being read yet."""
+        return self.storage is not None and not self.storage.exists(names.manifest_name(self.generation))
+
+
+def with_reloads(load_once: Callable[[Reading], T], chosen_gone: Callable[[], bool] | None = None) -> T:
+    """``load_once(reading)`` under the one retry rule of a load (format.md, read order
+    step 5), the only retry loop of every load: when it fails and the manifest it was
+    reading is gone (``reading.retired()``), or ``chosen_gone()`` says the step it chose
+    is (``Store.load`` of the latest step, retired by retention), start again from the
+    listing, at most ``RELOADS`` tries in all; any other failure is the checkpoint's own
+    and is raised as it is."""
+    for tries in range(RELOADS):
+        reading = Reading()
+        try:
+            return load_once(reading)
+        except CkptStoreError:
+            if tries == RELOADS - 1 or not (reading.retired() or (chosen_gone is not None and chosen_gone())):
+                raise
+    raise AssertionError("unreachable")  # (RELOADS >= 1: the last try returns or raises)
+
+
+def load_once(storage: Storage, map_location, weights_only: bool, rank: int | None, pickle_load_args,
+              template=None, group=None, pickle_module=None, step: int | None = None,
+              reading: Reading | None = None):
+    """(object, LoadInfo) of the visible checkpoint at ``storage``: one try, which notes
+    the manifest it reads in ``reading`` (retries: :func:`with_reloads`)."""
     # restore's default unpickler is pickle's: name only another module
     custom = {} if pickle_module in (None, pickle) else {"pickle_module": pickle_module}
-    for tries in range(RELOADS):
-        manifest = latest_manifest(storage)
-        if None not in (step, manifest.step) and manifest.step != step:
-            raise FormatError(f"{storage.describe()}: the manifest says step {manifest.step}, its directory "
-                              f"step {step}")
-        info = load_info(storage, manifest, rank, group)
-        if info.step is None and step is not None:  # a drop-in save over a step's directory: still that step
-            info = dataclasses.replace(info, step=step)
-        try:
-            # a version 4 root: the loading rank's index, and the others' that its global tensors need
-            manifest = for_load(storage, manifest, info.rank_state_of, template is None, runtime().readers)
-            info = dataclasses.replace(info, manifest=manifest)
-            source, readable = resolve_references(storage, manifest)  # (as they are, without references)
-            obj = restore(source, readable, info.rank_state_of, map_location, weights_only,
-                          pickle_load_args=pickle_load_args, globals_as_meta=template is not None, **custom)
-            if template is not None:
-                obj = fill_template(template, obj, readable, source, runtime().readers)
-            return obj, info
-        except CkptStoreError:
-            if tries == RELOADS - 1 or storage.exists(names.manifest_name(manifest.generation)):
-                raise
+    manifest = latest_manifest(storage)
+    if None not in (step, manifest.step) and manifest.step != step:
+        raise FormatError(f"{storage.describe()}: the manifest says step {manifest.step}, its directory "
+                          f"step {step}")
+    info = load_info(storage, manifest, rank, group)
+    if info.step is None and step is not None:  # a drop-in save over a step's directory: still that step
+        info = dataclasses.replace(info, step=step)
+    if reading is not None:
+        reading.note(storage, manifest)
+    # a version 4 root: the loading rank's index, and the others' that its global tensors need
+    manifest = for_load(storage, manifest, info.rank_state_of, template is None, runtime().readers)
+    info = dataclasses.replace(info, manifest=manifest)
+    source, readable = resolve_references(storage, manifest)  # (as they are, without references)
+    obj = restore(source, readable, info.rank_state_of, map_location, weights_only,
+                  pickle_load_args=pickle_load_args, globals_as_meta=template is not None, **custom)
+    if template is not None:
+        obj = fill_template(template, obj, readable, source, runtime().readers)
+    return obj, info
+
+
+def load_checkpoint(storage: Storage, map_location, weights_only: bool, rank: int | None, pickle_load_args,
+                    pickle_module=None):
+    """(object, LoadInfo) of the visible checkpoint at ``storage`` (a drop-in load),
+    started again while what it read is retired under it (:func:`with_reloads`)."""
+    return with_reloads(lambda reading: load_once(storage, map_location, weights_only, rank, pickle_load_args,
+                                                  pickle_module=pickle_module, reading=reading))
 
 
 def load_info(storage: Storage, manifest: fmt.Manifest, rank: int | None, group) -> LoadInfo:

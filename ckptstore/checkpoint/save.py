@@ -184,7 +184,7 @@ def start_save(obj, storage: Storage, *, rt: Runtime, attempt: str, step: int | 
 
     # (a multi-node local tier, whose committer sees only its own node's data files,
     # cannot read the others' tables or indexes: version 3, whose votes hold the records)
-    indexed = (world_size > 1 and getattr(storage, "sees_all_data", True)) if options.indexed is None \
+    indexed = (world_size > 1 and storage.sees_all_data) if options.indexed is None \
         else options.indexed
 
     def finish() -> None:
