@@ -1,9 +1,11 @@
-"""The public calls: drop-in ``save`` / ``load`` / ``wait`` and the managed ``Store``.
+"""The drop-in calls: ``save`` / ``load`` / ``wait``, called as torch.save and
+torch.load are (a path, URL or file object; torch's own files and streams too).
 
 Thin on purpose: every save goes through :func:`checkpoint.save.start_save` (the
 blocking API is ``result()`` on the asynchronous one), every load through
-:func:`checkpoint.load.load_checkpoint`. ``Store`` lives in store.py, ``prepare`` in
-warmup.py; both are re-exported here.
+:func:`checkpoint.load.load_checkpoint`. ``Store`` (store.py), ``prepare`` (warmup.py),
+``LoadInfo`` and ``WorldSizeChangedWarning`` (checkpoint/load.py) and the other names
+code imported from here before they moved are re-exported.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from . import names
 from .checkpoint.commit import generations, read_manifest
 from .checkpoint.container import MAGIC, read_container, read_container_file, replace_file, write_container
 from .checkpoint.held import Hold, references_lock
-from .checkpoint.load import RELOADS, LoadInfo, WorldSizeChangedWarning, load_checkpoint  # noqa: F401 (re-exported)
+from .checkpoint.load import load_checkpoint
 from .checkpoint.references import index as index_references
 from .checkpoint.restore import latest_manifest
 from .checkpoint.save import SaveFuture, SaveOptions, save_options, start_save
@@ -33,10 +35,13 @@ from .errors import CheckpointNotFoundError, NotACheckpointError
 from .runtime import runtime
 from .staging.cuda import check_stream
 from .storage import MemoryStorage, Storage, is_url, open_storage
+
+# Re-exported: names that lived here, now owned by the modules they come from
+from .checkpoint.load import RELOADS, LoadInfo, WorldSizeChangedWarning  # noqa: F401
+from .checkpoint.walk import tensors_in  # noqa: F401
 from .store import Store
-from .tiers import TierFallbackWarning  # noqa: F401 (re-exported)
-from .checkpoint.walk import tensors_in  # noqa: F401 (re-exported)
-from .warmup import prepare, state_nbytes  # noqa: F401 (re-exported)
+from .tiers import TierFallbackWarning  # noqa: F401
+from .warmup import prepare, state_nbytes  # noqa: F401
 
 wait = lifecycle.wait
 

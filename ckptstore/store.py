@@ -215,10 +215,11 @@ class Store:
 
     def apply_retention(self, committed: int | None = None, manifest: fmt.Manifest | None = None) -> None:
         """Retention after the commit of step ``committed`` (its ``manifest``), or after
-        a promotion (tiers.Promoter calls it). The store's own writer deletes a dropped checkpoint's files at once:
-        the only saves that could reference them are its own, whose bases it protects.
-        A save starting meanwhile either registered its base before the protected steps
-        are taken, or takes the new checkpoint as its base (one lock for both)."""
+        a promotion (tiers.Promoter calls it). The store's own writer deletes a dropped
+        checkpoint's files at once: the only saves that could reference them are its
+        own, whose bases it protects. A save starting meanwhile either registered its
+        base before the protected steps are taken, or takes the new checkpoint as its
+        base (one lock for both)."""
         with self._base_lock:
             if manifest is not None:
                 self.note_committed(manifest)

@@ -48,7 +48,7 @@ from .checkpoint.gc import attempts_named
 from .checkpoint.group import gather, rank_and_world
 from .checkpoint.promote import Throttle, promote
 from .checkpoint.retention import Retention
-from .checkpoint.save import SaveFuture, _refuse
+from .checkpoint.save import SaveFuture, refuse
 from .errors import (
     AlreadyExistsError,
     CheckpointNotFoundError,
@@ -302,7 +302,7 @@ class Promoter:
                 manifest = save._future.result()  # the local commit (not .result(): the save's own
             except BaseException as e:               # failure stays unobserved, for the next save)
                 # Tell rank 0 of the durable attempt at once (it would wait for this vote).
-                _refuse(self.durable.location(save.step), save.attempt, save.step, save.world_size, rank, e)
+                refuse(self.durable.location(save.step), save.attempt, save.step, save.world_size, rank, e)
                 future.observed = True  # the save's own error, reported as the save's
                 self._finish(future, save.step, error=e, quiet=True)
                 continue

@@ -1,7 +1,8 @@
 """The load of one checkpoint location: its visible manifest, the indexes and
 references it needs, the restore of this rank's object, a template filled; with the
-``LoadInfo`` that says what was found. Under ``ckptstore.load`` and ``Store.load``
-alike (the save side of it is save.py)."""
+``LoadInfo`` that says what was found; and the one retry rule of every load
+(:func:`with_reloads`). Under ``ckptstore.load`` and ``Store.load`` alike (the save
+side of it is save.py)."""
 
 from __future__ import annotations
 

@@ -176,7 +176,7 @@ def start_save(obj, storage: Storage, *, rt: Runtime, attempt: str, step: int | 
                           warn_unsafe=options.warn_unsafe)
     except BaseException as e:
         writer.abort()
-        _refuse(storage, attempt, step, world_size, rank, e)
+        refuse(storage, attempt, step, world_size, rank, e)
         if isinstance(e, CkptStoreError):
             raise type(e)(f"{storage.describe()}: {e}") from e
         raise
@@ -213,7 +213,7 @@ def start_save(obj, storage: Storage, *, rt: Runtime, attempt: str, step: int | 
             if own is not None:  # a root: with this rank's own records, which it has at hand
                 manifest = with_index(storage, manifest, own, rt.readers)
         except BaseException as e:
-            _refuse(storage, attempt, step, world_size, rank, e)
+            refuse(storage, attempt, step, world_size, rank, e)
             future._future.set_exception(e)
         else:
             if after_commit is not None:
@@ -228,7 +228,7 @@ def start_save(obj, storage: Storage, *, rt: Runtime, attempt: str, step: int | 
     return future
 
 
-def _refuse(storage: Storage, attempt: str, step, world_size: int, rank: int, error: BaseException) -> None:
+def refuse(storage: Storage, attempt: str, step, world_size: int, rank: int, error: BaseException) -> None:
     """A failed rank tells the others at once: a no-vote, and from rank 0 an abort."""
     if world_size > 1:
         write_failure_vote(storage, attempt, step, world_size, rank, error)
