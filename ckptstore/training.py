@@ -25,9 +25,10 @@ import torch.distributed as dist
 from . import format as fmt
 from . import lifecycle
 from . import names
-from .api import Store, tensors_in
+from .store import Store
 from .checkpoint import exiting
 from .checkpoint.flatten import _is_dtensor
+from .checkpoint.walk import tensors_in
 from .checkpoint.group import rank_and_world
 from .config import config
 from .resume import ResumeInfo
@@ -184,7 +185,7 @@ class Checkpointer:
         """After the first step, when the optimizer has made its state: the staging
         memory of the first save is made ready in the background (ckptstore.prepare),
         so that save copies without page faults."""
-        from .api import prepare
+        from .warmup import prepare
 
         parts: list = []
         if self.model is not None:

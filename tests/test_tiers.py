@@ -69,7 +69,7 @@ def test_every_save_is_local_every_kth_durable_and_wait_covers_the_promotions(bu
         store.save(step, state(step))
     ckptstore.wait()
     assert store.local.steps() == [6, 7]  # its own retention
-    assert store._committed_steps() == [3, 6]  # the 3rd and 6th saves, promoted
+    assert store.committed_steps() == [3, 6]  # the 3rd and 6th saves, promoted
     assert store.steps() == [3, 6, 7] and [t for t, _ in store.tiers_of(6)] == ["local", "durable"]
     local, durable = latest_manifest(store.local.location(6)), latest_manifest(store.location(6))
     assert (durable.attempt, durable.ranks, durable.tensors, durable.created_at) == \
@@ -125,7 +125,7 @@ def test_a_promotion_checks_every_hash_and_publishes_nothing_it_could_not_check(
         f.write(b"\xff\xff\xff")
     with pytest.raises(IntegrityError, match="xxh3-128 mismatch"):
         promote(store.local.location(1), store.location(1), manifest, 0, timeout=10.0)
-    assert store._committed_steps() == []  # nothing visible in the durable tier
+    assert store.committed_steps() == []  # nothing visible in the durable tier
 
 
 def test_local_retention_keeps_a_step_whose_promotion_is_pending(tmp_path):
@@ -147,7 +147,7 @@ def test_a_failed_promotion_warns_fails_wait_and_not_the_next_save(tmp_path, mon
     store = ckptstore.Store(tmp_path / "durable", local=tmp_path / "local", durable_every=1)
     with pytest.warns(PromotionWarning, match="promotion of step 1"):
         store.save(1, state(1)).result()
-        worker = store._promoter._worker  # None once it has ended, the failed promotion with it
+        worker = store._tiers.promoter._worker  # None once it has ended, the failed promotion with it
         if worker is not None:
             worker.join()
     monkeypatch.undo()  # the real promotion again
@@ -155,7 +155,7 @@ def test_a_failed_promotion_warns_fails_wait_and_not_the_next_save(tmp_path, mon
     with pytest.raises(IntegrityError, match="simulated"):
         ckptstore.wait()  # ...but wait() raises it, even after it ended
     ckptstore.wait()
-    assert store._committed_steps() == [2] and store.local.steps() == [1, 2]
+    assert store.committed_steps() == [2] and store.local.steps() == [1, 2]
 
 
 def test_the_durable_tier_keeps_its_own_retention(tmp_path):
@@ -164,7 +164,7 @@ def test_the_durable_tier_keeps_its_own_retention(tmp_path):
     for step in (1, 2, 3):
         store.save(step, state(step))
         ckptstore.wait()
-    assert store._committed_steps() == [3] and store.local.steps() == [1, 2, 3]
+    assert store.committed_steps() == [3] and store.local.steps() == [1, 2, 3]
 
 
 def kill_mid_promotion(durable: str, local, env: dict) -> None:
@@ -193,7 +193,7 @@ def test_sigkill_during_a_promotion_leaves_both_tiers_consistent(tmp_path):
     assert not list(durable.rglob("manifest-*.json"))  # nothing half-visible (I1)
 
     store = ckptstore.Store(durable, local=local, durable_every=2, chunk_bytes=64 << 10)
-    assert store._committed_steps() == [] and store.local.steps() == [1, 2]
+    assert store.committed_steps() == [] and store.local.steps() == [1, 2]
     got, info = store.resume()
     assert (info.step, info.tier) == (2, "local")
     assert torch.equal(got["t3"], torch.full((50_000,), 203.0))
@@ -201,7 +201,7 @@ def test_sigkill_during_a_promotion_leaves_both_tiers_consistent(tmp_path):
     assert [d.kind for d in swept.deletions] == ["attempt"] and not list(durable.rglob("data-*.bin"))
     store.save(4, {"x": torch.ones(3)}, durable=True).result()
     ckptstore.wait()  # a later promotion goes through
-    assert store._committed_steps() == [4]
+    assert store.committed_steps() == [4]
 
 
 @pytest.mark.parametrize("bad", [{"durable_every": 0}, {"durable_every": 1.5}, {"durable_every": True}])
@@ -226,7 +226,7 @@ def test_a_preemption_save_is_promoted_whatever_durable_every_says(tmp_path):
     assert ckpt.step(1)  # the preemption's save, waited for
     ckptstore.wait()
     ckpt.close()
-    assert store.local.steps() == [0, 1] and store._committed_steps() == [1]
+    assert store.local.steps() == [0, 1] and store.committed_steps() == [1]
     fresh = ckptstore.Store(tmp_path / "durable")  # the node is gone: the durable tier alone
     assert torch.equal(fresh.load(1)["model"]["weight"], model.weight.detach())
 
@@ -242,7 +242,7 @@ def test_sigkill_during_a_promotion_to_s3_leaves_both_tiers_consistent(bucket, e
     uploads = [u["Key"] for u in s3.list_multipart_uploads(Bucket=bucket).get("Uploads", [])]
 
     store = ckptstore.Store(url, local=local, durable_every=2, chunk_bytes=64 << 10)
-    assert store._committed_steps() == [] and store.local.steps() == [1, 2]
+    assert store.committed_steps() == [] and store.local.steps() == [1, 2]
     got, info = store.resume()
     assert (info.step, info.tier) == (2, "local")
     assert torch.equal(got["t1"][-5:], torch.full((5,), 201.0))
@@ -250,7 +250,7 @@ def test_sigkill_during_a_promotion_to_s3_leaves_both_tiers_consistent(bucket, e
     assert len(swept.aborted_uploads) == len(uploads) and not s3.list_multipart_uploads(Bucket=bucket).get("Uploads")
     store.save(4, {"x": torch.ones(3)}, durable=True).result()
     ckptstore.wait()  # a later promotion goes through
-    assert store._committed_steps() == [4]
+    assert store.committed_steps() == [4]
 
 
 def test_a_split_local_tier_keeps_data_files_apart_from_the_commit_records(tmp_path):
@@ -348,16 +348,16 @@ def test_a_save_that_fails_locally_promotes_nothing_and_stays_the_saves_own_erro
         warnings.simplefilter("error", PromotionWarning)  # its promotion fails quietly
         f = store.save(1, state(1))
         assert isinstance(f._future.exception(), StorageFullError)  # (not observed: the next save reports it)
-        worker = store._promoter._worker
+        worker = store._tiers.promoter._worker
         if worker is not None:
             worker.join()
     monkeypatch.undo()
     with pytest.raises(CkptStoreError, match="earlier save"):
         store.save(2, state(2))
-    assert store._committed_steps() == [] and not list((tmp_path / "durable").rglob("manifest-*"))
+    assert store.committed_steps() == [] and not list((tmp_path / "durable").rglob("manifest-*"))
     store.save(3, state(3)).result()
     ckptstore.wait()
-    assert store._committed_steps() == [3]
+    assert store.committed_steps() == [3]
 
 
 def test_a_two_tier_store_saves_whole_checkpoints(tmp_path):

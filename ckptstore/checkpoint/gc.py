@@ -48,7 +48,7 @@ from . import claims
 from .catalog import Location, read_pin, scan_store, skip_verdict
 from .commit import read_manifest
 from .gc_run import run_deletions
-from .liveness import _references_of_unreadable, attempts_named, references_of, with_unreadable
+from .liveness import attempts_named, references_of, with_unreadable
 from .retention import Candidate, Retention, select_kept
 
 DEFAULT_GRACE = 6 * 3600.0
@@ -359,7 +359,7 @@ def collect(storage: Storage, policy: Retention = Retention(), grace: float = DE
     return p
 
 
-# (attempts_named, references_of and _references_of_unreadable live in liveness.py; named
-# here too for the callers that import them from gc)
-__all__ = ["DEFAULT_GRACE", "Deletion", "GcPlan", "Pending", "_references_of_unreadable", "attempts_named", "collect",
+# (attempts_named and references_of live in liveness.py; named here too for the callers
+# that import them from gc)
+__all__ = ["DEFAULT_GRACE", "Deletion", "GcPlan", "Pending", "attempts_named", "collect",
            "empty_dirs", "execute", "plan", "preview", "read_pin", "references_of"]

@@ -24,7 +24,7 @@ from ..storage import Storage
 from .commit import await_outcome, commit, generations, read_manifest, write_vote
 from .indexes import read_indexes, vote_of_index
 from .reader import verified
-from .save import _refuse
+from .save import refuse
 
 # One blob at a time is in memory (its stored bytes and, when compressed, its decoded
 # bytes for the hash): at most about twice the chunk size of the save.
@@ -149,5 +149,5 @@ def promote(src: Storage, dst: Storage, manifest: fmt.Manifest, rank: int, *, ti
                           retire_files=manifest.step is None)  # other steps may reference a retired one's files
         return await_outcome(dst, manifest.attempt, timeout, rank, world)
     except BaseException as e:
-        _refuse(dst, manifest.attempt, manifest.step, world, rank, e)
+        refuse(dst, manifest.attempt, manifest.step, world, rank, e)
         raise

@@ -39,6 +39,16 @@ conformance suite (tests/test_storage_conformance.py) checks for every backend:
   raises :class:`~ckptstore.errors.NotRegularObjectError`.
 - Messages carry no secrets: URLs in them pass through :func:`redact_url` (storage/urls.py).
 
+Capability flags (class attributes; a backend overrides the ones it differs in):
+
+- ``sees_all_data``: whether every rank sees every rank's data files through this store,
+  so that the committer can check them all and a save can write format version 4's
+  indexes into them. True for ``local`` (one file system), ``memory`` (one process) and
+  ``s3``; False for ``SplitStorage`` (storage/split.py: a multi-node local tier, where
+  each node holds only its own ranks' data files).
+- ``opens_remotely``: whether opening an appended object costs round trips (True for
+  ``s3``), so a save opens its data file on an I/O thread while it stages.
+
 Read coalescing (a hint to loaders, not part of the contract): a load merges the reads
 of small blobs that lie close together in one file into one ``readinto`` and splits
 the bytes back per blob (``ckptstore.checkpoint.reader.plan_reads``). A backend says how
@@ -147,6 +157,10 @@ class Storage(abc.ABC):
     # Opening an appended object costs round trips (S3): a save then opens its data file
     # on an I/O thread while it stages (pipeline.RankWriter.open_soon).
     opens_remotely: bool = False
+    # Every rank's data files are seen through this store (the committer checks them
+    # all: commit.check_files; a multi-rank save writes version 4 indexes: save.py).
+    # False only for SplitStorage, whose data files stay on each node.
+    sees_all_data: bool = True
 
     def _check(self, key: str, prefix: bool = False) -> str:
         """``check_key`` naming this store in the message (built only for a bad key)."""
