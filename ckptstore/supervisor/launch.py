@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         _write(result_path, {"ok": False, "launcher_signal": e.sigval.name, "failures": {}})
         return 128 + int(e.sigval)
     except RendezvousTimeoutError as e:  # not every node came within the join timeout
-        _write(result_path, {"ok": False, "failures": {}, "rendezvous_timeout": str(e)[:2000],
+        _write(result_path, {"ok": False, "failures": {}, "rendezvous_timeout": True,
                              "launcher_error": f"RendezvousTimeoutError: {str(e)[:2000]}"})
         return 1
     except Exception as e:  # noqa: BLE001 - the launcher's own failure (a peer's store gone at shutdown)

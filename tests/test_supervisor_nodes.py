@@ -1,0 +1,143 @@
+"""Several nodes, one decision (issue 35, section 3): simulated nodes on one machine, one
+``ckptstore run`` each (``--nnodes 2 --node-rank K``, c10d rendezvous on 127.0.0.1, one
+CPU rank per node, one store), deciding together through the store's shared records
+(ckptstore/supervisor/consensus.py, docs/format.md "Shared decisions").
+
+Before: each node's supervisor decided alone. A deterministic error on node 1 stopped
+node 1 (exit 10) while node 0 relaunched and waited for it in torch's rendezvous for its
+default join timeout (600 s) on every attempt; attempts were numbered per node, and every
+node journaled and alerted its own failure of each attempt.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from ckptstore.storage import open_storage
+from ckptstore.supervisor import consensus, runner
+from ckptstore.supervisor.journal import Journal
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from jobutil import Job, assert_bit_identical  # noqa: E402
+from test_supervisor import SCRIPT, STEPS, kinds, reference  # noqa: E402,F401
+
+RUN = "nodes"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Nodes:
+    """``n`` simulated nodes of one run; ``faults[k]``: node k's FAULT (any rank of it)."""
+
+    def __init__(self, store: Path, tmp: Path, *policy, n: int = 2, faults: dict | None = None,
+                 nnodes: str | None = None):
+        port = free_port()
+        self.store, self.tmp = store, tmp
+        self.final = tmp / f"final-{random.getrandbits(32):08x}.pt"
+        self.alerts = [tmp / f"alerts-{k}.jsonl" for k in range(n)]
+        self.jobs = []
+        for k in range(n):
+            fault = (faults or {}).get(k)
+            self.jobs.append(Job(
+                [sys.executable, "-m", "ckptstore.cli", "run", "--nnodes", nnodes or str(n), "--node-rank", str(k),
+                 "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                 "--store", str(store), "--run-id", RUN, "--backoff", "0.05", "--decision-wait", "5",
+                 "--join-timeout", "5", "--alert", f"cat >> {self.alerts[k]}; echo >> {self.alerts[k]}", *policy,
+                 str(SCRIPT), str(store), "--steps", str(STEPS), "--every", "5", "--final", str(self.final)],
+                env={"FAULT": fault or "none:-1", "FAULT_ANY_RANK": "1" if fault else ""}))
+
+    def finish(self) -> list[int]:
+        return [job.finish() for job in self.jobs]
+
+    def output(self) -> str:
+        return "\n".join(f"--- node {k}\n" + job.output()[-3000:] for k, job in enumerate(self.jobs))
+
+    def alert_events(self) -> list[dict]:
+        out = []
+        for path in self.alerts:
+            if path.exists():
+                out += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return sorted(out, key=lambda e: e["t"])
+
+    def events(self) -> list[dict]:
+        return Journal(open_storage(str(self.store)), RUN).events()
+
+    def shared(self) -> consensus.Shared:
+        return consensus.Shared(open_storage(str(self.store)), RUN, "reader")
+
+
+def test_a_deterministic_error_on_one_node_stops_every_node_with_one_verdict_and_one_alert(tmp_path):
+    """Node 1's rank raises the same error at step 12 on every attempt: the second time
+    is deterministic for the run, both nodes exit 10 after two attempts, the run's two
+    failures are journaled (and alerted) once each, by the verdict's writer."""
+    nodes = Nodes(tmp_path / "store", tmp_path, faults={1: "raise:12"})
+    assert nodes.finish() == [runner.EXIT_DETERMINISTIC] * 2, nodes.output()
+    events = nodes.events()
+    failures = kinds(events, "failure")
+    assert [(f["attempt"], f["class"]) for f in failures] == [(0, "transient"), (1, "deterministic")], failures
+    assert all("bad data shard at sample 192" in f["reason"] for f in failures)
+    assert all(len(f["nodes"]) == 2 for f in failures)  # both nodes' own view, in the one record
+    assert sorted(e["attempt"] for e in kinds(events, "attempt_start")) == [0, 0, 1, 1]
+    assert len(kinds(events, "give_up")) == 1 and kinds(events, "give_up")[0]["code"] == runner.EXIT_DETERMINISTIC
+    assert [e["kind"] for e in nodes.alert_events()] == ["failure", "failure", "give_up"]
+    shared = nodes.shared()
+    verdicts = [shared.verdict(n) for n in (0, 1)]
+    assert [v["action"] for v in verdicts] == ["relaunch", "give_up"] and verdicts[0]["next_attempt"] == 1
+    assert verdicts[0]["rdzv_id"] == f"{RUN}-a1"
+    assert shared.verdict(2) is None and shared.latest() == 1
+
+
+def test_a_rank_killed_on_one_node_recovers_bit_identical_under_one_attempt_number(tmp_path, reference):
+    """Node 1's rank is SIGKILLed at step 12 once: both nodes relaunch as attempt 1
+    (through a rendezvous of its own) and end bit-identical to an uninterrupted run; the
+    failure is recorded once, with the killed rank as its cause."""
+    nodes = Nodes(tmp_path / "store", tmp_path, faults={1: f"kill:12:{tmp_path / 'killed-once'}"})
+    assert nodes.finish() == [runner.EXIT_FINISHED] * 2, nodes.output()
+    assert_bit_identical(nodes.final, reference)
+    events = nodes.events()
+    failures = kinds(events, "failure")
+    caused = [f for f in failures if not (f["class"] == "transient" and f["step"] == STEPS - 1)]  # (teardown)
+    assert len(caused) == 1 and caused[0]["attempt"] == 0 and caused[0]["signal"] == "SIGKILL", failures
+    assert len({f["attempt"] for f in failures}) == len(failures)  # one record per attempt, whoever saw it
+    started = sorted(e["attempt"] for e in kinds(events, "attempt_start"))
+    assert started == sorted([n for n in range(len(failures) + 1)] * 2), started
+    assert len(kinds(events, "finish")) == 1
+    shared = nodes.shared()
+    assert shared.verdict(0)["action"] == "relaunch" and shared.verdict(len(failures))["action"] == "finish"
+    assert [e["kind"] for e in nodes.alert_events()] == ["failure"] * len(failures)
+
+
+def test_a_node_that_never_returns_stops_the_others_within_the_join_timeout(tmp_path):
+    """Node 1 is lost at step 8 (every process of it SIGKILLed, as a node that dies): node
+    0 waits at most --decision-wait for its report, relaunches, waits at most
+    --join-timeout in the rendezvous of attempt 1 and stops with exit 16, naming the
+    node."""
+    nodes = Nodes(tmp_path / "store", tmp_path)
+    lost = nodes.jobs[1]
+    lost.expect(lambda l: l.startswith("rank ") and " step 8 " in l, "a step 8 on node 1")
+    tree = [lost.proc, *psutil.Process(lost.proc.pid).children(recursive=True)]
+    for p in tree:
+        try:
+            os.kill(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert nodes.jobs[0].finish() == runner.EXIT_NODES_MISSING, nodes.output()
+    lost.finish()
+    give_up = kinds(nodes.events(), "give_up")
+    assert len(give_up) == 1 and give_up[0]["class"] == "nodes_missing", give_up
+    assert "join timeout" in give_up[0]["reason"] and f"{socket.gethostname()}-1" in give_up[0]["reason"]
+    assert nodes.shared().verdict(1)["unreported"] == []  # node 1 never launched attempt 1
+    assert nodes.shared().verdict(0)["unreported"] == [consensus.node_name(socket.gethostname(), 1)]
