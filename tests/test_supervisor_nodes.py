@@ -141,3 +141,67 @@ def test_a_node_that_never_returns_stops_the_others_within_the_join_timeout(tmp_
     assert "join timeout" in give_up[0]["reason"] and f"{socket.gethostname()}-1" in give_up[0]["reason"]
     assert nodes.shared().verdict(1)["unreported"] == []  # node 1 never launched attempt 1
     assert nodes.shared().verdict(0)["unreported"] == [consensus.node_name(socket.gethostname(), 1)]
+
+
+def test_with_min_max_nodes_the_others_continue_without_a_lost_node(tmp_path):
+    """``--nnodes 1:2``: node 1 is lost at step 8; node 0 relaunches, torch's rendezvous
+    completes with the one node left (after its last-call wait), and the job resumes on
+    one rank from the two ranks' checkpoint (resharded) and finishes."""
+    nodes = Nodes(tmp_path / "store", tmp_path, "--rdzv-conf", "last_call_timeout=1", nnodes="1:2")
+    lost = nodes.jobs[1]
+    lost.expect(lambda l: l.startswith("rank ") and " step 8 " in l, "a step 8 on node 1")
+    for p in [lost.proc, *psutil.Process(lost.proc.pid).children(recursive=True)]:
+        try:
+            os.kill(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert nodes.jobs[0].finish() == runner.EXIT_FINISHED, nodes.output()
+    lost.finish()
+    resumed = [line for line in nodes.jobs[0].lines if line.startswith("rank 0: resumed at step")]
+    assert resumed and "saved by 2 ranks" in resumed[-1], nodes.output()
+    shared = nodes.shared()
+    assert shared.verdict(0)["action"] == "relaunch" and shared.verdict(1)["action"] == "finish"
+    assert shared.members(1) == {consensus.node_name(socket.gethostname(), 0)}
+
+
+# ------------------------------------------------------------------ the shared records, in process
+def test_a_node_that_starts_late_joins_an_open_attempt_waits_out_a_running_one_and_follows_an_end():
+    clock = [1000.0]
+    storage = open_storage(f"memory://late-{random.getrandbits(32):08x}")
+    early = consensus.Shared(storage, RUN, "a-0", clock=lambda: clock[0])
+    late = consensus.Shared(storage, RUN, "b-1", clock=lambda: clock[0], sleep=lambda s: None)
+    assert late.start() == (0, None)  # nothing yet: attempt 0
+    early.join(0)
+    clock[0] += 10
+    assert late.start(lambda n: 60) == (0, None)  # its rendezvous may still be open: join it
+    clock[0] += 100
+    polls = []
+
+    def stopped():  # the running attempt ends (a relaunch) while the late node waits
+        polls.append(1)
+        if len(polls) == 2:
+            early.decree(0, "give_up", 10, "deterministic", "x")  # (any verdict ends the wait)
+        return False
+    attempt, ended = late.start(lambda n: 60, stopped=stopped)
+    assert (attempt, ended["action"], ended["code"]) == (0, "give_up", 10) and len(polls) == 2
+    assert late.settled_from(ended, False).decision.code == 10
+
+
+def test_the_verdict_merges_every_nodes_evidence_and_replays_the_history():
+    from ckptstore.supervisor.classify import Verdict
+    from ckptstore.supervisor.decide import Policy
+
+    storage = open_storage(f"memory://merge-{random.getrandbits(32):08x}")
+    a, b = (consensus.Shared(storage, RUN, n, wait_s=0) for n in ("a-0", "b-1"))
+    lost_peer = Verdict("transient", "rank 0: RuntimeError: Connection closed by peer")
+    own = Verdict("transient", "rank 1: ValueError: bad", signature="ValueError: bad @ step 11")
+    for n in (0, 1):
+        a.join(n), b.join(n)
+        a.report(n, lost_peer, False, 10)
+        b.report(n, own, False, 10)
+    first = a.settle(0, Policy())
+    assert first.mine and first.record["failure_node"] == "b-1" and first.decision.code is None
+    assert first.record["next_attempt"] == 1 and first.record["rdzv_id"] == f"{RUN}-a1"
+    assert not b.settle(0, Policy()).mine  # the first verdict is followed
+    second = b.settle(1, Policy())  # the history of attempt 0 comes from its verdict: a repeat
+    assert second.mine and second.decision.code == 10 and second.failure.klass == "deterministic"

@@ -55,6 +55,7 @@ _MEMBER_RE = re.compile(r"member-([A-Za-z0-9][A-Za-z0-9._-]{0,63})\.json")
 _REPORT_RE = re.compile(r"report-([A-Za-z0-9][A-Za-z0-9._-]{0,63})\.json")
 VERDICT_LEAF = "verdict.json"
 WAIT_S = 30.0  # the longest wait for the reports of the other nodes of an attempt
+FIRST_JOIN_S = 600.0  # torch's own join timeout, which the first attempt keeps
 POLL_S = 0.5
 
 
@@ -208,18 +209,39 @@ class Shared:
         found = [int(m.group(1)) for m in map(_ATTEMPT_RE.fullmatch, names) if m]
         return max(found) if found else None
 
-    def start(self) -> tuple[int, dict | None]:
+    def start(self, window_s=lambda attempt: FIRST_JOIN_S, stopped=lambda: False, say=lambda line: None,
+              wait_poll_s: float = 5.0) -> tuple[int, dict | None]:
         """Where a node that starts (or restarts) joins the run: (the attempt to launch,
-        None), or (the attempt, its verdict) when the run already ended there."""
+        None), or (the attempt, its verdict) when the run already ended there. The
+        newest attempt without a verdict is joined while its rendezvous may still be
+        open (its first member record younger than ``window_s(attempt)``, torch's join
+        timeout); one that runs without this node is not disturbed: the node waits for
+        its verdict and joins the next attempt (or ends as the run did)."""
         n = self.latest()
         if n is None:
             return 0, None
         v = self.verdict(n)
         if v is None:
-            return n, None
+            first = self.first_member_t(n)
+            if first is None or self.clock() - first < window_s(n):
+                return n, None
+            say(f"attempt {n} runs without this node (since {self.clock() - first:.0f}s): it joins the next one")
+            while v is None and not stopped():
+                self.sleep(wait_poll_s)
+                v = self.verdict(n)
+            if v is None:
+                return n, None
         if v["action"] == "relaunch":
             return n + 1, None
         return n, v
+
+    def first_member_t(self, attempt: int) -> float | None:
+        times = []
+        for m in map(_MEMBER_RE.fullmatch, self._leaves(attempt)):
+            rec = self._get(f"{attempt_dir(self.run, attempt)}/{m.group(0)}") if m else None
+            if rec is not None and isinstance(rec.get("t"), (int, float)) and not isinstance(rec.get("t"), bool):
+                times.append(float(rec["t"]))
+        return min(times) if times else None
 
     # ------------------------------------------------------------------ during an attempt
     def interrupted(self, attempt: int) -> str | None:

@@ -107,7 +107,9 @@ class Supervisor:
         last_ckpt = self._stored_checkpoint()[0]  # where the last attempt (or the first) resumes
         attempt = 0
         if self.shared is not None:  # a node (re)started late joins where the run is
-            attempt, ended = self.shared.start()
+            attempt, ended = self.shared.start(
+                lambda n: self.join_timeout_s if n > 0 else consensus.FIRST_JOIN_S,
+                stopped=lambda: self._stop_signal is not None, say=say)
             if ended is not None:
                 return self._follow(attempt, self.shared.settled_from(ended, False))
         while True:
