@@ -248,6 +248,8 @@ class Shared:
         """Why this node's attempt must stop although its launcher still runs: the
         attempt's verdict is written, or another node reported its end."""
         v = self.verdict(attempt)
+        if v is not None and v["action"] == "finish":
+            return None  # another node finished first: this one's ranks finish too (rank 0 may still write)
         if v is not None:
             return f"the run's verdict on attempt {attempt} ({v['action']}, by {v.get('node')})"
         leaves = self._leaves(attempt)
