@@ -205,3 +205,17 @@ def test_the_verdict_merges_every_nodes_evidence_and_replays_the_history():
     assert not b.settle(0, Policy()).mine  # the first verdict is followed
     second = b.settle(1, Policy())  # the history of attempt 0 comes from its verdict: a repeat
     assert second.mine and second.decision.code == 10 and second.failure.klass == "deterministic"
+
+
+def test_a_running_attempt_stops_for_a_peers_end_but_not_for_a_finish():
+    storage = open_storage(f"memory://peer-{random.getrandbits(32):08x}")
+    from ckptstore.supervisor.classify import Verdict
+
+    a, b = (consensus.Shared(storage, RUN, n) for n in ("a-0", "b-1"))
+    a.join(0), b.join(0)
+    assert a.interrupted(0) is None
+    a.report(0, Verdict("transient", "rank 0 was killed by SIGKILL", signal="SIGKILL"), False, None)
+    assert a.interrupted(0) is None and b.interrupted(0) == "attempt 0 ended on node a-0"
+    a.join(1), b.join(1)
+    assert a.decree(1, "finish", 0, "finished", "the script finished").mine
+    assert b.interrupted(1) is None  # its ranks finish too
