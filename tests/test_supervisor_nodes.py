@@ -20,7 +20,6 @@ import sys
 from pathlib import Path
 
 import psutil
-import pytest
 
 from ckptstore.storage import open_storage
 from ckptstore.supervisor import consensus, runner

@@ -40,6 +40,17 @@ def _parser() -> argparse.ArgumentParser:
                    help="seconds without progress from any reporting rank (saves and loads excepted)")
     p.add_argument("--first-progress-timeout", type=float, default=d.first_progress_timeout_s,
                    help="seconds from a launch to the first training step of a reporting rank")
+    p.add_argument("--resume-timeout", type=float, default=d.resume_timeout_s,
+                   help="the longest a Checkpointer.resume() may take, and its bound until one is measured")
+    p.add_argument("--save-timeout", type=float, default=d.save_timeout_s,
+                   help="the longest a save (start to commit, or a wait for commits) may take, and its bound "
+                   "until one is measured")
+    p.add_argument("--section-factor", type=float, default=d.section_factor,
+                   help="learned section bounds are this many times the longest measured (0: not learned)")
+    p.add_argument("--health-interval", type=float, default=d.health_interval_s,
+                   help="seconds between health checks of the node during the run (0: off)")
+    p.add_argument("--straggler-report", type=float, default=d.straggler_report_s,
+                   help="seconds between step-time reports for straggler detection (0: off)")
     p.add_argument("--run-timeout", type=float, default=None, help="give up after this many seconds in all")
     p.add_argument("--no-progress-restarts", type=int, default=d.no_progress_restarts,
                    help="give up after this many failures in a row without a newer checkpoint")
@@ -151,6 +162,9 @@ def run_command(argv) -> None:
                     health_wait_s=opts.health_wait, hang_timeout_s=opts.hang_timeout,
                     first_progress_timeout_s=opts.first_progress_timeout, run_timeout_s=opts.run_timeout,
                     no_progress_restarts=opts.no_progress_restarts, alert=opts.alert,
+                    resume_timeout_s=opts.resume_timeout, save_timeout_s=opts.save_timeout,
+                    section_factor=opts.section_factor, health_interval_s=opts.health_interval,
+                    straggler_report_s=opts.straggler_report,
                     health=HealthLimits(expected_gpus=opts.expected_gpus))
     try:
         sup = Supervisor(opts.store, launcher, policy, run_id=opts.run_id, staging_dirs=tuple(opts.staging_dir),

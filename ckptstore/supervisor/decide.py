@@ -54,6 +54,15 @@ class Policy:
     no_progress_restarts: int = 3  # failures in a row without a newer committed step
     alert: str | None = None  # a shell command; the event arrives as JSON on its stdin
     health: HealthLimits = HealthLimits()
+    # Sections (sections.py): ceilings, and the bound while nothing is measured; learned
+    # bounds are min(ceiling, max(floor, section_factor x the longest measured)).
+    resume_timeout_s: float = 1800.0
+    save_timeout_s: float = 1800.0
+    section_factor: float = 3.0  # 0: no learning, the ceilings only
+    # During the run (watch.py, stragglers.py): seconds between two health checks of the
+    # node and between two step-time reports; 0 turns either off.
+    health_interval_s: float = 60.0
+    straggler_report_s: float = 60.0
 
 
 @dataclass

@@ -43,6 +43,13 @@ evidence was chosen), ``give_up`` and ``finish``.
 - ``unhealthy``: ``checks`` (the failed ones: list of {name, ok, detail, value}),
   ``reason`` (str); the last event of a run that stopped on an unhealthy node.
 - ``finish``: ``attempt``, ``step`` (last step), ``save_blocking_s``, ``step_s``.
+- ``sections``: ``attempt``, ``longest`` (dict: section -> seconds); ``section_timeout``:
+  ``attempt``, ``section``, ``rank``, ``step``, ``elapsed_s``, ``bound_s``, ``source``,
+  ``measured_s``, ``factor``, ``floor_s``, ``option`` (sections.py).
+- ``run_health``: ``attempt``, ``action`` ("preempt", "warn"), ``checks`` (watch.py).
+- ``step_times``: ``attempt``, ``ranks`` (dict: rank string -> median step time);
+  ``straggler``: ``attempt``, ``rank``, ``step_s``, ``others_s``, ``ratio``, ``reports``,
+  ``since``, ``alert_factor`` (stragglers.py).
 
 Any event may carry ``save_blocking_s`` / ``step_s``; status takes the latest of each.
 

@@ -36,11 +36,14 @@ from .classify import Verdict, classify
 from .decide import (EXIT_DETERMINISTIC, EXIT_NO_PROGRESS, EXIT_NODES_MISSING, EXIT_RESTART_LIMIT, History, Policy,
                      decide)
 from .gate import EXIT_STORE_UNREACHABLE, Gate
-from .health import EXIT_UNHEALTHY, check_node, checks_json
+from .health import EXIT_UNHEALTHY, check_node, checks_json, local_store_path
 from .journal import Journal, new_run_id
 from .launch import ENV_SUPERVISOR
 from .progress import ENV_DIR, read_progress
+from .sections import Sections
 from .status import newest_checkpoint
+from .stragglers import ALERT_FACTOR, Tracker, report_of
+from .watch import NodeWatch, run_checks
 
 __all__ = ["EXIT_DETERMINISTIC", "EXIT_FINISHED", "EXIT_NODES_MISSING", "EXIT_NO_PROGRESS", "EXIT_RESTART_LIMIT",
            "EXIT_RUN_TIMEOUT",
@@ -81,6 +84,9 @@ class Supervisor:
                          policy, lambda: self._stop_signal is not None)
         self._worker_pids: set[int] = set()  # the current attempt's ranks (progress files)
         self._progress_dir = ""
+        self.sections = Sections(policy)  # the run's measured sections and their bounds
+        self._reported_before: bool | None = None  # an attempt of this run reported (None: journal unread)
+        self.stragglers = Tracker()
         # Several nodes: one attempt number, one verdict per failure, one alert per event,
         # shared through the store (consensus.py); a single node decides alone, as before.
         self.node_rank, self.join_timeout_s = node_rank, join_timeout_s
@@ -133,6 +139,8 @@ class Supervisor:
             if self.shared is not None:
                 self._shared_call(self.shared.join, attempt, self.node_rank)
             outcome = self._attempt(attempt, started)
+            if outcome.klass == "unhealthy":  # a GPU failed during the run: the job saved and stopped
+                return self._unhealthy_in_run(attempt, outcome)
             if outcome.klass == "finished" and self.shared is not None:
                 settled = self._decree(attempt, "finish", EXIT_FINISHED, "finished", "the script finished")
                 if not settled.mine:
@@ -216,6 +224,10 @@ class Supervisor:
         resumed_logged = measured = False
         verdict: Verdict | None = None
         peer_check = time.monotonic() + PEER_POLL_S
+        self._learn_sections()
+        node = NodeWatch(lambda: run_checks(self.staging_dirs, local_store_path(self.store_url), self.policy.health),
+                         self.policy.health_interval_s)
+        next_report = launched + self.policy.straggler_report_s
         try:
             while True:
                 try:
@@ -239,6 +251,12 @@ class Supervisor:
                     self._kill(signal.SIGKILL)  # a hung rank does not answer SIGTERM
                     verdict = Verdict("hang", hung)
                     break
+                verdict = self._in_run_checks(attempt, progress, launched_t, node)
+                if verdict is not None:
+                    break
+                if self.policy.straggler_report_s > 0 and time.monotonic() >= next_report:
+                    next_report = time.monotonic() + self.policy.straggler_report_s
+                    self._report_step_times(attempt, progress)
                 if self._stop_signal is not None:
                     self._kill(self._stop_signal)
                     break
@@ -256,6 +274,7 @@ class Supervisor:
         watch.update(progress)
         if not resumed_logged:  # the first step came after the last look (a short attempt)
             self._log_resume(attempt, watch, progress, launched_t)
+        self._journal_sections(attempt, progress, watch, launched_t)
         evidence = {"step": watch.max_step, "step_s": watch.step_s, "save_blocking_s": watch.save_blocking_s,
                     "resume_reported": watch.resume_reported, "resumed_step": watch.resumed_step,
                     "committed_step": watch.committed_step, "committed_t": watch.committed_t}
@@ -274,6 +293,76 @@ class Supervisor:
                 verdict = classify(result, watch.max_step, relaunched=attempt > 0 and not watch.trained)
         verdict.evidence.update(evidence)
         return verdict
+
+    # ------------------------------------------------------------------ during the attempt
+    def _learn_sections(self) -> None:
+        """Once per supervisor: what this run's journal measured (a --run-id used before)."""
+        if self._reported_before is not None:
+            return
+        try:
+            events = self.journal.events()
+        except Exception:  # an unreadable journal teaches nothing
+            events = []
+        self.sections.learn_from_journal(events)
+        self._reported_before = any(e.get("kind") in ("resume", "sections") for e in events)
+
+    def _in_run_checks(self, attempt: int, progress: dict, launched_t: float, node: NodeWatch) -> Verdict | None:
+        """The sections' bounds (sections.py) and the node's health (watch.py): the
+        verdict that ends the attempt, or None."""
+        self._reported_before = self._reported_before or bool(progress)
+        late = self.sections.judge(progress, launched_t, time.time(), bool(self._reported_before))
+        if late is not None:
+            self._event("section_timeout", attempt=attempt, **late.event())
+            self._kill(signal.SIGKILL)  # as for a hang: a stuck rank does not answer SIGTERM
+            return Verdict("hang", late.reason(), evidence={"section": late.section})
+        finding = node.poll()
+        if finding is None:
+            return None
+        for c in finding.warnings:
+            self._event("run_health", attempt=attempt, action="warn", checks=checks_json([c]))
+            say(f"health check failed during the run: {c.name}: {c.detail} (the job goes on)")
+        if not finding.unhealthy:
+            return None
+        reason = "; ".join(f"{c.name}: {c.detail}" for c in finding.unhealthy)
+        self._event("run_health", attempt=attempt, action="preempt", checks=checks_json(finding.unhealthy))
+        say(f"unhealthy GPU during the run: {reason}; stopping the job with SIGTERM (its preemption save)")
+        self._kill(signal.SIGTERM)  # the Checkpointer saves (to the durable tier too) and stops
+        return Verdict("unhealthy", reason, evidence={"checks": checks_json(finding.unhealthy)})
+
+    def _report_step_times(self, attempt: int, progress: dict) -> None:
+        """A ``step_times`` report of this node's ranks; a ``straggler`` event (and alert)
+        for each rank that became one beyond the alert factor (stragglers.py)."""
+        ranks = report_of(progress)
+        if not ranks or self.world_size == 1:
+            return
+        self._event("step_times", attempt=attempt, ranks={str(r): s for r, s in sorted(ranks.items())})
+        for s in self.stragglers.update(attempt, ranks, socket.gethostname(), fmt.utc_now()):
+            fields = {k: v for k, v in s.as_dict().items() if k != "host"}  # (the event's own host: this node)
+            self._event("straggler", attempt=attempt, alert_factor=ALERT_FACTOR, **fields)
+            say(f"straggler: rank {s.rank} steps in {s.step_s:.3g}s, {s.ratio:.1f}x the other ranks' "
+                f"median {s.others_s:.3g}s, for {s.reports} reports")
+
+    def _journal_sections(self, attempt: int, progress: dict, watch: "_ProgressWatch", launched_t: float) -> None:
+        """What this attempt measured of each section: learned from, and journaled."""
+        first = None if watch.first_step_t is None else max(0.0, watch.first_step_t - launched_t)
+        longest = self.sections.attempt_longest(progress, first)
+        for name, seconds in longest.items():
+            self.sections.observe(name, seconds)
+        if longest:
+            self._event("sections", attempt=attempt, longest=longest)
+
+    def _unhealthy_in_run(self, attempt: int, v: Verdict) -> int:
+        """The end of a run whose GPU failed while it ran: the job stopped after its
+        preemption save; the node is to be replaced."""
+        ckpt, _ = self._resume_point(v.evidence)
+        self._event("unhealthy", checks=v.evidence.get("checks") or [], reason=v.reason, attempt=attempt,
+                    during_run=True, step=v.evidence.get("step"), checkpoint_step=ckpt)
+        saved = f"; the next run resumes from step {ckpt}" if ckpt is not None else "; no checkpoint committed"
+        say(f"unhealthy node during the run: {v.reason}{saved} (exit {EXIT_UNHEALTHY})")
+        if self.shared is not None:  # the others' ranks lost this node's: they stop with the run's verdict
+            self._decree(attempt, "give_up", EXIT_UNHEALTHY, "unhealthy",
+                         f"node {self.shared.node} is unhealthy during the run: {v.reason}")
+        return EXIT_UNHEALTHY
 
     def _log_resume(self, attempt: int, watch: "_ProgressWatch", progress: dict, launched_t: float) -> bool:
         """Journal where the attempt resumed from, once its first step is reported."""
@@ -383,7 +472,7 @@ class Supervisor:
         except Exception as e:  # the journal must not take the job down with it
             event = {"kind": kind, "run": self.journal.run_id, "at": fmt.utc_now(), **fields}
             say(f"could not journal {kind}: {e}")
-        if kind in ("failure", "give_up", "unhealthy"):
+        if kind in ("failure", "give_up", "unhealthy", "straggler", "run_health"):
             self.alerts.send(event)
 
     def _stored_checkpoint(self, at_most: int | None = None) -> tuple[int | None, float | None]:

@@ -49,6 +49,7 @@ from .. import names
 from ..checkpoint.catalog import read_skip_mark, scan_location
 from ..storage import Storage
 from .journal import Journal, finite_float, latest_run
+from .stragglers import from_events as stragglers_from_events
 
 PRIOR_MTBF_S = 24 * 3600.0  # before a failure is seen: one a day, a common large-job figure
 # The longest interval status recommends and every="auto" waits between saves, whatever
@@ -75,7 +76,8 @@ def summarize(events: list[dict], now: float, checkpoint: dict | None = None) ->
            "checkpoint_age_s": None if ckpt_t is None else max(0.0, now - ckpt_t),
            "last_failure": None, "last_resume": None, "last_event_at": None, "give_up": None, "unhealthy": None,
            "save_blocking_s": None, "step_s": None, "mtbf_source": None,
-           "recommended_interval_s": None, "recommended_interval_steps": None}
+           "recommended_interval_s": None, "recommended_interval_steps": None, "stragglers": [],
+           "section_timeouts": [], "run_health": []}
     if not events:
         return out
     first = next((e for e in events if e.get("kind") == "run_start"), events[0])
@@ -138,6 +140,12 @@ def summarize(events: list[dict], now: float, checkpoint: dict | None = None) ->
         useful = wall - out["startup_s"] - out["recovery_s"] - out["lost_s"]
         out["goodput"] = min(1.0, max(0.0, useful / wall))
 
+    out["stragglers"] = stragglers_from_events(events)
+    out["section_timeouts"] = [_section_timeout(e) for e in events if e.get("kind") == "section_timeout"][-MAX_LIST:]
+    out["run_health"] = [{"attempt": _int(e.get("attempt")), "action": _str(e.get("action"), 16),
+                          "checks": _checks(e.get("checks")), "at": _str(e.get("at"), 64)}
+                         for e in events if e.get("kind") == "run_health"][-MAX_LIST:]
+
     c = out["save_blocking_s"]
     observed = out["mtbf_s"] is not None
     out["mtbf_source"] = "observed" if observed else "prior"
@@ -189,6 +197,13 @@ def _downtime(resumes: list[dict], fails: list[dict], resume0: dict | None, star
     if down_since is not None:
         recovery += max(0.0, end - down_since)
     return startup, recovery
+
+
+def _section_timeout(e: dict) -> dict:
+    return {"attempt": _int(e.get("attempt")), "section": _str(e.get("section"), 16), "rank": _int(e.get("rank")),
+            "step": _int(e.get("step")), "elapsed_s": _num(e.get("elapsed_s")), "bound_s": _num(e.get("bound_s")),
+            "source": _str(e.get("source"), 16), "measured_s": _num(e.get("measured_s")),
+            "at": _str(e.get("at"), 64)}
 
 
 def _failure_record(e: dict) -> dict:

@@ -7,6 +7,7 @@ node's supervisor sets it for its own ranks, whatever global rank the rendezvous
   deterministic  ckptstore.DeterministicError (stops the run at once)
   hang           says so and blocks forever, once (MARKER file: not again after a restart)
   kill           SIGKILL itself, once (MARKER)
+  hangsave       blocks forever inside the save of STEP, once (MARKER): a save stuck on a peer
 """
 
 import importlib.util
@@ -59,5 +60,17 @@ def batch(samples, rank, rows):
 
 
 example.batch = batch
+_save = ckptstore.Store.save
+
+
+def save(self, step, *args, **kwargs):
+    kind, marker = FAULTS.get(step, (None, None))
+    if os.environ.get("RANK") == "1" and kind == "hangsave" and once(marker):
+        example.say(f"rank 1: stuck in the save of step {step}")
+        threading.Event().wait()
+    return _save(self, step, *args, **kwargs)
+
+
+ckptstore.Store.save = save
 sys.argv[0] = EXAMPLE
 example.main()
