@@ -17,6 +17,7 @@ import random
 import signal
 import socket
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -26,8 +27,8 @@ from ckptstore.supervisor import consensus, runner
 from ckptstore.supervisor.journal import Journal
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from jobutil import Job, assert_bit_identical  # noqa: E402
-from test_supervisor import SCRIPT, STEPS, kinds, reference  # noqa: E402,F401
+from jobutil import HANG_GUARD_S, Job, assert_bit_identical  # noqa: E402
+from test_supervisor import SCRIPT, STEPS, kinds, reference, status  # noqa: E402,F401
 
 RUN = "nodes"
 
@@ -42,7 +43,7 @@ class Nodes:
     """``n`` simulated nodes of one run; ``faults[k]``: node k's FAULT (any rank of it)."""
 
     def __init__(self, store: Path, tmp: Path, *policy, n: int = 2, faults: dict | None = None,
-                 nnodes: str | None = None):
+                 nnodes: str | None = None, options: dict | None = None, staggered: bool = False):
         port = free_port()
         self.store, self.tmp = store, tmp
         self.final = tmp / f"final-{random.getrandbits(32):08x}.pt"
@@ -55,8 +56,15 @@ class Nodes:
                  "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
                  "--store", str(store), "--run-id", RUN, "--backoff", "0.05", "--decision-wait", "5",
                  "--join-timeout", "5", "--alert", f"cat >> {self.alerts[k]}; echo >> {self.alerts[k]}", *policy,
+                 *(options or {}).get(k, []),
                  str(SCRIPT), str(store), "--steps", str(STEPS), "--every", "5", "--final", str(self.final)],
                 env={"FAULT": fault or "none:-1", "FAULT_ANY_RANK": "1" if fault else ""}))
+            if staggered and k == 0:  # the others start once node 0 launched (it waits in the rendezvous)
+                first = consensus.node_name(socket.gethostname(), 0)
+                deadline = time.monotonic() + HANG_GUARD_S
+                while first not in self.shared().members(0):
+                    assert time.monotonic() < deadline and self.jobs[0].proc.poll() is None, "node 0 never launched"
+                    time.sleep(0.05)  # (a bounded poll of the store, not a synchronisation by time)
 
     def finish(self) -> list[int]:
         return [job.finish() for job in self.jobs]
@@ -97,6 +105,26 @@ def test_a_deterministic_error_on_one_node_stops_every_node_with_one_verdict_and
     assert [v["action"] for v in verdicts] == ["relaunch", "give_up"] and verdicts[0]["next_attempt"] == 1
     assert verdicts[0]["rdzv_id"] == f"{RUN}-a1"
     assert shared.verdict(2) is None and shared.latest() == 1
+    st = status(nodes.store)
+    assert (st["state"], st["restarts"], st["give_up"]["code"]) == ("gave_up", 1, runner.EXIT_DETERMINISTIC)
+    assert [f["class"] for f in st["failures"]] == ["transient", "deterministic"]
+
+
+def test_an_unhealthy_node_stops_the_others_waiting_in_the_rendezvous(tmp_path):
+    """Node 1 fails its health check before the first launch (this machine has no GPU):
+    it exits 13 and writes the run's verdict on attempt 0, which node 0 reads while its
+    launcher waits in the rendezvous for node 1: it stops and exits 13 too, at once
+    instead of after torch's join timeout; one `unhealthy` event, one alert."""
+    nodes = Nodes(tmp_path / "store", tmp_path, options={1: ["--expected-gpus", "1", "--health-wait", "0"]},
+                  staggered=True)
+    assert nodes.finish() == [runner.EXIT_UNHEALTHY] * 2, nodes.output()
+    verdict = nodes.shared().verdict(0)
+    assert (verdict["action"], verdict["code"], verdict["node"]) == \
+        ("give_up", runner.EXIT_UNHEALTHY, consensus.node_name(socket.gethostname(), 1))
+    assert f"node {verdict['node']} is unhealthy" in nodes.jobs[0].output()
+    assert nodes.shared().members(0) == {consensus.node_name(socket.gethostname(), 0)}  # it had launched
+    assert [e["kind"] for e in nodes.events() if e["kind"] in ("unhealthy", "give_up", "failure")] == ["unhealthy"]
+    assert [e["kind"] for e in nodes.alert_events()] == ["unhealthy"]
 
 
 def test_a_rank_killed_on_one_node_recovers_bit_identical_under_one_attempt_number(tmp_path, reference):
