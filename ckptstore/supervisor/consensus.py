@@ -25,9 +25,11 @@ wins, the others read what it wrote, and no node's loss takes the decisions with
   writes ``verdict.json`` create-only; every node follows the verdict it reads back.
 - **One alert per event.** Only the verdict's writer journals the ``failure`` and
   ``give_up`` (or ``finish``) events, so only it alerts.
-- **A give-up stops every node.** A node that gives up before a launch (an unhealthy
-  node, a run timeout) writes the verdict of the attempt the others are launching; they
-  poll it while their launchers wait in the rendezvous and stop with its exit code.
+- **A give-up stops every node.** A node that ends the run on its own (unhealthy before
+  a launch or during the run, the run timeout) writes the verdict of the attempt the
+  others are launching or running; they poll it (every second) while their launchers
+  wait in the rendezvous or run, and stop with its exit code. A ``finish`` verdict
+  interrupts nobody: the other nodes' ranks finish too.
 """
 
 from __future__ import annotations
