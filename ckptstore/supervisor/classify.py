@@ -139,6 +139,10 @@ def classify(result: dict, step: int | None, relaunched: bool = False) -> Verdic
     ``relaunched``: a relaunch that trained no step yet (its CUDA out of memory is an
     outage: the previous attempt's memory may not be free yet)."""
     failures = {int(r): f for r, f in (result.get("failures") or {}).items()}
+    if result.get("rendezvous_timeout") and not failures:  # several nodes: one never came (decide.py)
+        v = Verdict("transient", "node(s) missing: torch's rendezvous did not complete within its join timeout")
+        v.evidence["nodes_missing"] = True
+        return v
     if result.get("launcher_signal"):
         return Verdict("preempted", f"the launcher was stopped by {result['launcher_signal']}",
                        signal=result["launcher_signal"])

@@ -56,6 +56,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="give up after this many failures in a row without a newer checkpoint")
     p.add_argument("--alert", default=None, help="shell command run on every failure and on giving up "
                    "(the event as JSON on stdin; in the background)")
+    p.add_argument("--join-timeout", type=float, default=120.0,
+                   help="several nodes: seconds a relaunch waits in torch's rendezvous for every node (then exit 16)")
+    p.add_argument("--decision-wait", type=float, default=30.0,
+                   help="several nodes: seconds a failed attempt waits for the other nodes' reports before its "
+                   "verdict")
     p.add_argument("--staging-dir", action="append", default=[], help="a local directory to health-check")
     p.add_argument("--expected-gpus", type=int, default=None,
                    help="health check: fewer visible GPUs than this is an unhealthy node")
@@ -121,8 +126,8 @@ def run_command(argv) -> None:
     ckptstore run [torchrun options] --store URL [policy options] SCRIPT [ARGS...]
 
     Exit status: 0 finished, 2 usage, 10 deterministic error, 11 restart limit, 12 no
-    progress, 13 unhealthy node, 14 run timeout, 15 store unreachable, 143 stopped by
-    SIGTERM (docs/runbook.md).
+    progress, 13 unhealthy node, 14 run timeout, 15 store unreachable, 16 a node missing
+    at a relaunch (several nodes), 143 stopped by SIGTERM (docs/runbook.md).
     """
     argv = list(argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -149,6 +154,7 @@ def run_command(argv) -> None:
         sys.exit(2)
     nproc = launch_args.nproc_per_node
     nnodes = str(launch_args.nnodes).split(":")[-1]
+    nnodes_min = str(launch_args.nnodes).split(":")[0]
     world = int(nproc) * int(nnodes) if str(nproc).isdigit() and nnodes.isdigit() else None
     policy = Policy(max_restarts=opts.max_restarts, max_restarts_per_hour=opts.max_restarts_per_hour,
                     max_preemptions_per_hour=opts.max_preemptions_per_hour, backoff_s=opts.backoff,
@@ -162,7 +168,11 @@ def run_command(argv) -> None:
                     health=HealthLimits(expected_gpus=opts.expected_gpus))
     try:
         sup = Supervisor(opts.store, launcher, policy, run_id=opts.run_id, staging_dirs=tuple(opts.staging_dir),
-                         world_size=world, nnodes=int(nnodes) if nnodes.isdigit() else 1)
+                         world_size=world, nnodes=int(nnodes) if nnodes.isdigit() else 1,
+                         nnodes_max=max(int(n) for n in (nnodes, nnodes_min) if n.isdigit()) if
+                         (nnodes.isdigit() or nnodes_min.isdigit()) else None,
+                         node_rank=launch_args.node_rank, join_timeout_s=opts.join_timeout,
+                         decision_wait_s=opts.decision_wait)
     except (ValueError, CkptStoreError) as e:  # a store URL or run id that cannot be used
         click.echo(f"ckptstore run: {e}", err=True)
         sys.exit(2)

@@ -14,6 +14,8 @@ same decision.
   unbroken run of outage failures without progress); those failures do not count
   towards ``no_progress_restarts``; once the window is over, the same error again is
   deterministic ("not an outage").
+- **A node missing** at the attempt's rendezvous (several nodes: torch's join timeout
+  passed) gives up at once (exit 16): a relaunch would wait for it again.
 - **Limits**, in this order: deterministic (exit 10), no progress (12), restart limit
   (11), failures per hour (11), preemptions per hour (11). Preemptions count only
   towards their own limit and are relaunched at once.
@@ -33,6 +35,7 @@ from .health import HealthLimits
 EXIT_DETERMINISTIC = 10
 EXIT_RESTART_LIMIT = 11
 EXIT_NO_PROGRESS = 12
+EXIT_NODES_MISSING = 16  # several nodes: a node never joined the attempt's rendezvous (consensus.py)
 HOUR_S = 3600.0
 
 
@@ -105,6 +108,8 @@ def decide(policy: Policy, history: History, v: Verdict, advanced: bool, now: fl
         return Decision(v.klass, v.reason)
     if v.klass == "deterministic":
         return _give_up(v.klass, v.reason, EXIT_DETERMINISTIC, "deterministic", f"deterministic error: {v.reason}")
+    if v.evidence.get("nodes_missing"):  # relaunching would wait the join timeout again, for nobody
+        return _give_up(v.klass, v.reason, EXIT_NODES_MISSING, "nodes_missing", v.reason)
 
     prev = history.previous
     klass, reason = v.klass, v.reason

@@ -33,7 +33,13 @@ and as the name), ``host``; then the fields of its kind:
 - ``measure``: ``attempt``, ``save_blocking_s``, ``step_s``: written once per attempt,
   at its first save, so that ``status`` can advise an interval before any failure.
 - ``give_up``: ``reason`` (str), ``code`` (int exit status), ``class`` ("deterministic",
-  "restart_limit", "preemption_limit", "no_progress", "timeout", "store", "preempted").
+  "restart_limit", "preemption_limit", "no_progress", "timeout", "store", "preempted",
+  "nodes_missing").
+
+Several nodes (consensus.py): the nodes' shared decisions live beside the runs, under
+``journal/.shared/<run>/`` (not a run name); only the writer of an attempt's verdict
+journals its ``failure`` (with ``nodes``: every node's own view, and ``node``: whose
+evidence was chosen), ``give_up`` and ``finish``.
 - ``unhealthy``: ``checks`` (the failed ones: list of {name, ok, detail, value}),
   ``reason`` (str); the last event of a run that stopped on an unhealthy node.
 - ``finish``: ``attempt``, ``step`` (last step), ``save_blocking_s``, ``step_s``.

@@ -30,10 +30,11 @@ from dataclasses import asdict
 from .. import format as fmt
 from .._jitter import jitter as _jitter
 from ..storage import Storage, open_storage
-from . import launch
+from . import consensus, launch
 from .alerts import Alerts
 from .classify import Verdict, classify
-from .decide import EXIT_DETERMINISTIC, EXIT_NO_PROGRESS, EXIT_RESTART_LIMIT, History, Policy, decide
+from .decide import (EXIT_DETERMINISTIC, EXIT_NO_PROGRESS, EXIT_NODES_MISSING, EXIT_RESTART_LIMIT, History, Policy,
+                     decide)
 from .gate import EXIT_STORE_UNREACHABLE, Gate
 from .health import EXIT_UNHEALTHY, check_node, checks_json, local_store_path
 from .journal import Journal, new_run_id
@@ -44,7 +45,8 @@ from .status import newest_checkpoint
 from .stragglers import ALERT_FACTOR, Tracker, report_of
 from .watch import NodeWatch, run_checks
 
-__all__ = ["EXIT_DETERMINISTIC", "EXIT_FINISHED", "EXIT_NO_PROGRESS", "EXIT_RESTART_LIMIT", "EXIT_RUN_TIMEOUT",
+__all__ = ["EXIT_DETERMINISTIC", "EXIT_FINISHED", "EXIT_NODES_MISSING", "EXIT_NO_PROGRESS", "EXIT_RESTART_LIMIT",
+           "EXIT_RUN_TIMEOUT",
            "EXIT_STOPPED", "EXIT_STORE_UNREACHABLE", "EXIT_UNHEALTHY", "Policy", "Supervisor"]
 
 # Exit status of `ckptstore run` (docs/runbook.md); 10-12: decide.py, 13: health.py, 15: gate.py.
@@ -53,6 +55,8 @@ EXIT_RUN_TIMEOUT = 14
 EXIT_STOPPED = 143  # the supervisor itself got SIGTERM (the whole job preempted): no restart
 
 POLL_S = 0.5  # how often the supervisor looks at the job (progress files, exit)
+PEER_POLL_S = 1.0  # several nodes: how often it looks for another node's end of the attempt (consensus.py)
+JOIN_TIMEOUT_S = 120.0  # several nodes: a relaunch's wait in torch's rendezvous for every node
 STOP_GRACE_S = 30.0  # SIGTERM to SIGKILL, as torchrun gives its workers
 
 
@@ -64,7 +68,8 @@ def say(line: str) -> None:
 class Supervisor:
     def __init__(self, store_url: str, launcher_args: list[str], policy: Policy = Policy(),
                  run_id: str | None = None, staging_dirs: tuple[str, ...] = (), world_size: int | None = None,
-                 nnodes: int = 1):
+                 nnodes: int = 1, nnodes_max: int | None = None, node_rank=None,
+                 join_timeout_s: float = JOIN_TIMEOUT_S, decision_wait_s: float = consensus.WAIT_S):
         self.store_url = store_url
         self.launcher_args = list(launcher_args)
         self.policy = policy
@@ -82,6 +87,13 @@ class Supervisor:
         self.sections = Sections(policy)  # the run's measured sections and their bounds
         self._reported_before: bool | None = None  # an attempt of this run reported (None: journal unread)
         self.stragglers = Tracker()
+        # Several nodes: one attempt number, one verdict per failure, one alert per event,
+        # shared through the store (consensus.py); a single node decides alone, as before.
+        self.node_rank, self.join_timeout_s = node_rank, join_timeout_s
+        self.shared: consensus.Shared | None = None
+        if (nnodes_max or nnodes) > 1:
+            self.shared = consensus.Shared(self.storage, self.journal.run_id,
+                                           consensus.node_name(socket.gethostname(), node_rank), decision_wait_s)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> int:
@@ -97,9 +109,15 @@ class Supervisor:
         policy["alert"] = bool(self.policy.alert)  # the command may hold a secret (a webhook URL)
         self._event("run_start", command=self.launcher_args, world_size=self.world_size, nnodes=self.nnodes,
                     hosts=[socket.gethostname()], policy=policy)
-        history = History()
+        history = self._history = History()
         last_ckpt = self._stored_checkpoint()[0]  # where the last attempt (or the first) resumes
         attempt = 0
+        if self.shared is not None:  # a node (re)started late joins where the run is
+            attempt, ended = self.shared.start(
+                lambda n: self.join_timeout_s if n > 0 else consensus.FIRST_JOIN_S,
+                stopped=lambda: self._stop_signal is not None, say=say)
+            if ended is not None:
+                return self._follow(attempt, self.shared.settled_from(ended, False))
         while True:
             fit = self.gate.before_launch(relaunch=attempt > 0)
             if fit.state == "stopped":
@@ -109,15 +127,24 @@ class Supervisor:
                 self._event("unhealthy", checks=[c for c in checks_json(fit.checks) if not c["ok"]],
                             reason=fit.reason)
                 say(f"unhealthy node: {fit.reason} (exit {EXIT_UNHEALTHY})")
+                if self.shared is not None:  # the others, waiting for this node in the rendezvous, stop too
+                    self._decree(attempt, "give_up", EXIT_UNHEALTHY, "unhealthy",
+                                 f"node {self.shared.node} is unhealthy: {fit.reason}")
                 return EXIT_UNHEALTHY
             if fit.state == "store":
                 return self._give_up(f"the store is unreachable: {fit.reason} (checked for "
                                      f"{self.policy.outage_window_s:g}s; the node is healthy)",
                                      EXIT_STORE_UNREACHABLE, "store")
             self._event("attempt_start", attempt=attempt)
+            if self.shared is not None:
+                self._shared_call(self.shared.join, attempt, self.node_rank)
             outcome = self._attempt(attempt, started)
             if outcome.klass == "unhealthy":  # a GPU failed during the run: the job saved and stopped
                 return self._unhealthy_in_run(attempt, outcome)
+            if outcome.klass == "finished" and self.shared is not None:
+                settled = self._decree(attempt, "finish", EXIT_FINISHED, "finished", "the script finished")
+                if not settled.mine:
+                    return self._follow(attempt, settled)
             if outcome.klass == "finished":
                 self._event("finish", attempt=attempt, step=outcome.evidence.get("step"),
                             save_blocking_s=outcome.evidence.get("save_blocking_s"),
@@ -125,6 +152,10 @@ class Supervisor:
                 say(f"finished: attempt {attempt}, {_last_step(outcome.evidence.get('step'))}")
                 return EXIT_FINISHED
             if outcome.klass == "timeout":
+                if self.shared is not None:
+                    settled = self._decree(attempt, "give_up", EXIT_RUN_TIMEOUT, "timeout", outcome.reason)
+                    if not settled.mine:
+                        return self._follow(attempt, settled)
                 return self._give_up(outcome.reason, EXIT_RUN_TIMEOUT, "timeout")
             ckpt, ckpt_t = self._resume_point(outcome.evidence)
             # Progress: a step committed beyond where this attempt started (where its ranks
@@ -133,16 +164,31 @@ class Supervisor:
             start = outcome.evidence["resumed_step"] if outcome.evidence.get("resume_reported") else last_ckpt
             advanced = ckpt is not None and (start is None or ckpt > start)
             last_ckpt = ckpt if ckpt is not None else last_ckpt
-            decision = decide(self.policy, history, outcome, advanced, time.monotonic(), checkpoint=ckpt)
-            outcome.klass, outcome.reason = decision.klass, decision.reason
-            self._record_failure(attempt, outcome, ckpt, ckpt_t)
+            if self.shared is not None:
+                settled = self._settle(attempt, outcome, advanced, ckpt)
+                if settled.record["action"] == "finish":
+                    return self._follow(attempt, settled)
+                decision, local = settled.decision, outcome
+                outcome = settled.failure
+                outcome.evidence = {**local.evidence, **{k: v for k, v in outcome.evidence.items() if v is not None}}
+                if settled.mine:
+                    self._record_failure(attempt, outcome, ckpt, ckpt_t, nodes=settled.record.get("nodes"),
+                                         node=settled.record.get("failure_node"))
+                else:
+                    say(f"attempt {attempt} failed here: {local.klass}: {' '.join(str(local.reason).split())[:300]}; "
+                        f"the run's verdict, by node {settled.record.get('node')}, follows")
+            else:
+                decision = decide(self.policy, history, outcome, advanced, time.monotonic(), checkpoint=ckpt)
+                outcome.klass, outcome.reason = decision.klass, decision.reason
+                self._record_failure(attempt, outcome, ckpt, ckpt_t)
             failed = _failure_line(attempt, outcome)
             if self._stop_signal is not None:
                 say(f"{failed}; not relaunched: the supervisor was stopped")
                 return self._stopped()
             if decision.code is not None:
                 say(f"{failed}; not relaunched")
-                return self._give_up(decision.give_up_reason, decision.code, decision.give_up_class)
+                return self._give_up(decision.give_up_reason, decision.code, decision.give_up_class,
+                                     journal=self.shared is None or settled.mine)
             wait = _jitter.uniform(decision.backoff_s / 2, decision.backoff_s) if decision.backoff_s > 0 else 0.0
             resumes = f"resuming from step {ckpt}" if ckpt is not None else "from the start (no checkpoint)"
             say(f"{failed}; relaunch in {wait:.1f}s as attempt {attempt + 1}, {resumes}")
@@ -164,6 +210,10 @@ class Supervisor:
         os.mkdir(progress_dir)
         result_path = os.path.join(work, "result.json")
         env = dict(os.environ, **{ENV_DIR: progress_dir, ENV_SUPERVISOR: str(os.getpid())})
+        if self.shared is not None:  # the attempt's own rendezvous; a relaunch waits a bounded time for every node
+            env[launch.ENV_RDZV_ID] = consensus.rdzv_id(self.journal.run_id, attempt)
+            if attempt > 0:
+                env[launch.ENV_JOIN_TIMEOUT] = f"{self.join_timeout_s:g}"
         cmd = launch.command(result_path, ["--max-restarts=0", *self.launcher_args])
         launched = time.monotonic()
         launched_t = time.time()
@@ -173,6 +223,7 @@ class Supervisor:
         watch = _ProgressWatch(launched)
         resumed_logged = measured = False
         verdict: Verdict | None = None
+        peer_check = time.monotonic() + PEER_POLL_S
         self._learn_sections()
         node = NodeWatch(lambda: run_checks(self.staging_dirs, local_store_path(self.store_url), self.policy.health),
                          self.policy.health_interval_s)
@@ -209,6 +260,14 @@ class Supervisor:
                 if self._stop_signal is not None:
                     self._kill(self._stop_signal)
                     break
+                if self.shared is not None and time.monotonic() >= peer_check:
+                    peer_check = time.monotonic() + PEER_POLL_S
+                    why = self._shared_call(self.shared.interrupted, attempt)
+                    if why:  # the attempt ended elsewhere: this node's ranks wait for peers that are gone
+                        self._kill(signal.SIGKILL)
+                        verdict = Verdict("transient", f"stopped: {why}")
+                        verdict.evidence["peer"] = True
+                        break
         finally:
             self._reap()
         progress = read_progress(progress_dir)
@@ -300,6 +359,9 @@ class Supervisor:
                     during_run=True, step=v.evidence.get("step"), checkpoint_step=ckpt)
         saved = f"; the next run resumes from step {ckpt}" if ckpt is not None else "; no checkpoint committed"
         say(f"unhealthy node during the run: {v.reason}{saved} (exit {EXIT_UNHEALTHY})")
+        if self.shared is not None:  # the others' ranks lost this node's: they stop with the run's verdict
+            self._decree(attempt, "give_up", EXIT_UNHEALTHY, "unhealthy",
+                         f"node {self.shared.node} is unhealthy during the run: {v.reason}")
         return EXIT_UNHEALTHY
 
     def _log_resume(self, attempt: int, watch: "_ProgressWatch", progress: dict, launched_t: float) -> bool:
@@ -341,7 +403,8 @@ class Supervisor:
             _kill_worker(pid, self._progress_dir)
 
     # ------------------------------------------------------------------ records
-    def _record_failure(self, attempt: int, v: Verdict, ckpt_step: int | None, ckpt_t: float | None) -> None:
+    def _record_failure(self, attempt: int, v: Verdict, ckpt_step: int | None, ckpt_t: float | None,
+                        **shared) -> None:
         step = v.evidence.get("step")
         lost = None if step is None else max(0, step - (ckpt_step if ckpt_step is not None else -1))
         step_s = v.evidence.get("step_s")
@@ -350,15 +413,57 @@ class Supervisor:
                     step=step, checkpoint_step=ckpt_step,
                     checkpoint_age_s=None if ckpt_t is None else max(0.0, time.time() - ckpt_t),
                     lost_steps=lost, lost_s=None if (lost is None or step_s is None) else lost * step_s,
-                    save_blocking_s=v.evidence.get("save_blocking_s"), step_s=step_s)
+                    save_blocking_s=v.evidence.get("save_blocking_s"), step_s=step_s, **shared)
 
     def _stopped(self) -> int:
         return self._give_up(f"the supervisor was stopped by {signal.Signals(self._stop_signal).name}",
                              EXIT_STOPPED, "preempted")
 
-    def _give_up(self, reason: str, code: int, klass: str) -> int:
-        self._event("give_up", reason=reason, code=code, **{"class": klass})
+    def _give_up(self, reason: str, code: int, klass: str, journal: bool = True) -> int:
+        if journal:  # several nodes: only the verdict's writer journals (and alerts) it
+            self._event("give_up", reason=reason, code=code, **{"class": klass})
         say(f"gave up: {reason} (exit {code})")
+        return code
+
+    # ------------------------------------------------------------------ several nodes (consensus.py)
+    def _shared_call(self, fn, *args):
+        """A shared-record read or write that must not take the supervisor down: None
+        when the store fails (the next poll tries again)."""
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001
+            say(f"shared records: {type(e).__name__}: {e}")
+            return None
+
+    def _settle(self, attempt: int, outcome: Verdict, advanced: bool, ckpt: int | None) -> "consensus.Settled":
+        self._shared_call(self.shared.report, attempt, outcome, advanced, ckpt)
+        try:
+            return self.shared.settle(attempt, self.policy, stopped=lambda: self._stop_signal is not None)
+        except Exception as e:  # noqa: BLE001 - the store failed: this node decides alone, from its history
+            say(f"shared records: {type(e).__name__}: {e}; deciding from this node's evidence alone")
+            local = Verdict(outcome.klass, outcome.reason, outcome.rank, outcome.exit_code, outcome.signal,
+                            outcome.traceback, outcome.signature, dict(outcome.evidence), outcome.outage)
+            d = decide(self.policy, self._history, local, advanced, time.time(), checkpoint=ckpt)
+            local.klass, local.reason = d.klass, d.reason
+            return consensus.Settled({"action": "relaunch" if d.code is None else "give_up"}, True, local, d)
+
+    def _decree(self, attempt: int, action: str, code: int, klass: str, reason: str) -> "consensus.Settled":
+        settled = self._shared_call(self.shared.decree, attempt, action, code, klass, reason)
+        if settled is None:  # the store failed: this node's word stands for itself
+            return consensus.Settled({"action": action, "code": code}, True, Verdict(klass, reason),
+                                     consensus.Decision(klass, reason, code=code))
+        return settled
+
+    def _follow(self, attempt: int, settled: "consensus.Settled") -> int:
+        """End as the run's verdict on ``attempt``, written by another node, says."""
+        rec = settled.record
+        by = rec.get("node")
+        if rec.get("action") == "finish":
+            say(f"finished: attempt {attempt} (the run's verdict, by node {by})")
+            return EXIT_FINISHED
+        code = settled.decision.code if settled.decision.code is not None else EXIT_STOPPED
+        reason = settled.decision.give_up_reason or settled.failure.reason
+        say(f"gave up: {reason} (the run's verdict on attempt {attempt}, by node {by}) (exit {code})")
         return code
 
     def _event(self, kind: str, **fields) -> None:

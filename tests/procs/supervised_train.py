@@ -1,7 +1,8 @@
 """docs/examples/fault_tolerant_training.py with faults injected, for tests/test_supervisor.py.
 
 FAULT (environment) = KIND:STEP[:MARKER], or several joined by commas, on rank 1 when it
-is about to train STEP:
+is about to train STEP (on every rank of this node with FAULT_ANY_RANK=1: a simulated
+node's supervisor sets it for its own ranks, whatever global rank the rendezvous gives them):
   raise          RuntimeError with the same message every time (deterministic, found on repeat)
   deterministic  ckptstore.DeterministicError (stops the run at once)
   hang           says so and blocks forever, once (MARKER file: not again after a restart)
@@ -44,7 +45,7 @@ def once(marker) -> bool:
 def batch(samples, rank, rows):
     global_batch = 16
     step = samples // global_batch
-    if rank == 1 and step in FAULTS:
+    if (rank == 1 or os.environ.get("FAULT_ANY_RANK") == "1") and step in FAULTS:
         kind, marker = FAULTS[step]
         if kind == "raise":
             raise RuntimeError(f"bad data shard at sample {samples}")
