@@ -23,7 +23,10 @@ Fault-tolerant training loops (collective resume, preemption saves)::
 from ._version import __version__  # noqa: E402 (one source: _version.py, read by the build too)
 
 from . import errors  # noqa: E402
-from .api import LoadInfo, Store, TierFallbackWarning, WorldSizeChangedWarning, load, prepare, save, wait  # noqa: E402
+from .api import load, save, wait  # noqa: E402
+from .checkpoint.load import LoadInfo, WorldSizeChangedWarning  # noqa: E402
+from .store import Store  # noqa: E402
+from .warmup import prepare  # noqa: E402
 from .checkpoint.retention import KeepBest, Retention  # noqa: E402
 from .checkpoint.save import SaveFuture  # noqa: E402
 from .checkpoint.verify import verify  # noqa: E402
@@ -40,7 +43,7 @@ from .resume import (  # noqa: E402
 )
 from .rng import rng_state, set_rng_state  # noqa: E402
 from .training import Checkpointer  # noqa: E402
-from .tiers import PromotionWarning  # noqa: E402
+from .tiers import PromotionWarning, TierFallbackWarning  # noqa: E402
 
 __all__ = ["CheckpointRejected", "CheckpointSkippedWarning", "Checkpointer", "Config", "ConfigError", "KeepBest",
            "LoadInfo", "NoLoadableCheckpointError", "PromotionWarning", "Retention", "ResumeError", "ResumeInfo", "SkippedStep", "Store", "SaveFuture",

@@ -106,6 +106,22 @@ def render(s: dict) -> str:
     if f is not None:
         where = f" at step {f['step']}" if f["step"] is not None else ""
         lines.append(("last failure", f"attempt {f['attempt']}, {f['class']}{where}: {f['reason'] or '?'}"))
+    for st in s.get("stragglers") or []:
+        host = f" on {st['host']}" if st.get("host") else ""
+        lines.append(("straggler", f"rank {st['rank']}{host}: {st['step_s']:.3g}s per step, "
+                                   f"{st['ratio']:.2f}x the other ranks' median {st['others_s']:.3g}s, "
+                                   f"slow in {st['reports']} reports in a row"))
+    timeouts = s.get("section_timeouts") or []
+    if timeouts:
+        t = timeouts[-1]
+        at = f" at step {t['step']}" if t.get("step") is not None else ""
+        lines.append(("section timeout", f"{len(timeouts)}; last: attempt {t['attempt']}, {t['section']}{at}: "
+                                         f"{_dur(t['elapsed_s'])} > bound {_dur(t['bound_s'])} ({t['source']})"))
+    health = s.get("run_health") or []
+    if health:
+        h = health[-1]
+        names = ", ".join(str(c.get("name")) for c in h.get("checks") or [])
+        lines.append(("run health", f"{len(health)} finding(s); last: attempt {h['attempt']}, {h['action']}: {names}"))
     if s["recommended_interval_s"] is None:
         advice = "not yet (no save cost measured)"
     else:

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
-from .api import Store
+from .store import Store
 
 LAYOUT = "ckptstore-hf-trainer-1"
 _PREFIX = "checkpoint-"

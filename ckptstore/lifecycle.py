@@ -14,7 +14,8 @@ a drain that waits more than a second says for what and how much is left; a Ctrl
 while it waits stops it, naming what is lost; and a failed save whose error the
 program never saw (no ``result()`` / ``exception()`` on its future, no ``wait()``, no
 later save that raised it) is reported on stderr when the process exits, which then
-exits with status 1 unless an exception is already ending it."""
+exits with status 1 unless it is already ending with a non-zero one (an exception,
+``sys.exit(n)``)."""
 
 from __future__ import annotations
 
@@ -39,10 +40,59 @@ from .errors import BaseRetiredError, CkptStoreError
 _lock = threading.RLock()
 _inflight: set[SaveFuture] = set()
 _preparing: set[Future] = set()  # staging warm-ups in flight (ckptstore.prepare)
-_unobserved_failures: list[SaveFuture] = []  # for the next save / wait() to raise
-# Every failed save whose error the program may not have seen (its future's ``observed``
-# says): the exit report's. Observed ones are dropped as new failures come.
-_failed: list[SaveFuture] = []
+
+
+class Failures:
+    """The failed saves whose error the program has not seen, in the order they failed.
+
+    The program sees a failure by its future's ``result()`` / ``exception()`` (which set
+    ``future.observed``), by :func:`wait`, or by a later save that raised it. Until then:
+
+    - the next save raises it (:meth:`for_next_save`): each failure is offered to one save
+      only; a save raises one and passes over the others, which stay for ``wait()`` and
+      the exit report. A failed promotion (tiers.py) is never a save's: ``wait()`` raises it;
+    - ``wait()`` takes them all (:meth:`take_all`) and raises the first;
+    - the exit report names them (:meth:`unseen`).
+
+    Callers hold ``lifecycle._lock``."""
+
+    def __init__(self):
+        self._unseen: dict[SaveFuture, bool] = {}  # failed future -> offered to a save already
+
+    def add(self, future: SaveFuture) -> None:
+        for f in [f for f in self._unseen if f.observed]:  # (seen since: dropped as new failures come)
+            del self._unseen[f]
+        self._unseen[future] = False
+
+    def unseen(self) -> list[SaveFuture]:
+        return [f for f in self._unseen if not f.observed]
+
+    def for_next_save(self) -> list[SaveFuture]:
+        """The failures not seen yet and not offered to a save before, promotions aside;
+        offered now (the caller marks the one it raises :meth:`seen`)."""
+        offer = [f for f, offered in self._unseen.items()
+                 if not offered and not f.observed and not getattr(f, "promotion", False)]
+        for f in offer:
+            self._unseen[f] = True
+        return offer
+
+    def take_all(self) -> list[SaveFuture]:
+        """Every failure not seen yet, all seen from now on (``wait()`` raises the first)."""
+        taken = self.unseen()
+        self._unseen.clear()
+        self.seen(*taken)
+        return taken
+
+    @staticmethod
+    def seen(*futures: SaveFuture) -> None:
+        for f in futures:
+            f.observed = True
+
+    def clear(self) -> None:
+        self._unseen.clear()
+
+
+_failures = Failures()
 _abandoned: set[SaveFuture] = set()  # in flight when a drain stopped waiting (timeout, Ctrl-C): lost
 _reported: set[SaveFuture] = set()  # named on stderr already (by the SIGTERM handler's report)
 ANNOUNCE_AFTER = 1.0  # seconds a drain waits before it says for what (a quick commit says nothing)
@@ -119,30 +169,26 @@ def _settle_preparations(timeout: float) -> None:
 def _on_done(future: SaveFuture) -> None:
     with _lock:
         _inflight.discard(future)
-        if future._future.exception() is not None:
-            _unobserved_failures.append(future)
-            _failed[:] = [f for f in _failed if not f.observed] + [future]
+        if future.failure() is not None:
+            _failures.add(future)
         _abandoned.discard(future)
 
 
 def raise_earlier_failure() -> None:
     """Called at the start of a save: report a background failure nobody has seen yet."""
     with _lock:
-        # A failed promotion (tiers.py) is not this save's business: wait() raises it.
-        pending = [f for f in _unobserved_failures if not f.observed and not getattr(f, "promotion", False)]
-        _unobserved_failures[:] = [f for f in _unobserved_failures
-                                   if not f.observed and getattr(f, "promotion", False)]
+        pending = _failures.for_next_save()
     # A save whose incremental base a gc beside the job deleted: documented, and this
     # save writes everything; the job goes on, told of the step it did not get.
-    for f in [f for f in pending if isinstance(f._future.exception(), BaseRetiredError)]:
+    for f in [f for f in pending if isinstance(f.failure(), BaseRetiredError)]:
         pending.remove(f)
-        f.observed = True
-        warnings.warn(f"an earlier save to {f.where} (step {f.step}) did not commit: {f._future.exception()}",
+        _failures.seen(f)
+        warnings.warn(f"an earlier save to {f.where} (step {f.step}) did not commit: {f.failure()}",
                       RuntimeWarning, stacklevel=3)
-    if pending:
+    if pending:  # (the others are passed over: wait() raises them, or the exit report names them)
         first = pending[0]
-        first.observed = True
-        exc = first._future.exception()
+        _failures.seen(first)
+        exc = first.failure()
         raise CkptStoreError(f"an earlier save to {first.where} (step {first.step}) failed: {exc}") from exc
 
 
@@ -162,16 +208,10 @@ def wait(timeout: float | None = None) -> None:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 f.exception(left)  # TimeoutError when the deadline passes
                 waited.append(f)
-    with _lock:
-        # (_failed, not only _unobserved_failures: those a later save passed over when it
-        # raised another are not seen yet either)
-        failed = [f for f in _failed if not f.observed]
-        _unobserved_failures.clear()
-        _failed.clear()
-    for f in failed:  # the program asked for them all (it gets the first): none is reported at exit
-        f.observed = True
+    with _lock:  # the program asked for them all (it gets the first): none is reported at exit
+        failed = _failures.take_all()
     for f in waited + failed:
-        exc = f._future.exception()
+        exc = f.failure()
         if exc is not None:
             raise exc
 
@@ -270,7 +310,7 @@ def _report() -> tuple[bool, bool]:
     in flight that will not commit, that nothing has named yet. Returns (any failed
     unseen, any in flight), named now or before."""
     with _lock:
-        failed = [f for f in _failed if not f.observed]
+        failed = _failures.unseen()
         lost = [f for f in _inflight if not f.done()]
         new = [f for f in failed + lost if f not in _reported]
         _reported.update(new)
@@ -288,13 +328,13 @@ def report_at_exit() -> int | None:
     have saved, report (:func:`_report`), and say how the process must end: None, as
     it would have; else at once (:func:`exit_report.exit_now`) with that status.
 
-    - a save failed and nobody saw it: status 1, unless an exception is already
-      ending the program (it exits non-zero by itself: None);
+    - a save failed and nobody saw it: status 1, unless the program is already
+      ending with a non-zero status (None): an exception ends it, or it called
+      ``sys.exit(n)`` with a non-zero ``n`` (``exit_report.chosen_status``);
     - a save is still in flight (the drain gave up on it): at once in any case, so
       that no write of it runs into the interpreter's finalization (a thread coming
       back from native code there aborts the process), with the status the program
-      was ending with when an exception ends it (``exit_report.exception_status``),
-      else 1."""
+      was ending with when an exception or ``sys.exit(n)`` ends it, else 1."""
     with _lock:
         late = bool(_waited_for())
     if late:
@@ -305,6 +345,9 @@ def report_at_exit() -> int | None:
     by_exception = exit_report.exception_status()
     if by_exception is not None:
         return by_exception if lost else None
+    chosen = exit_report.chosen_status()  # sys.exit(n): a non-zero n stands
+    if chosen:
+        return chosen if lost else None
     exit_report.say(f"exit status {exit_report.EXIT_STATUS}: a save did not commit")
     return exit_report.EXIT_STATUS
 
@@ -322,18 +365,19 @@ def _after_fork_in_child() -> None:
     # The parent's saves are the parent's: a forked child neither waits for them (in
     # wait() or at its exit) nor reports their failures; its lock may have been held.
     # (Kept, not freed: see _threads._after_fork_in_child.)
-    global _lock
+    global _lock, _failures
     _lock = threading.RLock()
-    _left_by_parent.append((set(_inflight), set(_preparing), list(_unobserved_failures), list(_failed),
-                            set(_abandoned), set(_reported)))
-    for held in (_inflight, _preparing, _unobserved_failures, _failed, _abandoned, _reported):
+    _left_by_parent.append((set(_inflight), set(_preparing), _failures, set(_abandoned), set(_reported)))
+    _failures = Failures()
+    for held in (_inflight, _preparing, _abandoned, _reported):
         held.clear()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
 # Registered when ckptstore is imported, so that it runs after the atexit handlers the
-# program registers later (last registered, first run), the exit drain among them.
-atexit.register(_at_exit)
+# program registers later (last registered, first run), the exit drain among them; when
+# it ends the process it runs those registered before it first (exit_report).
+exit_report.register_report(_at_exit)
 
 
 def install_hooks() -> None:
@@ -342,6 +386,7 @@ def install_hooks() -> None:
         return
     _hooks_installed = True
     atexit.register(lambda: drain(config().atexit_timeout))
+    exit_report.watch_sys_exit()  # (the status a sys.exit(n) gives is kept: report_at_exit)
     if threading.current_thread() is not threading.main_thread():
         return
     if not config().handle_sigterm:  # CKPTSTORE_HANDLE_SIGTERM=0

@@ -1,6 +1,22 @@
 """Two tiers: every save commits to a fast local store; every K-th is then promoted to
 the durable store in the background (checkpoint/promote.py), one at a time, in order.
 
+Everything about a Store of more than one tier lives here: the chain of tiers and
+their save (:class:`Tiers`), the role of a Store serving as an upper tier
+(:class:`UpperTier`: its fence, the steps it keeps), the load that falls back from one
+tier's copy to the next (:func:`load_first`), the promotions (:class:`Promoter`), the
+sweep of a node's own files (:func:`sweep_own_data`) and the binding of a local place
+to its durable store (:func:`check_places`).
+
+The interface with store.py is explicit and public on both sides. A Store calls
+``Tiers.save``, ``Tiers.upper_steps``, ``Tiers.holders`` and :func:`load_first`, and
+asks its ``UpperTier`` role (when it is a tier) ``fence`` and ``kept``. Of a Store
+this module uses ``url``, ``storage``, ``keep``, ``grace``, ``epoch``,
+``process_group``, ``location``, ``save``, ``steps``, ``committed_steps``,
+``apply_retention`` and ``upper_tier`` (which builds a Store serving as a tier), and
+nothing private. A third tier (the memory tier, docs/design/in-job-restart.md) is one
+more ``upper_tier`` with its own ``UpperTier`` and one more entry of ``Tiers.chain``.
+
 A promotion is a :class:`~ckptstore.SaveFuture` of the durable location, tracked like
 a save: ``ckptstore.wait()`` waits for it and raises its error, the exit drain waits
 for it (bounded) and beats its heartbeat, so gc in the durable store never takes a
@@ -11,25 +27,222 @@ tries again.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import itertools
 import json
 import os
 import secrets
+import socket
 import threading
+import time
 import warnings
 from collections import deque
+from typing import Callable
 
 from . import format as fmt
 from . import lifecycle, names
-from .checkpoint.manifests import read_capped
+from .checkpoint.fencing import check_fence
+from .checkpoint.gc import attempts_named
+from .checkpoint.group import gather, rank_and_world
+from .checkpoint.manifests import generations, read_capped, read_manifest
 from .checkpoint.promote import Throttle, promote
-from .checkpoint.save import SaveFuture, _refuse
-from .errors import AlreadyExistsError, CkptStoreError, FormatError, ObjectNotFoundError
-from .storage import LocalStorage, Storage
+from .checkpoint.retention import Retention
+from .checkpoint.save import SaveFuture, refuse
+from .errors import (
+    AlreadyExistsError,
+    CheckpointNotFoundError,
+    CkptStoreError,
+    FencedError,
+    FormatError,
+    IntegrityError,
+    NotCommittedError,
+    ObjectNotFoundError,
+    StorageError,
+    TemplateMismatchError,
+    TransientStorageError,
+    UnsupportedVersionError,
+)
+from .storage import LocalStorage, Storage, open_storage
+from .storage.split import SplitStorage
+from .storage.urls import parse_location
 
 
 class PromotionWarning(RuntimeWarning):
     """A promotion to the durable tier failed or falls behind; the local tier holds the step."""
+
+
+class TierFallbackWarning(UserWarning):
+    """A step's local copy could not be loaded; its durable copy was."""
+
+
+# What makes one tier's copy of a step unusable while another's may be sound: its bytes
+# or files. (A template that does not fit, or a newer format, fails every copy alike.)
+_COPY_FAULTS = (IntegrityError, FormatError, CheckpointNotFoundError, StorageError, NotCommittedError)
+# (a transient storage error is an outage, not the copy's fault: it is raised, to be retried)
+_NOT_COPY_FAULTS = (TemplateMismatchError, UnsupportedVersionError, TransientStorageError)
+
+
+class UpperTier:
+    """The role of a Store serving as a tier above the durable one: the Store asks it
+    for the fence of its commits and retention, and for the steps its retention must
+    keep for the tiers below it. ``name``: the tier's name in ``LoadInfo.tier`` and
+    ``Store.tiers_of`` ("local")."""
+
+    def __init__(self, name: str, durable: Storage, kept: Callable[[], set[int]]):
+        self.name = name
+        self.durable = durable  # where the run's epochs are claimed
+        self._kept = kept
+
+    def fence(self, url: str, epoch: int) -> bool:
+        """FencedError when a newer run claimed the store. An upper tier's runs are
+        claimed on the durable tier: when that cannot be read (an S3 outage) the tier's
+        commit goes on, with a warning (False), since the tier is what keeps training
+        checkpointed through the outage; its promotion checks again on the durable tier."""
+        try:
+            check_fence(self.durable, epoch)
+        except FencedError:
+            raise
+        except CkptStoreError as e:
+            warnings.warn(f"{url}: the durable tier, where runs are claimed, cannot be read ({e}); this "
+                          f"{self.name} tier's commit goes on without that check", RuntimeWarning, stacklevel=3)
+            return False
+        return True
+
+    def kept(self) -> dict[int, str]:
+        """Steps this tier's retention keeps whatever its policy says, and why."""
+        return {step: "promotion in flight" for step in self._kept()}
+
+
+class Tiers:
+    """The tiers of one Store above its own storage (the durable tier), in this
+    process: every save commits to the local tier first, and every
+    ``durable_every``-th (or one asked for ``durable``) is promoted to the durable tier
+    in the background. ``chain``: ``(name, Store)`` in the order a load tries them,
+    the durable Store last."""
+
+    def __init__(self, durable, local, *, durable_every: int, local_keep: Retention | None,
+                 promote_bandwidth: float | None, commit_timeout: float, local_shared=None,
+                 storage_options: dict | None = None):
+        if isinstance(durable_every, bool) or not isinstance(durable_every, int) or durable_every < 1:
+            raise ValueError(f"durable_every must be an int >= 1, got {durable_every!r}")
+        url = os.fspath(local) if not isinstance(local, str) else local
+        places = {"the local tier": open_storage(url), "the durable store": durable.storage}
+        if local_shared is not None:
+            s3 = parse_location(local_shared)[0] == "s3"  # storage_options are S3's (the URL rule: urls.py)
+            places["local_shared"] = open_storage(local_shared, **((storage_options or {}) if s3 else {}))
+        check_places(places, durable.process_group)  # no two overlap; each local place bound to this durable store
+        storage = places["the local tier"]
+        if local_shared is not None:
+            storage = SplitStorage(places["local_shared"], storage)
+        self.durable, self.durable_every = durable, durable_every
+        role = UpperTier("local", durable.storage, self._promoting)
+        self.local = durable.upper_tier(url, storage, role,
+                                        keep=local_keep if local_keep is not None else Retention(last=2))
+        self.promoter = Promoter(self.local, durable, promote_bandwidth, commit_timeout)
+        self.chain = [("local", self.local), ("durable", durable)]
+        self._saves = 0  # this process's saves, counted on from the run's (saves_since_durable)
+        self._committed_here: set[str] = set()  # local attempts this process saw commit (sweep_own_data)
+        self._sweeping = threading.Lock()
+        self._one_node = False  # every rank of the group runs on one host (checked at the first save)
+
+    def _promoting(self) -> set[int]:
+        return self.promoter.pending_steps()
+
+    def upper_steps(self) -> set[int]:
+        """The steps committed in the tiers above the durable one."""
+        return {step for _, tier in self.chain[:-1] for step in tier.steps()}
+
+    def holders(self, step: int) -> list[tuple[str, object]]:
+        """``(name, Store)`` of the tiers holding ``step`` committed, in load order."""
+        return [(name, tier) for name, tier in self.chain if generations(tier.location(step))]
+
+    def save(self, step: int, state, metrics, replicated, durable: bool, stream) -> SaveFuture:
+        """``Store.save`` of a store with tiers: the local tier's save (its future), and
+        a promotion of it when one is due."""
+        group = self.durable.process_group
+        rank, world = rank_and_world(group)
+        split = not self.local.storage.sees_all_data
+        if not split and world > 1 and not self._one_node:
+            # Votes and the manifest of the local tier travel through its directory, which
+            # only the ranks of one node share (docs/tiers.md, "Across nodes"). Asked once,
+            # of every rank alike (a collective in the blocking part, as the save's own).
+            hosts = sorted(set(gather(socket.gethostname(), group)))
+            if len(hosts) > 1:
+                raise ValueError(f"{self.durable.url}: a local tier on several nodes ({', '.join(hosts[:4])}"
+                                 f"{', ...' if len(hosts) > 4 else ''}) needs local_shared=, a location every "
+                                 "rank shares; see docs/tiers.md")
+            self._one_node = True
+        epoch = self.durable.epoch
+        self.local.epoch = epoch
+        if self._saves == 0:  # this process's first: count on from the saves since the newest durable step
+            self._saves = self.saves_since_durable()
+        self._saves += 1  # first: a save that raises on one rank only must not skew the ranks' counts
+        future = self.local.save(step, state, metrics, replicated=replicated, stream=stream)
+        if split:
+            future.add_done_callback(lambda f, r=rank: self._after_local_commit(f, r))
+        if durable or self._saves % self.durable_every == 0:
+            fence = None if epoch is None else functools.partial(check_fence, self.durable.storage, epoch)
+            self.promoter.schedule(future, rank, world, fence, first=durable)
+        return future
+
+    def saves_since_durable(self) -> int:
+        """Local steps newer than the durable tier's newest, at most ``durable_every`` - 1:
+        where the count of saves stood when an earlier process of the run stopped. Counted
+        per process from 0, a job restarted more often than every ``durable_every`` saves
+        promoted nothing, and losing the node lost every step. (Every rank reads the same
+        listings before its first save: the counts agree.)"""
+        try:
+            durable = self.durable.committed_steps()
+            newest = durable[-1] if durable else -1
+            since = sum(1 for s in self.local.steps() if s > newest)
+        except CkptStoreError:
+            return 0  # (the durable tier unreadable: count from here)
+        return min(since, self.durable_every - 1)
+
+    def _after_local_commit(self, future: SaveFuture, rank: int) -> None:
+        """A local save on several nodes committed: sweep this rank's files that no
+        checkpoint of the local tier needs any more, on its own node
+        (sweep_own_data), off the commit thread; one sweep at a time."""
+        if future._future.exception() is not None:
+            return  # only after a commit: a failed save's files are gc's rule (grace) to judge
+        self._committed_here.add(future.attempt)
+        if self._sweeping.acquire(blocking=False):
+            threading.Thread(target=self._sweep, args=(rank,), name="ckptstore-sweep", daemon=True).start()
+
+    def _sweep(self, rank: int) -> None:
+        try:
+            for key in sweep_own_data(self.local, rank, set(self._committed_here),
+                                      self.promoter.pending_attempts()):
+                self._committed_here.discard(names.parse_data_file(key.split("/", 1)[1])[0])
+        except Exception as e:  # only disk space: the next save sweeps again
+            warnings.warn(f"{self.local.url}: sweeping this node's old data files failed: {e}", RuntimeWarning,
+                          stacklevel=1)
+        finally:
+            self._sweeping.release()
+
+
+def load_first(holders: list, step: int, reading, load_copy):
+    """(object, LoadInfo) of ``step`` from the first of ``holders`` (``(tier name,
+    Store)`` in load order) whose copy ``load_copy(location)`` loads, with the tier
+    named in the LoadInfo. A copy with bad bytes or files falls back to the next tier,
+    with a warning; one whose manifest was retired under the load (``reading``, a
+    checkpoint.load.Reading) is not a bad copy: its error is raised, and the load
+    starts again from the listing (checkpoint.load.with_reloads)."""
+    for i, (tier, store) in enumerate(holders):
+        try:
+            obj, info = load_copy(store.location(step))
+        except _NOT_COPY_FAULTS:
+            raise
+        except _COPY_FAULTS as e:
+            if i == len(holders) - 1 or reading.retired():
+                raise
+            warnings.warn(f"{store.location(step).describe()}: the {tier} copy of step {step} cannot be "
+                          f"loaded ({type(e).__name__}: {e}); loading the {holders[i + 1][0]} copy",
+                          TierFallbackWarning, stacklevel=5)
+            continue
+        return obj, dataclasses.replace(info, tier=tier)
+    raise AssertionError("no holders")  # (Store.load refuses an empty list before)
 
 
 class Promoter:
@@ -90,7 +303,7 @@ class Promoter:
                 manifest = save._future.result()  # the local commit (not .result(): the save's own
             except BaseException as e:               # failure stays unobserved, for the next save)
                 # Tell rank 0 of the durable attempt at once (it would wait for this vote).
-                _refuse(self.durable.location(save.step), save.attempt, save.step, save.world_size, rank, e)
+                refuse(self.durable.location(save.step), save.attempt, save.step, save.world_size, rank, e)
                 future.observed = True  # the save's own error, reported as the save's
                 self._finish(future, save.step, error=e, quiet=True)
                 continue
@@ -109,7 +322,7 @@ class Promoter:
         stores = [self.local] + ([self.durable] if durable and self.durable.keep is not None else [])
         for store in stores:
             try:
-                store._apply_retention()
+                store.apply_retention()
             except Exception as e:  # the promotion is done either way; the next one retries
                 warnings.warn(f"{store.url}: retention after a promotion failed: {e}", RuntimeWarning,
                               stacklevel=1)
@@ -147,12 +360,6 @@ def sweep_own_data(tier, rank: int, retired_here: set[str], keep: set[str], now:
     0's retention deletes the files it sees, its own node's; every other node's go this
     way. Nothing is deleted while the shared place lists no checkpoint at all (it may be
     unreachable or replaced). Returns the keys deleted."""
-    import time
-
-    from . import names
-    from .checkpoint.manifests import generations, read_manifest
-    from .checkpoint.gc import attempts_named
-
     now = time.time() if now is None else now
     shared_root, data = tier.storage.shared, tier.storage.data
     if not any(names.parse_step_dir_name(n.rstrip("/")) is not None for n in shared_root.list("")):
@@ -184,24 +391,31 @@ def sweep_own_data(tier, rank: int, retired_here: set[str], keep: set[str], now:
 
 
 # ---------------------------------------------------------------------------- which store a local tier is
-def check_places(places: dict[str, Storage]) -> None:
+def check_places(places: dict[str, Storage], group=None) -> None:
     """A two-tier store's places (``"the durable store"``, ``"the local tier"`` and,
     on several nodes, ``"local_shared"``): refuse any two that overlap, then bind each
-    local place to the durable store (:func:`bind_local_tier`), then check the overlap
-    again (binding creates the directories, so every alias of one is now seen)."""
+    local place to the durable store (:func:`bind_local_tier`).
+
+    Every rank of ``group`` opens the store, but only rank 0 creates the durable store's
+    ``store-id.json``: on a store without atomic create-only puts
+    (``conditional_writes="single-writer"``) ranks creating it at once would each take
+    their own id while the last put wins, and a local place bound to a lost id is
+    refused ever after. A rank that finds none yet leaves its places unbound until the
+    next start (:func:`bind_local_tier`)."""
     refuse_overlaps(places)
     durable = places["the durable store"]
+    create = rank_and_world(group)[0] == 0
     for what, place in places.items():
         if place is not durable:
-            bind_local_tier(place, durable, what)
-    refuse_overlaps(places)
+            bind_local_tier(place, durable, what, create=create)
 
 
 def refuse_overlaps(places: dict[str, Storage]) -> None:
-    """ValueError when two places are one, or one lies inside the other: as URLs, and on
-    local disk also as real paths (a symlink to the durable directory) and as directories
-    (the same device and inode: a bind mount), nesting either way. Local retention
-    would otherwise delete the durable tier's steps as its own."""
+    """ValueError when two places are one, or one lies inside the other, nesting either
+    way: as URLs or paths as given, and on local disk as directories (device and inode:
+    a symlink, a bind mount; a place that does not exist yet is judged by the nearest
+    directory above it that does). Local retention would otherwise delete the durable
+    tier's steps as its own."""
     for (a, sa), (b, sb) in itertools.combinations(places.items(), 2):
         why = _overlap(sa, sb)
         if why is not None:
@@ -214,34 +428,36 @@ def _overlap(a: Storage, b: Storage) -> str | None:
     ra, rb = a.describe().rstrip("/") + "/", b.describe().rstrip("/") + "/"
     if ra.startswith(rb) or rb.startswith(ra):
         return "one path lies in the other"
-    if not (isinstance(a, LocalStorage) and isinstance(b, LocalStorage)):
-        return None
-    pa, pb = (os.path.join(os.path.realpath(s.root), "") for s in (a, b))
-    if pa.startswith(pb) or pb.startswith(pa):
-        return f"as real paths, {pa} and {pb}"
-    ia, ib = _ancestry(a.root), _ancestry(b.root)
-    if (ia and ia[0] in ib) or (ib and ib[0] in ia):  # a directory of one is the other or above it
-        return "one directory (device and inode) is, or holds, the other"
+    if isinstance(a, LocalStorage) and isinstance(b, LocalStorage):
+        da, db = _directory(a.root), _directory(b.root)
+        if _within(da, db) or _within(db, da):
+            return "one directory (device and inode) is, or holds, the other"
     return None
 
 
-def _ancestry(path: str) -> list[tuple[int, int]]:
-    """(device, inode) of the directory ``path`` and of every directory above it, found
-    through ``..`` (the kernel's parent of the directory reached, whatever the path
-    spelled: a symlink's target's parent, a bind mount's), ``path`` first; [] when
-    ``path`` is no directory yet (its real path was compared already)."""
+def _directory(path) -> tuple[list[tuple[int, int]], tuple[str, ...]]:
+    """Where ``path`` is on disk, whatever it spells: the (device, inode) of the nearest
+    directory at or above it that exists and of every directory above that one, found
+    through ``..`` (the kernel's parent of the directory reached: a symlink's target's,
+    a bind mount's), nearest first; and the names below it not created yet."""
     flags = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY
+    path, missing = os.path.abspath(path), ()
+    while True:
+        try:
+            fd = os.open(path, flags)
+            break
+        except OSError:
+            parent, name = os.path.split(path)
+            if parent == path:
+                return [], missing
+            path, missing = parent, (name,) + missing
+    chain: list[tuple[int, int]] = []
     try:
-        fd = os.open(path, flags)
-    except OSError:
-        return []
-    out: list[tuple[int, int]] = []
-    try:
-        while len(out) < 4096:
+        while True:
             st = os.fstat(fd)
-            if (st.st_dev, st.st_ino) in out:  # the root: its parent is itself
+            if (st.st_dev, st.st_ino) in chain:  # the root: its parent is itself
                 break
-            out.append((st.st_dev, st.st_ino))
+            chain.append((st.st_dev, st.st_ino))
             parent = os.open("..", flags, dir_fd=fd)
             os.close(fd)
             fd = parent
@@ -249,23 +465,35 @@ def _ancestry(path: str) -> list[tuple[int, int]]:
         pass  # a parent we may not open: compare what was found
     finally:
         os.close(fd)
-    return out
+    return chain, missing
 
 
-def bind_local_tier(local: Storage, durable: Storage, what: str = "the local tier") -> None:
+def _within(a, b) -> bool:
+    """Whether the place ``a`` (:func:`_directory`) is ``b`` or lies inside it."""
+    (ca, ma), (cb, mb) = a, b
+    if not ca or not cb:
+        return False
+    if not mb:  # b exists: it is a's nearest existing directory or above it
+        return cb[0] in ca
+    return ca[0] == cb[0] and ma[:len(mb)] == mb  # neither created yet: below one directory
+
+
+def bind_local_tier(local: Storage, durable: Storage, what: str = "the local tier", create: bool = True) -> None:
     """Bind ``local`` to the durable store ``durable``, or refuse it (ValueError) when it
     is bound to another store.
 
     The durable store's identity is a random id in ``store-id.json`` at its root,
-    created once (create-only) by the first two-tier store opened on it; a local place
-    holds ``tier-binding.json`` (create-only) naming that id. So two jobs given one
-    local directory, or a local directory reused for a new store at the same URL (the
-    old one deleted), are refused: the second would resume the first one's steps, and
-    each one's local retention delete the other's only copies. While the durable store
+    created once (create-only, then read back: the stored one is the id) by the first
+    two-tier store opened on it, by its rank 0; a local place holds
+    ``tier-binding.json`` (create-only) naming that id. So two jobs given one local
+    directory, or a local directory reused for a new store at the same URL (the old one
+    deleted), are refused: the second would resume the first one's steps, and each
+    one's local retention delete the other's only copies. While the durable store
     cannot be read (an outage) the check is left out with a RuntimeWarning: the local
-    tier is what keeps a job checkpointed through one."""
+    tier is what keeps a job checkpointed through one. ``create=False`` (a rank other
+    than 0): a store with no identity yet is left as it is, and ``local`` unbound."""
     try:
-        ident = _store_identity(durable)
+        ident = _store_identity(durable) if create else _read_identity(durable)
     except FormatError:
         raise
     except (CkptStoreError, OSError) as e:
@@ -273,6 +501,8 @@ def bind_local_tier(local: Storage, durable: Storage, what: str = "the local tie
                       f"({local.describe()}) is used without checking which store it belongs to",
                       RuntimeWarning, stacklevel=5)
         return
+    if ident is None:
+        return  # rank 0 creates it; this rank's places are bound at the next start
     binding = {"format": fmt.FORMAT_NAME, "kind": "tier_binding", "store": ident,
                "durable": durable.describe(), "created_at": fmt.utc_now()}
     bound = _create_or_read(local, names.TIER_BINDING_NAME, binding, "tier binding")
@@ -287,9 +517,20 @@ def bind_local_tier(local: Storage, durable: Storage, what: str = "the local tie
 
 
 def _store_identity(durable: Storage) -> str:
+    """The durable store's id, created when it has none."""
     record = {"format": fmt.FORMAT_NAME, "kind": "store_id", "id": secrets.token_hex(16),
               "created_at": fmt.utc_now()}
-    ident = _create_or_read(durable, names.STORE_ID_NAME, record, "store id").get("id")
+    return _valid_identity(durable, _create_or_read(durable, names.STORE_ID_NAME, record, "store id"))
+
+
+def _read_identity(durable: Storage) -> str | None:
+    """The durable store's id, or None while it has none."""
+    found = _create_or_read(durable, names.STORE_ID_NAME, None, "store id")
+    return None if found is None else _valid_identity(durable, found)
+
+
+def _valid_identity(durable: Storage, found: dict) -> str:
+    ident = found.get("id")
     if not (isinstance(ident, str) and len(ident) == 32 and all(c in "0123456789abcdef" for c in ident)):
         raise FormatError(f"{durable.describe(names.STORE_ID_NAME)}: holds no store id (32 hex digits): "
                           "restore it, or delete it and every local tier's "
@@ -297,18 +538,23 @@ def _store_identity(durable: Storage) -> str:
     return ident
 
 
-def _create_or_read(storage: Storage, name: str, record: dict, what: str) -> dict:
+def _create_or_read(storage: Storage, name: str, record: dict | None, what: str) -> dict | None:
     """The JSON object stored under ``name``, written as ``record`` when there is none
-    (create-only: of two writers, both read the winner's)."""
-    for _ in range(2):
+    (None: not written, and None returned). What is returned is always what was read
+    from the store, after our own put too: where create-only puts are not atomic
+    (``conditional_writes="single-writer"``) another writer's put may have replaced
+    ours, and the stored one wins."""
+    for _ in range(3):
         try:
             found = fmt.loads_json(read_capped(storage, name, fmt.MAX_MARKER_BYTES, what), what)
         except ObjectNotFoundError:
+            if record is None:
+                return None
             try:
                 storage.put(name, json.dumps(record).encode(), if_absent=True)
-                return record
             except AlreadyExistsError:
-                continue  # another rank or job created it first: read theirs
+                pass  # another rank or job created it first
+            continue  # read back what is stored: ours, or the winner's
         except FormatError as e:
             raise FormatError(f"{storage.describe(name)}: {e}") from None
         if not isinstance(found, dict):

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import math
 import signal
+import statistics
+from collections import deque
 import threading
 import time
 import warnings
@@ -23,15 +25,16 @@ import torch.distributed as dist
 from . import format as fmt
 from . import lifecycle
 from . import names
-from .api import Store, tensors_in
+from .store import Store
 from .checkpoint import exiting
 from .checkpoint.flatten import _is_dtensor
+from .checkpoint.walk import tensors_in
 from .checkpoint.group import rank_and_world
 from .config import config
 from .resume import ResumeInfo
 from .rng import rng_state, set_rng_state
 from .storage import Storage
-from .supervisor.progress import ProgressReporter, guard_worker
+from .supervisor.progress import STEP_WINDOW, ProgressReporter, guard_worker
 from .supervisor.status import PRIOR_MTBF_S, status, young_daly
 
 PROGRESS_EVERY = 10.0  # seconds between progress records (each is one small PUT)
@@ -112,13 +115,15 @@ class Checkpointer:
             lifecycle.on_wait(self._on_wait)
         self._last_step_time: float | None = None
         self._step_s: float | None = None  # smoothed training step time
+        self._recent_steps: deque = deque(maxlen=STEP_WINDOW)  # the last step times (stragglers)
         self._save_blocking_s: float | None = None
 
     # ------------------------------------------------------------------ resume
     def resume(self) -> int:
         """Restore the newest step every rank can use; returns the step to run next
         (0 when the store holds no checkpoint). ``self.info`` says what was found."""
-        self._report("loading", force=True)
+        self._report("loading", force=True, section="resume")
+        began = time.monotonic()
         if self._auto:
             self._mtbf_s = _journal_mtbf(self.store.storage)
         template = self._state_dict()
@@ -126,7 +131,10 @@ class Checkpointer:
         state, info = self.store.resume(template if sharded else None, map_location=self.map_location,
                                         validate=self.validate, claim=True)
         self.info = info
-        self._report("train", None if info.step is None else info.step, force=True, resumed_step=info.step,
+        if self._reporter is not None:
+            self._reporter.note_longest("resume", time.monotonic() - began)
+        self._report("train", None if info.step is None else info.step, force=True, section="step",
+                     resumed_step=info.step,
                      resumed_tier=info.tier, resumed_age_s=info.age_s, skipped=[s.step for s in info.skipped])
         if self._reporter is not None and info.step is not None:
             self._reporter.note_committed(info.step, time.time() - (info.age_s or 0.0))
@@ -148,21 +156,24 @@ class Checkpointer:
         if self._last_step_time is not None:
             took = now - self._last_step_time
             self._step_s = took if self._step_s is None else 0.8 * self._step_s + 0.2 * took
+            self._recent_steps.append(took)
+            if self._reporter is not None:
+                self._reporter.note_longest("step", took)
         first = self._last_step_time is None
         self._last_step_time = now
         if first:  # the supervisor measures launch-to-first-step from this
-            self._report("train", step, force=True, first_step_t=time.time())
+            self._report("train", step, force=True, section="step", first_step_t=time.time())
             if self.prepare:
                 self._prepare()
         else:
-            self._report("train", step)
+            self._report("train", step, section="step")
         preempted, due_time = self._agree(self._signalled.is_set(), self._due_by_time())
         due = preempted or due_time or (self.every is not None and step % self.every == 0)
         if due and step != self.last_saved:
             # a preemption's save goes to the durable tier too: the node may not come back
             future = self.save(step, metrics, durable=preempted, stream=stream)
             if preempted:
-                self._report("saving", step, force=True)
+                self._report("saving", step, force=True, section="save")  # the wait for its commit
                 self._finish(future)
         self._record_progress(step, force=preempted)
         if preempted:
@@ -174,7 +185,7 @@ class Checkpointer:
         """After the first step, when the optimizer has made its state: the staging
         memory of the first save is made ready in the background (ckptstore.prepare),
         so that save copies without page faults."""
-        from .api import prepare
+        from .warmup import prepare
 
         parts: list = []
         if self.model is not None:
@@ -193,19 +204,26 @@ class Checkpointer:
         says (every rank alike). ``stream``: what the copies of CUDA tensors wait for
         (:meth:`Store.save`); default each device's current stream."""
         began = time.monotonic()
-        self._report("saving", step)  # a supervisor does not take a long staging copy for a hang
+        self._report("saving", step, section="save")  # a supervisor does not take a long staging copy for a hang
         future = self.store.save(step, self._state_dict(), metrics, replicated=self.replicated, durable=durable,
                                  stream=stream)
         self._save_blocking_s = time.monotonic() - began
-        self._report("train", step)
+        if self._reporter is not None:
+            self._reporter.note_longest("save", self._save_blocking_s)
+        self._report("train", step, section="step")
         if self._reporter is not None:  # where the next attempt resumes (a local tier's commit too)
             reporter = self._reporter
-            future.add_done_callback(
-                lambda f: reporter.note_committed(step, time.time()) if f._future.exception() is None else None)
+
+            def committed(f):
+                if f.failure() is None:
+                    reporter.note_committed(step, time.time())
+                    reporter.note_longest("save", time.monotonic() - began)  # start to commit
+
+            future.add_done_callback(committed)
         if self.on_commit is not None:
             on_commit = self.on_commit
             # (not f.exception(): that would mark a failure seen, and the next save would not raise it)
-            future.add_done_callback(lambda f: on_commit(step) if f._future.exception() is None else None)
+            future.add_done_callback(lambda f: on_commit(step) if f.failure() is None else None)
         self.last_saved = step
         self._last_save_time = time.monotonic()
         return future
@@ -216,7 +234,8 @@ class Checkpointer:
 
     def _report(self, state: str, step: int | None = None, force: bool = False, **fields) -> None:
         if self._reporter is not None:
-            self._reporter.report(state, step, force, step_s=self._step_s,
+            median = statistics.median(self._recent_steps) if self._recent_steps else None
+            self._reporter.report(state, step, force, step_s=self._step_s, step_median_s=median,
                                   save_blocking_s=self._save_blocking_s, **fields)
 
     def _on_wait(self, waiting: bool) -> None:
@@ -225,10 +244,10 @@ class Checkpointer:
         upload is no hang."""
         if waiting and self._reporter.record["state"] == "train":
             self._waiting_from = "train"
-            self._report("saving", force=True)
+            self._report("saving", force=True, section="save")
         elif not waiting and self._waiting_from is not None:
             if self._reporter.record["state"] == "saving":
-                self._report(self._waiting_from, force=True)
+                self._report(self._waiting_from, force=True, section="step")
             self._waiting_from = None
 
     def close(self) -> None:
@@ -293,7 +312,8 @@ class Checkpointer:
         with the MTBF the run's journal has observed (``ckptstore status``; a prior of
         one failure a day before any) and the cost of this run's last save (the first
         save comes at the first step, to measure it); never more than
-        ``supervisor.status.MAX_INTERVAL_S`` (6 hours), whatever the journal claims."""
+        ``supervisor.status.MAX_INTERVAL_S`` (6 hours) nor less than
+        ``MIN_INTERVAL_SAVES`` (5) times that cost, whatever the journal claims."""
         if self._save_blocking_s is None:
             return 0.0
         return young_daly(self._save_blocking_s, self._mtbf_s)

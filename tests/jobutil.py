@@ -17,10 +17,10 @@ class Job:
     """A process (a launcher, a supervisor) and the lines its tree prints; ranks print
     ``rank R: step S pid P`` (docs/examples/fault_tolerant_training.py)."""
 
-    def __init__(self, cmd: list[str], env: dict | None = None):
+    def __init__(self, cmd: list[str], env: dict | None = None, cwd=None):
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                     start_new_session=True)
+                                     start_new_session=True, cwd=cwd)
         self.lines: list[str] = []
         self.pids: dict[int, int] = {}
         self._q: queue.Queue = queue.Queue()

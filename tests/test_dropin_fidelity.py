@@ -440,7 +440,7 @@ def test_placing_fake_tensors_visits_each_object_once():
     hold itself: the walk that finds the tensors a fake load places (and checks) visits
     each object once, so a hostile checkpoint cannot make a fake load hang or overflow
     the stack."""
-    from ckptstore.checkpoint.restore import _tensors_in
+    from ckptstore.checkpoint.walk import tensors_in
 
     iterations = []
 
@@ -452,11 +452,11 @@ def test_placing_fake_tensors_visits_each_object_once():
     shared = Counting([torch.ones(1)])
     for _ in range(40):
         shared = Counting([shared, shared])
-    list(_tensors_in({"x": shared}))
+    list(tensors_in({"x": shared}, attributes=True))
     assert len(iterations) == 41
     looped: list = [torch.ones(1)]
     looped.append(looped)
-    list(_tensors_in({"x": looped}))  # no RecursionError
+    list(tensors_in({"x": looped}, attributes=True))  # no RecursionError
 
 
 def test_a_fake_load_of_a_list_holding_itself_places_its_tensor(tmp_path):

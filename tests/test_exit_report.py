@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import ckptstore
-from ckptstore import lifecycle, names
+from ckptstore import exit_report, lifecycle, names
 from ckptstore.checkpoint import exiting
 from ckptstore.checkpoint.save import SaveOptions, start_save
 from ckptstore.errors import CkptStoreError, StorageError
@@ -40,6 +40,7 @@ def no_exception_ending(monkeypatch):
     test's in sys.last_value, for post-mortem debugging)."""
     for name in ("last_exc", "last_value", "last_type", "last_traceback"):
         monkeypatch.delattr(sys, name, raising=False)
+    monkeypatch.setattr(exit_report, "_exit_code", exit_report._NOT_CALLED)  # (a test's sys.exit under pytest.raises)
 
 
 def _failed_unseen(tmp_path, name="bad"):
@@ -61,8 +62,14 @@ def _failed_unseen(tmp_path, name="bad"):
 
 def test_a_failed_save_nobody_looked_at_is_reported_at_exit_and_the_status_is_1(tmp_path):
     """The issue's repro, ended by sys.exit(0): the report names the path, the reason and
-    what to do, the status is 1, and a file the program left open is still flushed."""
-    code = ("import sys, torch, ckptstore\n"
+    what to do, the status is 1, and a file the program left open is still flushed. The
+    atexit handlers registered before ``import ckptstore`` (torch's, coverage's, the
+    program's) run too, once, after those registered later (review of issue 34: they
+    were skipped), and those registered later run once."""
+    code = ("import atexit, sys\n"
+            "atexit.register(lambda: print('handler registered before the import', flush=True))\n"
+            "import torch, ckptstore\n"
+            "atexit.register(lambda: print('handler registered after the import', flush=True))\n"
             "log = open('log.txt', 'w'); log.write('step 1 done')\n"
             "open('a_file', 'w').close()\n"
             "ckptstore.save({'w': torch.zeros(1000)}, 'a_file/sub/x.pt')\n"
@@ -78,6 +85,21 @@ def test_a_failed_save_nobody_looked_at_is_reported_at_exit_and_the_status_is_1(
     assert ".result()" in lines[1] and "ckptstore.wait()" in lines[1], lines
     assert lines[2] == "ckptstore: exit status 1: a save did not commit", lines
     assert (tmp_path / "log.txt").read_text() == "step 1 done"
+    assert r.stdout.splitlines() == ["handler registered after the import", "handler registered before the import"], \
+        r.stdout
+
+
+def test_the_status_the_program_chose_with_sys_exit_is_kept(tmp_path):
+    """A failed save nobody looked at, then ``sys.exit(3)``: the report is printed and the
+    status stays 3 (it was 1: only a status that would be 0 becomes 1)."""
+    code = ("import sys, torch, ckptstore\n"
+            "open('a_file', 'w').close()\n"
+            "ckptstore.save({'w': torch.zeros(10)}, 'a_file/sub/x.pt')\n"
+            "sys.exit(3)\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=child_env(), capture_output=True, text=True,
+                       timeout=HANG_GUARD_S)
+    assert r.returncode == 3, (r.returncode, r.stderr)
+    assert "failed and nothing waited for its outcome" in r.stderr and "exit status" not in r.stderr, r.stderr
 
 
 def test_ctrl_c_at_exit_says_what_it_waits_for_and_a_second_ctrl_c_abandons_the_wait(tmp_path):
@@ -147,6 +169,28 @@ def test_a_failed_save_is_left_out_of_the_exit_report_once_the_program_saw_it(tm
     assert status == 1, err
     assert f"ckptstore: the save to {where} failed and nothing waited for its outcome: StorageError: " in err, err
     assert err.rstrip().endswith("ckptstore: exit status 1: a save did not commit"), err
+
+
+def test_sys_exit_with_a_non_zero_status_is_kept_and_zero_becomes_1(tmp_path, capsys, no_exception_ending):
+    """In this process, what report_at_exit says after the main thread called sys.exit
+    (caught here): a non-zero status stands (None: the exit is left alone; a message
+    is status 1 by Python); 0 or None becomes 1; the last call counts; a call in another
+    thread (it ends only that thread) does not."""
+    fut, _ = _failed_unseen(tmp_path)  # (its save also installed the sys.exit watch)
+    for code, status in [(3, None), ("a message", None), (256 + 7, None), (0, 1), (None, 1), (256, 1)]:
+        with pytest.raises(SystemExit):
+            sys.exit(code)
+        assert exit_report.chosen_status() == (1 if code == "a message" else (code or 0) & 0xFF)
+        assert lifecycle.report_at_exit() == status, code
+    def exit_5():
+        with pytest.raises(SystemExit):
+            sys.exit(5)
+
+    thread = threading.Thread(target=exit_5)
+    thread.start()
+    thread.join()
+    assert lifecycle.report_at_exit() == 1  # still sys.exit(256)'s
+    fut.exception()  # (observed now: the session's own exit is not this test's)
 
 
 def test_a_failure_a_later_save_passed_over_is_raised_by_wait_or_reported_at_exit(tmp_path, capsys,

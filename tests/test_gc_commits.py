@@ -239,3 +239,152 @@ def test_gc_text_summary_names_the_released_bytes_and_files(tmp_path):
     assert re.fullmatch(rf"deleted 1 item\(s\), 0 B; released [0-9.]+ (B|KiB) in {files} file\(s\): a gc run "
                         r"from \d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC \(in [56]h \d+m\) deletes it; "
                         r"kept 1 checkpoint\(s\)", last), last
+
+
+# ---------------------------------------------------------------------------- review of issue 34
+def _plant_mark(root, step: int, generation: int, mtime: float) -> str:
+    """An attempt of ``step`` holding a data file and a commit mark naming ``generation``,
+    the mark dated ``mtime`` (a hostile file, or one restored with its times)."""
+    attempt = names.new_attempt_id()
+    d = os.path.join(root, names.step_dir_name(step), names.ATTEMPTS_DIR, attempt)
+    os.makedirs(d)
+    with open(os.path.join(d, "data-r00000-s00.bin"), "wb") as f:
+        f.write(b"x" * 100)
+    mark = os.path.join(d, names.COMMITTING_LEAF)
+    with open(mark, "w") as f:
+        json.dump({"attempt": attempt, "generation": generation, "at": "2030-01-01T00:00:00Z"}, f)
+    os.utime(mark, (mtime, mtime))
+    return attempt
+
+
+def test_I8_a_future_dated_commit_mark_does_not_keep_gc_from_deleting_data_anywhere(tmp_path):
+    """One commit mark dated years ahead (planted, restored by ``rsync -a``, a clock far
+    off) counted as fresh until then: ``gc --keep-last 1 --grace 0`` deleted the dropped
+    steps' manifests and kept all their data, "deletable from" that date. A mark dated
+    beyond the clock tolerance is no commit in flight."""
+    root = str(tmp_path / "store")
+    store = ckptstore.Store(root)
+    for step in (1, 2, 3, 4):
+        store.save(step, state(step)).result()
+    _plant_mark(root, 9, 1, time.time() + 4 * 365 * 86400)
+    report = json.loads(cli("gc", root, "--keep-last", "1", "--grace", "0", "--json").stdout)
+    assert report["skipped"] == [], report["skipped"]
+    assert sorted(os.listdir(root)) == [names.step_dir_name(4)]  # the planted attempt went too (idle, grace 0)
+    assert report["pending"] == [] and ckptstore.Store(root).steps() == [4]
+
+
+def test_a_commit_mark_counts_while_dated_within_the_clock_tolerance_of_now(tmp_path):
+    """A mark counts for the lease (120 s) after its date, and from up to the clock
+    tolerance (60 s) before it; one dated later than that is no commit in flight."""
+    from ckptstore.checkpoint import claims
+
+    root = str(tmp_path / "store")
+    now = 2_000_000_000.0
+    where = LocalStorage(os.path.join(root, names.step_dir_name(9)))
+
+    def check(ahead: float, fresh: bool) -> None:
+        attempt = _plant_mark(root, 9, 1, now + ahead)
+        assert claims.committing(where, attempt, now + ahead, [], now) is fresh, ahead
+        assert claims.committing(where, attempt, now + ahead, [1], now) is False  # generation 1 is there
+
+    for ahead, fresh in [(-119, True), (-120, False), (0, True), (30, True), (600, False), (4 * 365 * 86400, False)]:
+        check(ahead, fresh)
+    check(claims.MARK_CLOCK_TOLERANCE, True)
+    check(claims.MARK_CLOCK_TOLERANCE + 1, False)
+
+
+def test_a_commit_leaves_no_commit_mark_behind(tmp_path):
+    """Every committed attempt kept its ``committing.json`` (which an older ckptstore's gc
+    reports as foreign): it goes once the manifest landed."""
+    root = store_with_step_0(tmp_path)
+    rank0 = Rank0(root)
+    rank0.rank1_votes()
+    manifest = rank0.future.result(TIMEOUT)
+    for step, attempt in [(0, ckptstore.Store(root).manifest(0).attempt), (1, manifest.attempt)]:
+        attempt_dir = os.path.join(root, names.step_dir_name(step), names.ATTEMPTS_DIR, attempt)
+        assert names.COMMITTING_LEAF not in os.listdir(attempt_dir), os.listdir(attempt_dir)
+    assert_committed_whole(root)
+
+
+class SteppedClock:
+    """time.monotonic, moved ahead by ``jump`` whenever a store writes a key ending in
+    ``leaf`` (a slow but healthy store: an fsync on loaded Lustre, S3 retrying SlowDown)."""
+
+    def __init__(self, monkeypatch, leaf: str, jumps):
+        self.real, self.offset, self.leaf, self.jumps, self.writes = time.monotonic, 0.0, leaf, jumps, 0
+        monkeypatch.setattr(time, "monotonic", self)
+
+    def __call__(self) -> float:
+        return self.real() + self.offset
+
+    def storage(self, root):
+        clock = self
+
+        class Slow(LocalStorage):
+            def put(self, key, data, *, if_absent=False):
+                super().put(key, data, if_absent=if_absent)
+                if key.endswith(clock.leaf):
+                    clock.writes += 1
+                    clock.offset += clock.jumps(clock.writes)
+        return Slow(root)
+
+
+def _save_step_1(storage, timeout: float):
+    return start_save(state(1), storage, rt=runtime(), attempt=names.new_attempt_id(), step=1, rank=0,
+                      world_size=1, metrics=None, options=SaveOptions(commit_timeout=timeout))
+
+
+def test_a_commit_whose_mark_write_takes_longer_than_15s_commits_on_a_slow_healthy_store(tmp_path, monkeypatch):
+    """Each write of the commit mark takes 20 s (its fsync): the checks overran the 15 s
+    window every time and the third overrun aborted the commit, though every byte was
+    durable. The window is half the lease now."""
+    clock = SteppedClock(monkeypatch, names.COMMITTING_LEAF, lambda n: 20.0)
+    root = store_with_step_0(tmp_path)
+    manifest = _save_step_1(clock.storage(os.path.join(root, STEP1)), 3600).result(TIMEOUT)
+    assert manifest.step == 1 and clock.writes == 1
+    monkeypatch.undo()
+    assert_committed_whole(root)
+
+
+def test_a_commit_marks_and_checks_again_until_its_own_timeout(tmp_path, monkeypatch):
+    """Checks that overrun the window run again after a new mark, not three times only:
+    as long as the commit's timeout allows (here the fifth try keeps to the window)."""
+    clock = SteppedClock(monkeypatch, names.COMMITTING_LEAF, lambda n: 70.0 if n <= 4 else 0.0)
+    root = store_with_step_0(tmp_path)
+    manifest = _save_step_1(clock.storage(os.path.join(root, STEP1)), 3600).result(TIMEOUT)
+    assert manifest.step == 1 and clock.writes == 5
+    monkeypatch.undo()
+    assert_committed_whole(root)
+
+
+def test_a_commit_whose_checks_overrun_until_its_timeout_is_refused_and_takes_its_mark_back(tmp_path, monkeypatch):
+    clock = SteppedClock(monkeypatch, names.COMMITTING_LEAF, lambda n: 70.0)
+    root = store_with_step_0(tmp_path)
+    error = _save_step_1(clock.storage(os.path.join(root, STEP1)), 300).exception(TIMEOUT)
+    monkeypatch.undo()
+    assert isinstance(error, CommitError) and "until the commit's timeout" in str(error), error
+    assert clock.writes == 5  # 70 s each: the fifth ended past the 300 s left
+    [attempt] = os.listdir(os.path.join(root, STEP1, names.ATTEMPTS_DIR))
+    left = os.listdir(os.path.join(root, STEP1, names.ATTEMPTS_DIR, attempt))
+    assert names.ABORT_LEAF in left and names.COMMITTING_LEAF not in left, left
+    assert ckptstore.Store(root).steps() == [0]
+
+
+def test_I8_gc_whose_release_marks_overrun_the_window_keeps_that_checkpoint_and_says_so(tmp_path, monkeypatch):
+    """Release marks that took longer than the window three times: gc went on and deleted
+    the manifest all the same, outside the timing a commit that checked it as its base
+    relies on. It now leaves that checkpoint (manifest and files) to a later run, and
+    says why."""
+    root = str(tmp_path / "store")
+    store = ckptstore.Store(root)
+    for step in (0, 1):
+        store.save(step, state(step)).result()
+    plan = gc_mod.plan(LocalStorage(root), Retention(last=1))
+    [d] = plan.deletions
+    assert (d.kind, d.location, len(d.release)) == ("checkpoint", names.step_dir_name(0), 1)
+    clock = SteppedClock(monkeypatch, names.RELEASED_LEAF, lambda n: 70.0)
+    gc_mod.execute(clock.storage(root), plan)
+    monkeypatch.undo()
+    assert clock.writes == 3 and d.skipped is not None and "release marks took longer than" in d.skipped, d
+    assert ckptstore.Store(root).steps() == [0, 1]
+    assert ckptstore.verify(os.path.join(root, names.step_dir_name(0))) == []  # its files all there

@@ -610,3 +610,18 @@ def test_limits_are_frozen_and_validated():
                 {"probe_timeout_s": 0}, {"store_max_attempts": 0}):
         with pytest.raises(ValueError):
             HealthLimits(**bad)
+
+
+def test_gpu_memory_used_reads_what_the_gate_waits_on(nvml, monkeypatch):
+    """The readings ``ckptstore run`` waits on before a relaunch (supervisor/gate.py):
+    used and total bytes of each selected device, None without NVML."""
+    fake = nvml(two_gpus(free=30 * GiB))
+    assert health.gpu_memory_used() == {Dev().uuid: (1 * GiB, 80 * GiB),
+                                        "GPU-99999999-1111-2222-3333-444444444444": (50 * GiB, 80 * GiB)}
+    assert fake.initialised == 0  # shut down again
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    assert list(health.gpu_memory_used()) == ["GPU-99999999-1111-2222-3333-444444444444"]
+    nvml(init_error=DRIVER_NOT_LOADED)
+    assert health.gpu_memory_used() is None
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    assert health.gpu_memory_used() is None

@@ -385,7 +385,7 @@ def test_a_one_rank_save_may_ask_for_version_4(tmp_path):
 def test_gc_reads_an_unreadable_roots_references_leniently(tmp_path):
     """A root that does not validate may still reference other steps' files: gc reads
     its declared references leniently and keeps those attempts (I7)."""
-    from ckptstore.checkpoint.gc import _references_of_unreadable
+    from ckptstore.checkpoint.liveness import _references_of_unreadable
 
     save_world(tmp_path, 2)
     other = names.new_attempt_id()

@@ -624,3 +624,85 @@ def test_the_recommended_interval_has_a_maximum():
     assert young_daly(1e300, 1e300) == MAX_INTERVAL_S
     assert [young_daly(c, m) for c, m in ((0.0, 1.0), (-1.0, 1.0), (1.0, float("inf")), (float("nan"), 1.0))] \
         == [0.0] * 4
+
+
+# ---------------------------------------------------------------------------- review of issue 34: credentials
+SECRETS = ("hunter2", "alice", "deadbeef", "AKIAEXAMPLE", "bob:pw", "s3cr3t")
+
+
+def _secret_events():
+    command = ["train.py", "--data", "https://alice:hunter2@host/x",
+               "--url=https://h/o?X-Amz-Signature=deadbeef&X-Amz-Credential=AKIAEXAMPLE%2Fx"]
+    reason = "rank 0: upload to https://bob:pw@minio:9000/bucket/key failed"
+    return command, reason
+
+
+def _assert_no_secret(text: str) -> None:
+    assert not [s for s in SECRETS if s in text], text
+
+
+def test_the_journal_and_status_show_no_credentials(tmp_path):
+    """The runner journals the launch command as given, and failure reasons and
+    tracebacks as the ranks wrote them; ``ckptstore status`` printed them back, with a
+    URL's password and a presigned URL's signature in clear."""
+    url = str(tmp_path / "store")
+    storage = open_storage(url)
+    ckptstore.Store(url).save(3, small_state(3)).result()
+    command, reason = _secret_events()
+    j = Journal(storage, "run-1", clock=clock())
+    j.append("run_start", command=command, world_size=1, nnodes=1, policy={"alert": {"to": ["https://x:s3cr3t@h/"]}})
+    j.append("attempt_start", attempt=0)
+    j.append("failure", attempt=0, reason=reason, traceback=f"Traceback ...\nOSError: {reason}", rank=0,
+             step=5, **{"class": "transient"})
+    stored = "".join(storage.read(f"{JOURNAL_DIR}/run-1/{n}").decode() for n in storage.list(f"{JOURNAL_DIR}/run-1"))
+    _assert_no_secret(stored)
+    assert "https://host/x" in stored and "X-Amz-Signature=***" in stored and "https://minio:9000/bucket/key" in stored
+    s, text = _status_both_ways(url)
+    _assert_no_secret(json.dumps(s) + text)
+    assert s["command"][2] == "https://host/x" and "https://minio:9000/bucket/key" in s["last_failure"]["reason"]
+
+
+def test_status_redacts_a_journal_written_before_the_writer_did(tmp_path):
+    """Journals that exist already hold credentials as written: status redacts what it
+    copies out, also a URL its length limit would cut in two, and in bounded time."""
+    url = str(tmp_path / "store")
+    storage = open_storage(url)
+    command, reason = _secret_events()
+    us = int(T0 * 1e6)
+    _event_file(storage, "run-1", us, "run_start", {"t": T0, "command": command})
+    _event_file(storage, "run-1", us + 1, "failure", {"t": T0, "attempt": 0, "class": "transient", "reason": reason,
+                                                      "traceback": reason})
+    _event_file(storage, "run-1", us + 2, "give_up", {"t": T0, "reason": "x" * 4080 + " https://al:hunter2@h/"})
+    _event_file(storage, "run-1", us + 3, "unhealthy", {"t": T0, "checks": [{"name": "s3", "detail": reason,
+                                                                             "value": {"url": command[3]}}]})
+    s, text = _status_both_ways(url)
+    _assert_no_secret(json.dumps(s) + text)
+    assert s["last_failure"]["reason"] == "rank 0: upload to https://minio:9000/bucket/key failed"
+    # a crafted string (no spaces, letters and '@') costs a bounded time, not seconds
+    import time
+
+    started = time.perf_counter()
+    assert len(jmod.redact_text("x://" + "a" * 60_000 + "/@")) <= jmod.URL_TOKEN_MAX + 3
+    assert time.perf_counter() - started < 1.0
+
+
+def test_the_recommended_interval_has_a_minimum_whatever_the_journal_claims():
+    """A hostile journal of many failures in a short run drove the MTBF near 0 and the
+    interval with it: ``every="auto"`` saved at almost every step. The interval is at
+    least MIN_INTERVAL_SAVES blocking save costs."""
+    from ckptstore.supervisor.status import young_daly
+
+    assert young_daly(1.0, 1e-9) == 5.0 and young_daly(0.5, 1e-300) == 2.5
+    assert young_daly(2.0, 100.0) == 20.0  # above it, Young/Daly as before
+    events = [ev("run_start", 0)] + [fail(1 + i * 1e-4, None, "transient", save_blocking_s=0.2, step_s=0.01)
+                                     for i in range(5000)]
+    s = summarize(events, now=2.0)
+    assert s["mtbf_s"] < 1e-3
+    assert s["recommended_interval_s"] == pytest.approx(1.0) and s["recommended_interval_steps"] == 100
+    # and Checkpointer(every="auto") with that MTBF
+    ckpt = ckptstore.Checkpointer.__new__(ckptstore.Checkpointer)
+    ckpt._save_blocking_s, ckpt._mtbf_s = 0.2, s["mtbf_s"]
+    assert ckpt.auto_interval_s() == pytest.approx(1.0)
+    from ckptstore.supervisor.status import MIN_INTERVAL_SAVES
+
+    assert MIN_INTERVAL_SAVES == 5.0

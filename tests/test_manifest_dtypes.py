@@ -79,3 +79,92 @@ def test_I4_a_dtype_edit_of_a_global_tensor_is_refused(tmp_path):
     with pytest.raises(FormatError, match="'model.w'.*int32.*float32"):
         ckptstore.Store(root).load(1)
     assert "'model.w'" in str(ckptstore.verify(location))
+
+
+# ---------------------------------------------------------------------------- keys and order (review of issue 34)
+def rewrite_sorted(location) -> str:
+    """Rewrite the visible manifest as ``jq -S`` does: the same JSON, every object's keys sorted."""
+    name = max(n for n in os.listdir(location) if names.parse_manifest_name(n))
+    path = os.path.join(location, name)
+    doc = json.loads(open(path, "rb").read())
+    with open(path, "w") as f:
+        json.dump(doc, f, sort_keys=True, indent=1)
+    return path
+
+
+LIST_MISMATCH = "the manifest's tensor list does not match the skeleton's"
+
+
+def test_I4_a_manifest_rewritten_with_sorted_keys_is_refused_not_loaded_with_tensors_swapped(tmp_path):
+    """A manifest rewritten with its keys sorted is the same JSON, but an index persistent
+    id names a tensor by its position in the list: q_proj's bytes loaded as k_proj's,
+    and verify said ok. The record now binds the keys, their order and shapes."""
+    location = str(tmp_path / "ckpt")
+    ckptstore.save({"q_proj": torch.zeros(3), "k_proj": torch.ones(3)}, location).result()
+    assert torch.equal(ckptstore.load(location)["k_proj"], torch.ones(3))
+    rewrite_sorted(location)
+    with pytest.raises(FormatError) as e:
+        ckptstore.load(location)
+    message = str(e.value)
+    assert location in message and LIST_MISMATCH in message and "sorted order" in message, message
+    [problem] = ckptstore.verify(location)
+    assert LIST_MISMATCH in problem.message, problem
+    assert cli("verify", location, "--json").exit_code == 1
+
+
+def test_I4_reordered_tensors_of_other_dtypes_are_reported_as_a_reordered_list_not_a_dtype_edit(tmp_path):
+    location = str(tmp_path / "ckpt")
+    state = {"q_proj": torch.zeros(3), "k_proj": torch.ones(3), "n": torch.arange(3, dtype=torch.int32)}
+    ckptstore.save(state, location).result()
+    rewrite_sorted(location)
+    with pytest.raises(FormatError) as e:
+        ckptstore.load(location)
+    assert LIST_MISMATCH in str(e.value) and "edited" not in str(e.value), e.value
+
+
+def test_I4_a_shape_edit_and_a_renamed_key_are_refused(tmp_path):
+    location = str(tmp_path / "ckpt")
+    ckptstore.save({"w": torch.zeros(3, 4), "b": torch.ones(4)}, location).result()
+
+    def reshape(entry):  # (the same element count, its one chunk with it: every other check agrees)
+        if entry["shape"] == [3, 4]:
+            entry["shape"] = [4, 3]
+            [chunk] = entry["chunks"]
+            chunk["sizes"] = [4, 3]
+    edit_entries(location, reshape)
+    with pytest.raises(FormatError, match=LIST_MISMATCH):
+        ckptstore.load(location)
+
+    other = str(tmp_path / "other")
+    ckptstore.save({"w": torch.zeros(3), "b": torch.ones(3)}, other).result()
+    path = os.path.join(other, max(n for n in os.listdir(other) if names.parse_manifest_name(n)))
+    text = open(path).read()
+    assert text.count('"w"') == 1
+    with open(path, "w") as f:
+        f.write(text.replace('"w"', '"v"'))
+    with pytest.raises(FormatError, match=LIST_MISMATCH):
+        ckptstore.load(other)
+
+
+@pytest.mark.parametrize("record", ["dtypes", "none"])
+def test_I4_checkpoints_with_the_first_record_or_none_still_load(tmp_path, monkeypatch, record):
+    """Skeletons written before the digest (``ckptstore-dtypes:`` and the dtypes alone) or
+    before any record: loaded and verified as before, and a dtype edit is still refused
+    under the first record. (A regression guard: the code before this change read these too.)"""
+    from ckptstore.checkpoint import snapshot
+
+    first = lambda local: b"ckptstore-dtypes:" + ",".join(d for d, _ in local.values()).encode()  # noqa: E731
+    monkeypatch.setattr(snapshot, "dtype_record", first if record == "dtypes" else (lambda local: b""))
+    location = str(tmp_path / "ckpt")
+    ckptstore.save({"w": tensor_of("float32"), "k": torch.arange(3)}, location).result()
+    monkeypatch.undo()
+    got = ckptstore.load(location)
+    assert torch.equal(got["w"], tensor_of("float32")) and torch.equal(got["k"], torch.arange(3))
+    assert ckptstore.verify(location) == []
+    if record == "dtypes":
+        def edit(entry):
+            if entry["dtype"] == "float32":
+                entry["dtype"] = "int32"
+        edit_entries(location, edit)
+        with pytest.raises(FormatError, match="'w'.*int32.*float32"):
+            ckptstore.load(location)

@@ -35,6 +35,8 @@ from ckptstore.storage import LocalStorage, open_storage, redact_url
 
 SECRET = "wJalrXUtnFEMIK7MDENGbPxRfiCYzEXAMPLEKEY"
 KEY = "AKIAIOSFODNN7EXAMPLE"
+# An AWS secret key is base64: about half of them hold a '/' (review of issue 34, item 1).
+SLASHED = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"
 # What users paste: credentials as userinfo (two or one slash, or none), and a presigned URL.
 LEAKY_URLS = [
     f"s3://{KEY}:{SECRET}@bucket/run",
@@ -43,7 +45,10 @@ LEAKY_URLS = [
     f"gs://{KEY}:{SECRET}@bucket/run",
     f"https://bucket.s3.amazonaws.com/run?X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Credential={KEY}%2F20260101"
     f"&X-Amz-Signature={SECRET}&X-Amz-Security-Token={SECRET}",
+    f"s3://{KEY}:{SLASHED}@bucket/run",
+    f"s3:/{KEY}:{SLASHED}@bucket/run",
 ]
+LEAKY_IDS = ["userinfo", "one-slash", "no-slash", "gs", "presigned", "slashed-secret", "slashed-secret-one-slash"]
 
 
 def _closed_port() -> int:
@@ -77,6 +82,8 @@ def _all_text(e: BaseException) -> str:
 
 def _no_secret(text: str) -> None:
     assert SECRET not in text and KEY not in text, text
+    for half in SLASHED.split("/"):  # neither part of a secret that holds '/'
+        assert half not in text, text
 
 
 def _store(root, steps=(10, 20, 30)) -> ckptstore.Store:
@@ -87,7 +94,7 @@ def _store(root, steps=(10, 20, 30)) -> ckptstore.Store:
 
 
 # ---------------------------------------------------------------------------- credentials
-@pytest.mark.parametrize("url", LEAKY_URLS, ids=["userinfo", "one-slash", "no-slash", "gs", "presigned"])
+@pytest.mark.parametrize("url", LEAKY_URLS, ids=LEAKY_IDS)
 def test_no_cli_command_prints_a_credential(tmp_path, url):
     """``ckptstore status 's3://KEY:SECRET@bucket/run'`` printed the secret; so did ls,
     verify and gc. Each refuses the URL (exit 2, one line) and shows no credential."""
@@ -116,7 +123,7 @@ def test_no_cli_command_prints_a_credential(tmp_path, url):
         assert "Traceback" not in r.output
 
 
-@pytest.mark.parametrize("url", LEAKY_URLS, ids=["userinfo", "one-slash", "no-slash", "gs", "presigned"])
+@pytest.mark.parametrize("url", LEAKY_URLS, ids=LEAKY_IDS)
 def test_no_python_api_error_holds_a_credential(tmp_path, url):
     calls = {
         "load": lambda: ckptstore.load(url),
@@ -152,6 +159,38 @@ def test_redact_url_masks_query_credentials_and_keeps_the_rest():
     assert text == ("GET https://h/b/k?X-Amz-Date=20260101&X-Amz-Signature=***&X-Amz-Credential=***"
                     "&partNumber=2#frag failed")
     assert redact_url("/data/run?token=abc/x") == "/data/run?token=abc/x"  # a path, not a URL
+
+
+def test_a_secret_holding_a_slash_is_refused_and_redacted_everywhere(tmp_path):
+    """``s3://KEY:wJal/K7MD/bPx@bucket/prefix`` opened the bucket ``KEY:wJal`` and showed
+    the secret in repr(Store), repr(S3Storage), the SaveFuture, botocore's "Invalid
+    bucket name", the exit report and the did-you-mean of ``s3:/...``. Now the URL is
+    refused (no bucket name holds ':'), and redaction removes the whole userinfo."""
+    from ckptstore.storage.s3 import S3Storage
+    from ckptstore.storage.urls import shown
+    url = f"s3://{KEY}:{SLASHED}@bucket/prefix"
+    for call in (lambda: ckptstore.Store(url), lambda: open_storage(url), lambda: ckptstore.load(url),
+                 lambda: ckptstore.save({"w": torch.ones(1)}, url), lambda: S3Storage(f"{KEY}:{SLASHED.split('/')[0]}"),
+                 lambda: open_storage(f"s3://{KEY}:{SLASHED}/run"),  # no '@': the bucket part is no bucket
+                 lambda: open_storage(f"s3:/{KEY}:{SLASHED}@bucket/prefix")):  # did you mean s3://bucket/prefix?
+        with pytest.raises(ValueError) as ei:
+            call()
+        _no_secret(_all_text(ei.value))
+    assert "did you mean s3://bucket/prefix?" in str(ei.value)
+    # Redaction, in every message that shows a URL (repr, describe, the exit report, botocore's)
+    for form in (url, f"s3:/{KEY}:{SLASHED}@bucket/prefix", f"s3:{KEY}:{SLASHED}@bucket/prefix",
+                 f"https://{KEY}:{SLASHED}@s3.example.com/bucket/prefix", f"gs://{KEY}:{SLASHED}@bucket/prefix"):
+        message = redact_url(f"<SaveFuture {form}/x step=1 in flight> Store('{form}')")
+        assert "bucket/prefix/x step=1 in flight> Store(" in message and "bucket/prefix')" in message, message
+        _no_secret(message)
+        assert "bucket/prefix" in shown(form) and "***@" in shown(form), shown(form)
+        _no_secret(redact_url(form) + shown(form))
+    assert shown(f"s3://{KEY}:{SLASHED}") == "s3://***/..."
+    # ... and never where an '@' is part of a path, or a ':' a port
+    for kept in ("s3://bucket/model@v2/x", "http://minio:9000/bucket/model@v2/x", "http://[::1]:9000/b/m@v2",
+                 "file://exp:a/model@v2", "s3://Legacy_Bucket.x/p@q"):
+        assert redact_url(f"at {kept}: failed") == f"at {kept}: failed" and shown(kept) == kept
+    assert open_storage("s3://Legacy_Bucket.x/p@q").bucket == "Legacy_Bucket.x"  # upper case, '_': the server judges
 
 
 # ---------------------------------------------------------------------------- the URL rule

@@ -359,3 +359,61 @@ def test_status_reports_the_step_saved_again_after_a_skip(tmp_path):
     assert status(open_storage(store.url))["checkpoint_step"] == 30
     r = CliRunner().invoke(cli, ["status", store.url, "--json"])
     assert r.exit_code == 0 and json.loads(r.output)["checkpoint_step"] == 30
+
+
+def _legacy_mark(store, step: int, at: str) -> None:
+    """The skip mark the previous release's resume wrote: {step, generation, reason, at}."""
+    mark = {"step": step, "generation": store.manifest(step).generation, "reason": "IntegrityError: old", "at": at}
+    (Path(store.url) / names.step_dir_name(step) / names.SKIPPED_NAME).write_text(json.dumps(mark))
+
+
+def test_a_previous_release_skip_mark_is_honoured_and_gc_keeps_the_newest_loadable_step(tmp_path):
+    """Review of issue 34: a mark without ``attempt`` and hash (every mark the previous
+    release wrote) was ignored, so ``gc --keep-last 1`` kept the corrupt step 3 and
+    deleted step 2, and resume found nothing loadable."""
+    store = _store_with_steps(tmp_path / "s", (1, 2, 3))
+    _flip_a_byte(store, 3)
+    _legacy_mark(store, 3, fmt.utc_now())  # written by a resume after step 3's commit
+    records = {r["step"]: r for r in json.loads(CliRunner().invoke(cli, ["ls", store.url, "--json"]).output)}
+    assert records[3]["skipped_by_resume"]["reason"] == "IntegrityError: old" and "skip_mark" not in records[3]
+    out = CliRunner().invoke(cli, ["gc", store.url, "--keep-last", "1", "--grace", "0s", "--json"])
+    assert out.exit_code == 0, out.output
+    # step 2 is the newest usable one; step 3 stays too: a mark not bound to the
+    # manifest's bytes may only ever make gc keep more
+    assert store.steps() == [2, 3]
+    with pytest.warns(ckptstore.CheckpointSkippedWarning):
+        assert store.resume()[1].step == 2
+
+
+def test_an_unbound_skip_mark_never_makes_gc_keep_less(tmp_path):
+    """An old-format mark that matches step, generation and time but is wrong (forged,
+    or about bytes that were since repaired) on the newest good step: gc keeps it, as it
+    would with no mark, and the newest usable step below it as the mark asks."""
+    store = _store_with_steps(tmp_path / "s", (10, 20, 30))
+    _legacy_mark(store, 30, fmt.utc_now())
+    store.gc(ckptstore.checkpoint.retention.Retention(last=1), grace=0)
+    assert store.steps() == [20, 30] and store.resume()[1].step == 30
+    from ckptstore.checkpoint.retention import UNBOUND, Candidate, KeepBest, Retention, select_kept
+
+    cands = [Candidate("a", 1, 1.0, {"loss": 1.0}, False), Candidate("b", 2, 2.0, {"loss": 0.5}, False, UNBOUND)]
+    for policy in (Retention(last=1), Retention(best=KeepBest("loss", "min", 1)), Retention(last=2)):
+        without = select_kept([Candidate(c.name, c.step, c.committed_at, c.metrics, False) for c in cands], policy, 9)
+        assert set(without) <= set(select_kept(cands, policy, 9)), policy
+
+
+def test_a_previous_release_mark_older_than_the_manifest_is_ignored(tmp_path):
+    """A stale old-format mark (written for an earlier checkpoint of the step, before
+    the manifest now there was committed) is not acted on; a mark missing a field says
+    which, not that it names the placeholder 'nothing'."""
+    from ckptstore.checkpoint.catalog import SKIP_MARK_DIGEST, manifest_digest
+
+    store = _store_with_steps(tmp_path / "s", (10, 20))
+    _legacy_mark(store, 20, "2000-01-01T00:00:00+00:00")
+    records = {r["step"]: r for r in json.loads(CliRunner().invoke(cli, ["ls", store.url, "--json"]).output)}
+    assert "skipped_by_resume" not in records[20] and "before the manifest was committed" in records[20]["skip_mark"]
+    store.gc(ckptstore.checkpoint.retention.Retention(last=1), grace=0)
+    assert store.steps() == [20]
+    m = store.manifest(20)
+    _mark(store, 20, **{SKIP_MARK_DIGEST: manifest_digest(store.location(20), m.generation)})  # no attempt
+    records = {r["step"]: r for r in json.loads(CliRunner().invoke(cli, ["ls", store.url, "--json"]).output)}
+    assert records[20]["skip_mark"] == "ignored: it has no attempt field"

@@ -99,14 +99,15 @@ def test_requests_per_checkpoint_grow_by_a_constant_per_rank(bucket, world):  # 
     # Rank 0 writes as they did, then commits: it reads each vote once and lists three
     # times: the attempt (every vote was there at once), the generations, and the attempt
     # once more after its commit mark (claims.py: gc's claim, and the files' sizes: no
-    # HEAD per file). Generation 1 has nothing older to retire, so no listing after the manifest.
+    # HEAD per file), deleted once the manifest landed. Generation 1 has nothing older to
+    # retire, so no listing after the manifest.
     assert got["commit"] == {("HEAD", "data"): 1, ("PUT", "data"): 1, ("PUT", "vote"): 1,
                              ("GET", "vote"): others, ("GET", "list"): 3, ("PUT", "committing"): 1,
-                             ("PUT", "manifest"): 1, ("PUT", "outcome"): 1}
+                             ("PUT", "manifest"): 1, ("PUT", "outcome"): 1, ("DELETE", "committing"): 1}
 
     # A waiting rank whose commit is done: its outcome and its root, nothing else.
     assert got["waits"] == {("GET", "outcome"): others, ("GET", "manifest"): others}
-    assert sum(sum(c.values()) for c in got.values()) == 6 * world + 3  # docs/s3.md's table
+    assert sum(sum(c.values()) for c in got.values()) == 6 * world + 4  # docs/s3.md's table
 
 
 def test_a_second_generation_retires_the_first_from_the_listing_that_shows_it_visible(bucket):  # noqa: F811

@@ -317,6 +317,16 @@ def test_read_hints_default_is_no_coalescing():
         ReadHints(blob=-1)
 
 
+# ---------------------------------------------------------------------------- capability flags
+def test_every_backend_sees_all_data_and_a_split_store_does_not(storage, tmp_path):
+    """``sees_all_data`` is part of the contract (base.py), not probed: every backend
+    states it, a split store (a multi-node local tier) is the one that says False."""
+    from ckptstore.storage.split import SplitStorage
+
+    assert Storage.sees_all_data is True and storage.sees_all_data is True
+    assert SplitStorage(storage, LocalStorage(str(tmp_path / "node"))).sees_all_data is False
+
+
 # ---------------------------------------------------------------------------- delete
 def test_delete_and_delete_missing(storage):
     storage.put("d/k", b"x")

@@ -255,7 +255,7 @@ def _attempt_started(store) -> bool:
 
 def test_an_unhealthy_node_is_journaled_alerted_and_exits_with_its_own_code(tmp_path):
     store = tmp_path / "store"
-    job = Supervised(store, tmp_path, "--expected-gpus", "1")  # this machine has none
+    job = Supervised(store, tmp_path, "--expected-gpus", "1", "--health-wait", "0")  # this machine has none
     assert job.finish() == runner.EXIT_UNHEALTHY, job.output()[-3000:]
     events = journal(store)
     assert [e["kind"] for e in events] == ["run_start", "unhealthy"]
@@ -263,6 +263,52 @@ def test_an_unhealthy_node_is_journaled_alerted_and_exits_with_its_own_code(tmp_
     assert [e["kind"] for e in job.alert_events()] == ["unhealthy"]
     assert status(store)["state"] == "unhealthy"
     assert not (store / "step-000000000000").exists()  # nothing was launched
+
+
+PLAIN = """import sys, helper, ckptstore
+print("script:", ckptstore.__file__, helper.NAME, sys.path[0], flush=True)
+raise ValueError("bad config 42")
+"""
+
+
+def test_a_plain_script_run_from_a_checkout_is_judged_from_its_own_exception(tmp_path):
+    """A script without a Checkpointer (without ckptstore at all) that raises the same
+    ValueError on every attempt: it left no error file, was retried as transient and
+    ended with exit 12 "no checkpoint newer than step None". Run from a directory that
+    holds a ckptstore source folder (a checkout), the launcher imported that folder
+    instead of the package the supervisor runs. Now every worker starts through the
+    bootstrap: its exception is recorded, the second occurrence stops the run (exit 10),
+    the script sees its own directory first and the supervisor's ckptstore, and each
+    failure is one ``ckptstore run:`` line."""
+    checkout = tmp_path / "checkout"
+    (checkout / "ckptstore").mkdir(parents=True)
+    (checkout / "ckptstore" / "__init__.py").write_text("raise ImportError('the source folder was imported')\n")
+    (checkout / "helper.py").write_text("NAME = 'helper of the script'\n")
+    (checkout / "train.py").write_text(PLAIN)
+    store = tmp_path / "store"
+    # as the console script starts: the working directory is not on its sys.path
+    console = "import sys; del sys.path[0]; from ckptstore.cli import main; sys.exit(main())"
+    job = Job([sys.executable, "-c", console, "run", "--standalone", "--nproc-per-node=1", "--store", str(store),
+               "--backoff", "0.01", "train.py"], cwd=checkout)
+    assert job.finish() == runner.EXIT_DETERMINISTIC, job.output()[-3000:]
+    out = job.output()
+    assert "the source folder was imported" not in out, out[-3000:]
+    package = subprocess.run([sys.executable, "-c", "import sys; del sys.path[0]; import importlib.util as u; "
+                           "print(u.find_spec('ckptstore').origin)"], cwd=checkout, capture_output=True, text=True,
+                          check=True).stdout.strip()  # the package the supervisor runs
+    assert f"script: {package} helper of the script {checkout}" in out, out[-3000:]
+    failures = kinds(journal(store), "failure")
+    assert [f["class"] for f in failures] == ["transient", "deterministic"], reasons(failures)
+    assert all("ValueError: bad config 42 (no step reported)" in f["reason"] for f in failures)
+    ours = [line for line in job.lines if line.startswith("ckptstore run: ")]
+    assert any(line.startswith("ckptstore run: errors: recorded for every rank") for line in ours), ours
+    assert any(line.startswith("ckptstore run: hangs: ") and "never killed as hung" in line for line in ours)
+    failed = [line for line in ours if " failed: " in line]
+    assert len(failed) == 2, ours
+    assert failed[0].startswith("ckptstore run: attempt 0 failed: transient: rank 0: ValueError: bad config 42") \
+        and "relaunch in " in failed[0] and "as attempt 1, from the start (no checkpoint)" in failed[0]
+    assert failed[1].startswith("ckptstore run: attempt 1 failed: deterministic: ") and \
+        failed[1].endswith("not relaunched")
 
 
 def test_doctor_health_checks_the_node_and_the_store(tmp_path):

@@ -27,7 +27,9 @@ from ckptstore.checkpoint import exiting
 from ckptstore.checkpoint.save import SaveFuture
 from ckptstore.storage import open_storage
 from ckptstore.supervisor import runner
+from ckptstore.supervisor import alerts
 from ckptstore.supervisor.classify import Verdict, classify
+from ckptstore.supervisor.decide import History, decide
 from ckptstore.supervisor.cli_run import _Refused, split_argv
 from ckptstore.supervisor.health import Check
 from ckptstore.supervisor.journal import Journal
@@ -213,10 +215,11 @@ def test_a_node_without_rank_0_journals_its_own_resume(tmp_path, monkeypatch):
 ])
 def test_which_errors_are_the_programs_own(error, traceback, first):
     result = {"failures": {"0": {"error": error, "traceback": traceback, "exitcode": 1, "timestamp": 1}}}
-    v1 = classify(result, 7, None)
-    v2 = classify(result, 7, v1.signature)
-    assert v1.klass == "transient"
-    assert v2.klass == ("deterministic" if first == "own" else "transient")
+    history, policy = History(), runner.Policy(backoff_s=0)
+    d1 = decide(policy, history, classify(result, 7), False, 0.0)
+    d2 = decide(policy, history, classify(result, 7), False, 1.0)
+    assert d1.klass == "transient"
+    assert d2.klass == ("deterministic" if first == "own" else "transient")
 
 
 def test_an_abbreviation_of_torchruns_options_is_refused():
@@ -243,12 +246,12 @@ def test_status_survives_figures_beyond_any_real_one(tmp_path):
 
 
 def test_an_alert_that_hangs_is_killed_with_what_it_started(tmp_path, monkeypatch):
-    monkeypatch.setattr(runner, "ALERT_TIMEOUT_S", 5.0)
+    monkeypatch.setattr(alerts, "TIMEOUT_S", 5.0)
     pid_file = tmp_path / "pid"
-    runner._alert(f"sleep 600 & echo $! > {pid_file}; wait", {"kind": "failure"})
+    alerts.run(f"sleep 600 & echo $! > {pid_file}; wait", {"kind": "failure"})
     assert _dies(int(pid_file.read_text()))  # (the SIGKILL lands asynchronously)
     # a command left running in the background on purpose is the user's
-    runner._alert(f"(sleep 600 & echo $! > {pid_file})", {"kind": "failure"})
+    alerts.run(f"(sleep 600 & echo $! > {pid_file})", {"kind": "failure"})
     survivor = psutil.Process(int(pid_file.read_text()))
     assert survivor.is_running() and survivor.status() != psutil.STATUS_ZOMBIE
     survivor.kill()

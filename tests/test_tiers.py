@@ -24,7 +24,9 @@ from ckptstore.checkpoint.promote import promote
 from ckptstore.checkpoint.manifests import latest_manifest
 from ckptstore.checkpoint.retention import Retention
 from ckptstore.checkpoint.verify import verify
-from ckptstore.errors import IntegrityError
+from ckptstore import names
+from ckptstore.errors import AlreadyExistsError, IntegrityError, ObjectNotFoundError
+from ckptstore.storage import LocalStorage
 from ckptstore.tiers import PromotionWarning
 
 pytest.importorskip("moto.server")
@@ -67,7 +69,7 @@ def test_every_save_is_local_every_kth_durable_and_wait_covers_the_promotions(bu
         store.save(step, state(step))
     ckptstore.wait()
     assert store.local.steps() == [6, 7]  # its own retention
-    assert store._committed_steps() == [3, 6]  # the 3rd and 6th saves, promoted
+    assert store.committed_steps() == [3, 6]  # the 3rd and 6th saves, promoted
     assert store.steps() == [3, 6, 7] and [t for t, _ in store.tiers_of(6)] == ["local", "durable"]
     local, durable = latest_manifest(store.local.location(6)), latest_manifest(store.location(6))
     assert (durable.attempt, durable.ranks, durable.tensors, durable.created_at) == \
@@ -123,7 +125,7 @@ def test_a_promotion_checks_every_hash_and_publishes_nothing_it_could_not_check(
         f.write(b"\xff\xff\xff")
     with pytest.raises(IntegrityError, match="xxh3-128 mismatch"):
         promote(store.local.location(1), store.location(1), manifest, 0, timeout=10.0)
-    assert store._committed_steps() == []  # nothing visible in the durable tier
+    assert store.committed_steps() == []  # nothing visible in the durable tier
 
 
 def test_local_retention_keeps_a_step_whose_promotion_is_pending(tmp_path):
@@ -145,7 +147,7 @@ def test_a_failed_promotion_warns_fails_wait_and_not_the_next_save(tmp_path, mon
     store = ckptstore.Store(tmp_path / "durable", local=tmp_path / "local", durable_every=1)
     with pytest.warns(PromotionWarning, match="promotion of step 1"):
         store.save(1, state(1)).result()
-        worker = store._promoter._worker  # None once it has ended, the failed promotion with it
+        worker = store._tiers.promoter._worker  # None once it has ended, the failed promotion with it
         if worker is not None:
             worker.join()
     monkeypatch.undo()  # the real promotion again
@@ -153,7 +155,7 @@ def test_a_failed_promotion_warns_fails_wait_and_not_the_next_save(tmp_path, mon
     with pytest.raises(IntegrityError, match="simulated"):
         ckptstore.wait()  # ...but wait() raises it, even after it ended
     ckptstore.wait()
-    assert store._committed_steps() == [2] and store.local.steps() == [1, 2]
+    assert store.committed_steps() == [2] and store.local.steps() == [1, 2]
 
 
 def test_the_durable_tier_keeps_its_own_retention(tmp_path):
@@ -162,7 +164,7 @@ def test_the_durable_tier_keeps_its_own_retention(tmp_path):
     for step in (1, 2, 3):
         store.save(step, state(step))
         ckptstore.wait()
-    assert store._committed_steps() == [3] and store.local.steps() == [1, 2, 3]
+    assert store.committed_steps() == [3] and store.local.steps() == [1, 2, 3]
 
 
 def kill_mid_promotion(durable: str, local, env: dict) -> None:
@@ -191,7 +193,7 @@ def test_sigkill_during_a_promotion_leaves_both_tiers_consistent(tmp_path):
     assert not list(durable.rglob("manifest-*.json"))  # nothing half-visible (I1)
 
     store = ckptstore.Store(durable, local=local, durable_every=2, chunk_bytes=64 << 10)
-    assert store._committed_steps() == [] and store.local.steps() == [1, 2]
+    assert store.committed_steps() == [] and store.local.steps() == [1, 2]
     got, info = store.resume()
     assert (info.step, info.tier) == (2, "local")
     assert torch.equal(got["t3"], torch.full((50_000,), 203.0))
@@ -199,7 +201,7 @@ def test_sigkill_during_a_promotion_leaves_both_tiers_consistent(tmp_path):
     assert [d.kind for d in swept.deletions] == ["attempt"] and not list(durable.rglob("data-*.bin"))
     store.save(4, {"x": torch.ones(3)}, durable=True).result()
     ckptstore.wait()  # a later promotion goes through
-    assert store._committed_steps() == [4]
+    assert store.committed_steps() == [4]
 
 
 @pytest.mark.parametrize("bad", [{"durable_every": 0}, {"durable_every": 1.5}, {"durable_every": True}])
@@ -224,7 +226,7 @@ def test_a_preemption_save_is_promoted_whatever_durable_every_says(tmp_path):
     assert ckpt.step(1)  # the preemption's save, waited for
     ckptstore.wait()
     ckpt.close()
-    assert store.local.steps() == [0, 1] and store._committed_steps() == [1]
+    assert store.local.steps() == [0, 1] and store.committed_steps() == [1]
     fresh = ckptstore.Store(tmp_path / "durable")  # the node is gone: the durable tier alone
     assert torch.equal(fresh.load(1)["model"]["weight"], model.weight.detach())
 
@@ -240,7 +242,7 @@ def test_sigkill_during_a_promotion_to_s3_leaves_both_tiers_consistent(bucket, e
     uploads = [u["Key"] for u in s3.list_multipart_uploads(Bucket=bucket).get("Uploads", [])]
 
     store = ckptstore.Store(url, local=local, durable_every=2, chunk_bytes=64 << 10)
-    assert store._committed_steps() == [] and store.local.steps() == [1, 2]
+    assert store.committed_steps() == [] and store.local.steps() == [1, 2]
     got, info = store.resume()
     assert (info.step, info.tier) == (2, "local")
     assert torch.equal(got["t1"][-5:], torch.full((5,), 201.0))
@@ -248,7 +250,7 @@ def test_sigkill_during_a_promotion_to_s3_leaves_both_tiers_consistent(bucket, e
     assert len(swept.aborted_uploads) == len(uploads) and not s3.list_multipart_uploads(Bucket=bucket).get("Uploads")
     store.save(4, {"x": torch.ones(3)}, durable=True).result()
     ckptstore.wait()  # a later promotion goes through
-    assert store._committed_steps() == [4]
+    assert store.committed_steps() == [4]
 
 
 def test_a_split_local_tier_keeps_data_files_apart_from_the_commit_records(tmp_path):
@@ -265,7 +267,7 @@ def test_a_split_local_tier_keeps_data_files_apart_from_the_commit_records(tmp_p
     store.save(1, state(1)).result()
     assert sorted(p.name for p in (tmp_path / "node").rglob("*") if p.is_file()) == ["data-r00000-s00.bin"]
     assert sorted(p.name for p in (tmp_path / "shared").rglob("*") if p.is_file()) == [
-        "committing.json", "manifest-0000000001.json"]  # (the commit mark: a commit record too)
+        "manifest-0000000001.json"]  # (the commit mark, a commit record too, went once it landed)
     assert split.list("") == ["step-000000000001/"] and same(store.load(1), state(1))
 
 
@@ -346,16 +348,16 @@ def test_a_save_that_fails_locally_promotes_nothing_and_stays_the_saves_own_erro
         warnings.simplefilter("error", PromotionWarning)  # its promotion fails quietly
         f = store.save(1, state(1))
         assert isinstance(f._future.exception(), StorageFullError)  # (not observed: the next save reports it)
-        worker = store._promoter._worker
+        worker = store._tiers.promoter._worker
         if worker is not None:
             worker.join()
     monkeypatch.undo()
     with pytest.raises(CkptStoreError, match="earlier save"):
         store.save(2, state(2))
-    assert store._committed_steps() == [] and not list((tmp_path / "durable").rglob("manifest-*"))
+    assert store.committed_steps() == [] and not list((tmp_path / "durable").rglob("manifest-*"))
     store.save(3, state(3)).result()
     ckptstore.wait()
-    assert store._committed_steps() == [3]
+    assert store.committed_steps() == [3]
 
 
 def test_a_two_tier_store_saves_whole_checkpoints(tmp_path):
@@ -524,3 +526,99 @@ def test_a_local_tier_opens_during_a_durable_outage(tmp_path, monkeypatch):
     with pytest.warns(RuntimeWarning, match="durable store cannot be read"):
         store = ckptstore.Store(tmp_path / "durable", local=tmp_path / "local")
     assert store.local is not None and not (tmp_path / "local" / "tier-binding.json").exists()
+
+
+# ---------------------------------------------------------------------------- review of issue 34: store-id races
+class _NoConditionalPuts(LocalStorage):
+    """A durable store without atomic create-only puts (``conditional_writes=
+    "single-writer"``: exists(), then a plain put). ``blind``: this rank looked before
+    another rank's put landed, so it sees no store-id.json; ``racer``: a record another
+    writer puts right after ours (last writer wins)."""
+
+    blind = False
+    racer = None
+
+    def _hidden(self, key):
+        return self.blind and key == names.STORE_ID_NAME
+
+    def read(self, key, *args, **kwargs):
+        if self._hidden(key):
+            raise ObjectNotFoundError(key)
+        return super().read(key, *args, **kwargs)
+
+    def exists(self, key):
+        return False if self._hidden(key) else super().exists(key)
+
+    def put(self, key, data, if_absent=False):
+        if if_absent and key == names.STORE_ID_NAME:
+            if self.exists(key):
+                raise AlreadyExistsError(key)
+            super().put(key, data)
+            if self.racer is not None:
+                super().put(key, json.dumps(self.racer).encode())
+            return
+        return super().put(key, data, if_absent=if_absent)
+
+
+def _racer():
+    return {"format": "ckptstore", "kind": "store_id", "id": "ab" * 16, "created_at": "2026-01-01T00:00:00+00:00"}
+
+
+def test_the_store_id_read_back_after_a_put_is_the_one_bound(tmp_path):
+    """``_create_or_read`` returned its own record after a put and never read back: where
+    another writer's put replaced it, the local tier was bound to an id that is not
+    stored, and every restart was refused as "belongs to another store"."""
+    from ckptstore import tiers
+
+    durable = _NoConditionalPuts(tmp_path / "durable")
+    durable.racer = _racer()
+    tiers.check_places({"the local tier": LocalStorage(tmp_path / "local"), "the durable store": durable})
+    binding = json.loads((tmp_path / "local" / names.TIER_BINDING_NAME).read_text())
+    assert binding["store"] == json.loads((tmp_path / "durable" / names.STORE_ID_NAME).read_text())["id"]
+    ckptstore.Store(tmp_path / "durable", local=tmp_path / "local")  # a restart is not refused
+
+
+def test_only_rank_0_creates_the_store_id_and_no_rank_binds_an_id_not_stored(tmp_path, monkeypatch):
+    """Every rank created store-id.json: on a store without atomic create-only puts rank 1,
+    which looked before rank 0's put landed, wrote its own id over rank 0's, and rank 1
+    or every later start was refused ("belongs to another store")."""
+    from ckptstore import tiers
+
+    rank = [0]
+    monkeypatch.setattr(tiers, "rank_and_world", lambda group=None: (rank[0], 2), raising=False)
+    durable = _NoConditionalPuts(tmp_path / "durable")
+    for r in (0, 1):
+        rank[0], durable.blind = r, r == 1  # rank 1 looked before rank 0's put landed
+        tiers.check_places({"the local tier": LocalStorage(tmp_path / f"node{r}"), "the durable store": durable})
+    ident = json.loads((tmp_path / "durable" / names.STORE_ID_NAME).read_text())["id"]
+    assert json.loads((tmp_path / "node0" / names.TIER_BINDING_NAME).read_text())["store"] == ident
+    assert not (tmp_path / "node1" / names.TIER_BINDING_NAME).exists()  # bound at its next start:
+    durable.blind = False
+    tiers.check_places({"the local tier": LocalStorage(tmp_path / "node1"), "the durable store": durable})
+    assert json.loads((tmp_path / "node1" / names.TIER_BINDING_NAME).read_text())["store"] == ident
+    for r in (0, 1):  # every restart of either rank is let in
+        rank[0] = r
+        tiers.check_places({"the local tier": LocalStorage(tmp_path / f"node{r}"), "the durable store": durable})
+
+
+def test_one_overlap_check_sees_an_alias_below_a_directory_not_created_yet(tmp_path, monkeypatch):
+    """The overlap check ran twice (before and after binding) because a place that does
+    not exist yet was not compared as a directory; a bind-mount alias of the durable
+    store's directory, with the local tier below it, is refused before anything is
+    written."""
+    from ckptstore import tiers
+
+    durable = tmp_path / "durable"
+    durable.mkdir()
+    (tmp_path / "mnt").symlink_to(durable)  # stands for a bind mount: no real path reveals it
+    monkeypatch.setattr(tiers.os.path, "realpath", lambda p: os.path.abspath(p))
+    places = {"the local tier": LocalStorage(tmp_path / "mnt" / "node" / "local"),
+              "the durable store": LocalStorage(durable)}
+    with pytest.raises(ValueError, match="device and inode"):
+        tiers.refuse_overlaps(places)
+    assert not (durable / "node").exists()
+    for fresh in (("a", "b"), ("a", "b", "c")):  # neither created yet: judged by where they would be
+        places = {"x": LocalStorage(tmp_path.joinpath(*fresh[:2])), "y": LocalStorage(tmp_path.joinpath(*fresh))}
+        with pytest.raises(ValueError, match="overlap"):
+            tiers.refuse_overlaps(places)
+    tiers.refuse_overlaps({"x": LocalStorage(tmp_path / "a" / "b"), "y": LocalStorage(tmp_path / "a" / "c")})

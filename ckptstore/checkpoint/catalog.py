@@ -15,6 +15,7 @@ from ..errors import CkptStoreError
 from ..names import PIN_NAME
 from ..storage import Storage
 from .manifests import generations, read_capped, read_manifest
+from .retention import UNBOUND
 
 
 @dataclass
@@ -182,25 +183,32 @@ def read_skip_mark(loc: Location) -> dict | None:
 
 
 def check_skip_mark(loc: Location) -> tuple[dict | None, str | None]:
-    """``(mark, None)`` when ``loc`` holds a skip mark bound to its visible manifest;
-    ``(None, why)`` when it holds one that is not, which every reader ignores; ``(None,
-    None)`` without one.
+    """``(mark, None)`` when ``loc`` holds a skip mark that applies to its visible
+    manifest; ``(None, why)`` when it holds one that does not, which every reader
+    ignores; ``(None, None)`` without one.
 
-    A mark is a verdict on one manifest: it names the step, the generation, the attempt
-    and the xxh3-128 of the manifest's bytes that the resume judged, and is acted on
-    (retention and gc count the step as unusable, ``status`` passes over it) only while
-    all four match the visible manifest. A mark left behind (a gc killed between a
-    checkpoint's manifest and its mark, then the step saved again as generation 1), one
-    of an older ckptstore (no attempt, no hash), or one written by anyone else would
-    otherwise make gc delete the newest step a resume would load."""
+    A mark is a verdict on one manifest. One written since issue 34 names the step, the
+    generation, the attempt and the xxh3-128 of the manifest's bytes that the resume
+    judged, and applies only while all four match the visible manifest (it is *bound*:
+    :func:`skip_mark_is_bound`). One of the previous release names only the step and the
+    generation (``{step, generation, reason, at}``); it applies while both match and its
+    ``at`` is at or after the manifest's ``committed_at``: a mark left of an earlier
+    checkpoint of the step (a gc killed between its manifest and its mark, then the step
+    saved again as generation 1) predates the manifest that replaced it. Such a mark is
+    not bound to the manifest's bytes, so retention may only ever keep *more* for it
+    (retention.UNBOUND), never delete the step it names."""
     if not loc.skip_marked or loc.manifest is None:
         return None, None
     mark = _read_marker(loc, names.SKIPPED_NAME, "skip mark")
     m = loc.manifest
-    for key, want in (("step", loc.step), ("generation", m.generation), ("attempt", m.attempt)):
-        if mark.get(key) != want or isinstance(mark.get(key), bool):
-            got = mark.get(key) if key in mark else "nothing"
-            return None, f"ignored: it names {key} {str(got)[:64]!r}, the manifest {want!r}"
+    legacy = "attempt" not in mark and SKIP_MARK_DIGEST not in mark
+    for key, want in (("step", loc.step), ("generation", m.generation)) + (() if legacy else (("attempt", m.attempt),)):
+        if key not in mark:
+            return None, f"ignored: it has no {key} field"
+        if mark[key] != want or isinstance(mark[key], bool):
+            return None, f"ignored: it names {key} {str(mark[key])[:64]!r}, the manifest {want!r}"
+    if legacy:
+        return _check_legacy_mark(mark, loc)
     try:
         digest = manifest_digest(loc.storage, m.generation)
     except CkptStoreError as e:
@@ -208,6 +216,37 @@ def check_skip_mark(loc: Location) -> tuple[dict | None, str | None]:
     if mark.get(SKIP_MARK_DIGEST) != digest:
         return None, "ignored: it was written for other manifest bytes (xxh3-128 differs)"
     return mark, None
+
+
+def _check_legacy_mark(mark: dict, loc: Location) -> tuple[dict | None, str | None]:
+    """A previous release's mark (step and generation matched): it applies when it was
+    written at or after the visible manifest was committed."""
+    at = mark.get("at")
+    try:
+        written = fmt.parse_time(at) if isinstance(at, str) else None
+    except (ValueError, OverflowError, OSError):
+        written = None
+    if written is None:
+        return None, f"ignored: an older ckptstore's mark whose 'at' {str(at)[:64]!r} is not a time"
+    if written < loc.committed_at():
+        return None, (f"ignored: an older ckptstore's mark written at {at[:64]!r}, before the manifest "
+                      f"was committed ({loc.manifest.committed_at}): it judged an earlier checkpoint")
+    return mark, None
+
+
+def skip_mark_is_bound(mark: dict) -> bool:
+    """Whether ``mark`` (as :func:`check_skip_mark` returned it) was checked against the
+    manifest's bytes, not only its step, generation and time (a previous release's)."""
+    return SKIP_MARK_DIGEST in mark
+
+
+def skip_verdict(loc: Location):
+    """What retention counts ``loc``'s skip mark as (retention.Candidate.skipped):
+    False without one that applies, True for a bound one, retention.UNBOUND else."""
+    mark = read_skip_mark(loc)
+    if mark is None:
+        return False
+    return True if skip_mark_is_bound(mark) else UNBOUND
 
 
 SKIP_MARK_DIGEST = "manifest_xxh3_128"  # the skip mark's field binding it to the manifest's bytes
@@ -221,14 +260,14 @@ def manifest_digest(storage: Storage, generation: int) -> str:
 
 def skip_mark(storage: Storage, step: int, reason: str, at: str) -> dict:
     """The skip mark for the visible manifest of the location ``storage`` of ``step``:
-    bound to its generation, attempt and bytes (:func:`check_skip_mark`)."""
+    bound to its generation, attempt and bytes (:func:`check_skip_mark`), all from one
+    read of the manifest."""
     generation = generations(storage)[-1]
     data = read_capped(storage, names.manifest_name(generation), fmt.max_manifest_bytes(), "manifest")
     try:
-        doc = fmt.loads_json(data, "manifest")
-    except CkptStoreError:
-        doc = None
-    attempt = doc.get("attempt") if isinstance(doc, dict) and isinstance(doc.get("attempt"), str) else None
+        attempt = fmt.Manifest.from_bytes(data).attempt
+    except CkptStoreError:  # unreadable: no reader acts on a mark of it (check_skip_mark)
+        attempt = None
     return {"step": step, "generation": generation, "attempt": attempt, SKIP_MARK_DIGEST: hashing.digest(data),
             "reason": reason[:4096], "at": at}
 

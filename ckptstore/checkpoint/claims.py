@@ -9,8 +9,9 @@ exclusion), and one of the two always sees the other:
 - the committer rewrites its commit mark (``committing.json``: the generation it is
   about to write) and only then takes its last look at the attempt (:func:`last_look`):
   a gc claim or an abort marker there refuses the commit, and the sizes its file checks
-  use come from that look. It writes the manifest within ``COMMIT_WINDOW`` seconds of
-  the mark, or marks and looks again;
+  use come from that look. Its checks end within ``COMMIT_WINDOW`` seconds of the start
+  of the mark's write, or it marks and looks again (:class:`Windowed`), until the
+  commit's own timeout;
 - gc writes its claim (``gc-claim.json``, create-only) and only then looks at the
   attempt: a mark younger than ``COMMIT_LEASE`` that names a generation its location
   does not hold yet (:func:`committing`) means a committer may be between its look and
@@ -19,10 +20,19 @@ exclusion), and one of the two always sees the other:
 
 A committer that saw no claim looked before the claim was written, so it marked before
 that too, and gc's look finds the mark: fresh, gc leaves the attempt; older than the
-lease, the manifest (written within the window) is there for gc's listing. The one
-assumption on time: a manifest lands less than ``COMMIT_LEASE - COMMIT_WINDOW`` seconds
-after the committer's checks (a process or request stalled longer than that is the
-residual risk), with gc's clock within that of the store's.
+lease, the manifest (its checks ended within the window of the mark) is there for gc's
+listing. The one assumption on time: a manifest lands less than ``COMMIT_LEASE -
+COMMIT_WINDOW`` seconds after the committer's checks, less however far gc's clock is
+ahead of the store's (a process or request stalled longer than that is the residual
+risk). The window is measured from the start of the mark's write, not its end: the
+mark's modification time, by which gc ages it, is set somewhere during the write (a
+local file's before its fsync, an S3 object's when its PUT began).
+
+A mark dated more than ``MARK_CLOCK_TOLERANCE`` (the same margin) after gc's now was
+not written by a committer of a store whose clock agrees with gc's as the assumption
+above requires: a planted file, one restored with its times (``rsync -a``, a backup)
+or a clock far off. It is not a commit in flight: else a single such file kept gc from
+deleting data anywhere in the store until that date.
 
 gc deletes its claim last, and only once nothing else ckptstore wrote is left in the
 attempt: a committer that finds no claim then finds no files either. gc uses the same
@@ -34,18 +44,61 @@ mark precedes its check of the base manifest (gc.py).
 from __future__ import annotations
 
 import json
+import time
 
 from .. import format as fmt
 from .. import names
 from ..errors import AlreadyExistsError, CkptStoreError, CommitError
 from ..storage import Storage
 
-# The committer writes its manifest at most this long after its commit mark (else it
-# marks and checks again) ...
-COMMIT_WINDOW = 15.0
-# ... and gc takes a mark this young, naming a generation not yet written, for a commit
-# in flight. The difference is what a manifest write may take after the checks.
+# gc takes a mark this young, naming a generation not yet written, for a commit in
+# flight ...
 COMMIT_LEASE = 120.0
+# ... and the committer's checks end at most this long after it started writing its
+# commit mark (else it marks and checks again). Half the lease: a slow but healthy store
+# (an fsync on a loaded NFS or Lustre, S3 retrying SlowDown) fits in it, and the other
+# half is what the manifest write after the checks, and gc's clock ahead of the
+# store's, may take together.
+COMMIT_WINDOW = COMMIT_LEASE / 2
+# A mark dated later than gc's now by more than this is not a commit in flight (see
+# the module's docstring): the same margin the assumption on clocks allows.
+MARK_CLOCK_TOLERANCE = COMMIT_LEASE - COMMIT_WINDOW
+
+
+class Windowed:
+    """The tries of work that must end within ``COMMIT_WINDOW`` of its start, on this
+    process's monotonic clock: the committer's mark and last checks (commit.py), gc's
+    release marks and the deletion of their manifest (gc_run.py). Iterate it and do the
+    whole work in the body, from its first write (the mark) on; iterating ends after a
+    try that kept to the window (``in_time``), or after one that overran once ``seconds``
+    (from the first try's start: the commit's own timeout) have passed or ``tries`` were
+    made. The first try is always made."""
+
+    def __init__(self, seconds: float | None = None, tries: int | None = None):
+        self.seconds, self.most = seconds, tries
+        self.tries = 0
+        self.in_time = False
+        self.slowest = 0.0
+
+    def __iter__(self):
+        first = time.monotonic()
+        while True:
+            self.tries += 1
+            started = time.monotonic()
+            yield self.tries
+            ended = time.monotonic()
+            if ended - started <= COMMIT_WINDOW:
+                self.in_time = True
+                return
+            self.slowest = max(self.slowest, ended - started)
+            if (self.most is not None and self.tries >= self.most) or \
+                    (self.seconds is not None and ended - first >= self.seconds):
+                return
+
+    def overran(self, what: str, until: str = "") -> str:
+        """Why the work gave up: ``what`` took longer than the window every try."""
+        return (f"{what} took longer than {COMMIT_WINDOW:g}s (COMMIT_LEASE / 2) each of {self.tries} time(s)"
+                f"{until} (the slowest {self.slowest:.1f}s)")
 
 
 def write_mark(storage: Storage, attempt: str, generation: int) -> None:
@@ -56,8 +109,13 @@ def write_mark(storage: Storage, attempt: str, generation: int) -> None:
 
 
 def withdraw_mark(storage: Storage, attempt: str) -> None:
-    """The committer refused its commit after marking it: its mark goes (best effort), so
-    gc need not wait out the lease for an attempt that never commits."""
+    """The committer's mark goes once it has served (best effort): after the manifest
+    landed (a manifest names the attempt: no gc takes it, and no mark is left behind in
+    every committed attempt), or when it refused the commit after marking it (gc need
+    not wait out the lease for an attempt that never commits). A mark left by a crash
+    between is harmless: a manifest naming the attempt, or one of its generation, says
+    the commit is over, the lease ends it all the same, and gc deletes it with the
+    attempt."""
     try:
         storage.delete(names.committing_name(attempt))
     except Exception:
@@ -109,10 +167,11 @@ def marked_generation(storage: Storage, attempt: str) -> int | None:
 
 def committing(storage: Storage, attempt: str, mark_mtime: float | None, generations, now: float) -> bool:
     """Whether a committer may be writing ``attempt``'s manifest: its commit mark is
-    younger than the lease and names a generation above every one of ``generations``
-    (the location's, listed after the mark was looked at). A mark that cannot be read
-    counts as one. A manifest naming the attempt is the caller's to look for."""
-    if mark_mtime is None or now - mark_mtime >= COMMIT_LEASE:
+    younger than the lease, dated no later than ``MARK_CLOCK_TOLERANCE`` after ``now``,
+    and names a generation above every one of ``generations`` (the location's, listed
+    after the mark was looked at). A mark that cannot be read counts as one. A manifest
+    naming the attempt is the caller's to look for."""
+    if mark_mtime is None or now - mark_mtime >= COMMIT_LEASE or mark_mtime - now > MARK_CLOCK_TOLERANCE:
         return False
     generation = marked_generation(storage, attempt)
     return generation is None or generation > max(generations, default=0)

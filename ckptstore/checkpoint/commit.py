@@ -12,9 +12,11 @@ and "Commits beside gc"):
 3. :func:`build`: the manifest of generation ``max + 1``, checked as a reader will check it;
 4. :func:`mark_and_look`: the commit mark, then the last look at the attempt (a gc claim
    or an abort marker refuses), the files the manifest names, the base of an
-   incremental save, the fence; all within ``claims.COMMIT_WINDOW`` of the mark, else
-   again;
-5. :func:`publish`: the manifest, create-only (I1), then the outcome the other ranks read;
+   incremental save, the fence; these checks end within ``claims.COMMIT_WINDOW`` of the
+   start of the mark's write, else they run again (``claims.Windowed``) until the
+   commit's own timeout;
+5. :func:`publish`: the manifest, create-only (I1), then the outcome the other ranks
+   read, then the commit mark withdrawn (it has served: the manifest names the attempt);
 6. :func:`retire`: older generations, manifests first (I6, I7); the commit stands
    whatever happens here, so a failure only warns.
 
@@ -57,8 +59,6 @@ from .retire import listing_with_newest, retire_generations
 from .validation import check_base, check_files, check_sizes, here, merge_shards
 from .votes import abort, read_abort_reason, read_votes, write_outcome
 
-LAST_CHECK_TRIES = 3  # commit marks before a commit whose checks keep overrunning the window gives up
-
 
 def commit(storage: Storage, own: fmt.Vote, world_size: int, created_at: str, metrics: dict,
            timeout: float, epoch: int | None = None, fence=None, retire_files: bool = True,
@@ -71,7 +71,7 @@ def commit(storage: Storage, own: fmt.Vote, world_size: int, created_at: str, me
     manifest references, deletes their files. ``base``: (step, generation) of the
     manifest the votes' references came from (incremental saves): it must still be
     there just before the manifest is written (check_base)."""
-    c = Commit(storage, own, world_size)
+    c = Commit(storage, own, world_size, ends=time.monotonic() + timeout)
     try:
         votes = gather_votes(c, timeout)
         version, records = validate(c, votes)
@@ -87,11 +87,12 @@ def commit(storage: Storage, own: fmt.Vote, world_size: int, created_at: str, me
 
 @dataclass
 class Commit:
-    """One commit in progress: where, whose, and whether its mark is written."""
+    """One commit in progress: where, whose, until when, and whether its mark is written."""
 
     storage: Storage
     own: fmt.Vote  # rank 0's vote
     world_size: int
+    ends: float  # time.monotonic() at which the commit's own timeout ends (step 4 retries until then)
     marked: bool = False  # the commit mark is written (step 4): a refusal withdraws it
 
     @property
@@ -254,13 +255,13 @@ def mark_and_look(c: Commit, version: Version3 | Version4, manifest: fmt.Manifes
     """What must hold right before the manifest goes out, checked after the commit mark
     (claims.py): no gc claim or abort marker, every file the manifest names there at
     full length (the sizes from the look after the mark), the base of an incremental
-    save that references it still present, no newer run (``fence``). The manifest must
-    follow within claims.COMMIT_WINDOW of the mark, so checks that took longer run again
-    after a new mark."""
+    save that references it still present, no newer run (``fence``). The checks must end
+    within claims.COMMIT_WINDOW of the start of the mark's write, so checks that took
+    longer run again after a new mark, until the commit's own timeout (``c.ends``)."""
     storage, attempt = c.storage, c.attempt
     base = base if base is not None and has_references(manifest) else None
-    for _ in range(LAST_CHECK_TRIES):
-        marked = time.monotonic()
+    tries = claims.Windowed(seconds=c.ends - time.monotonic())
+    for _ in tries:
         try:
             claims.write_mark(storage, attempt, manifest.generation)
             c.marked = True
@@ -274,16 +275,18 @@ def mark_and_look(c: Commit, version: Version3 | Version4, manifest: fmt.Manifes
                 fence()
             except CommitError as e:  # the other ranks learn why (FencedError)
                 raise Refusal(e, f"{type(e).__name__}: {e}") from e
-        if time.monotonic() - marked <= claims.COMMIT_WINDOW:
-            return
-    reason = f"the checks before the manifest took longer than {claims.COMMIT_WINDOW:g}s {LAST_CHECK_TRIES} times"
+    if tries.in_time:
+        return
+    reason = tries.overran("the checks before the manifest", " until the commit's timeout")
     raise Refusal(CommitError(f"{c.where}: {reason}; nothing was committed"), reason)
 
 
 # ---------------------------------------------------------------------------- 5. publish
 def publish(c: Commit, manifest: fmt.Manifest, data: bytes) -> None:
     """The manifest, create-only (I1): it is the commit. Then the outcome the waiting
-    ranks poll for (a hint: follower.py checks it)."""
+    ranks poll for (a hint: follower.py checks it). Then the commit mark goes: it has
+    served (a manifest names the attempt, so no gc takes it), and no mark is left behind
+    in every committed attempt."""
     try:
         c.storage.put(names.manifest_name(manifest.generation), data, if_absent=True)
     except AlreadyExistsError as e:  # (this attempt never commits: its mark goes, gc may take it)
@@ -291,6 +294,8 @@ def publish(c: Commit, manifest: fmt.Manifest, data: bytes) -> None:
                                           "first; this save was not committed"), None, e) from e
     if c.world_size > 1:
         write_outcome(c.storage, c.attempt, {"committed": manifest.generation})
+    claims.withdraw_mark(c.storage, c.attempt)
+    c.marked = False
 
 
 # ---------------------------------------------------------------------------- 6. retire

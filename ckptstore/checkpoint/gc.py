@@ -46,11 +46,11 @@ from .. import names
 from ..errors import CkptStoreError
 from ..storage import Storage
 from . import claims
-from .catalog import Location, read_pin, read_skip_mark, scan_store
+from .catalog import Location, read_pin, scan_store, skip_verdict
 from .manifests import read_manifest
 from .gc_dirs import empty_dirs
 from .gc_run import run_deletions
-from .liveness import _references_of_unreadable, attempts_named, references_of, with_unreadable
+from .liveness import attempts_named, references_of, with_unreadable
 from .retention import Candidate, Retention, select_kept
 
 DEFAULT_GRACE = 6 * 3600.0
@@ -166,7 +166,7 @@ def plan(storage: Storage, policy: Retention = Retention(), grace: float = DEFAU
                     released_until=started + grace)
     committed = [loc for loc in locations if loc.committed]
     cands = [Candidate(_label(loc), loc.ranked_step, loc.committed_at(), dict(loc.manifest.metrics), loc.pinned,
-                       read_skip_mark(loc) is not None)
+                       skip_verdict(loc))
              for loc in committed]
     result.kept = select_kept(cands, policy, now)
     for loc in committed:
@@ -351,7 +351,7 @@ def collect(storage: Storage, policy: Retention = Retention(), grace: float = DE
     return p
 
 
-# (attempts_named, references_of and _references_of_unreadable live in liveness.py; named
-# here too for the callers that import them from gc)
-__all__ = ["DEFAULT_GRACE", "Deletion", "GcPlan", "Pending", "_references_of_unreadable", "attempts_named", "collect",
+# (attempts_named and references_of live in liveness.py; named here too for the callers
+# that import them from gc)
+__all__ = ["DEFAULT_GRACE", "Deletion", "GcPlan", "Pending", "attempts_named", "collect",
            "empty_dirs", "execute", "plan", "preview", "read_pin", "references_of"]

@@ -94,7 +94,10 @@ def run_deletions(storage: Storage, gc_plan, on_deleted=None) -> None:
         if d.skipped is not None:
             done(d)
             continue
-        _release(storage, d)  # before the manifests go (a gc killed between: nothing lost)
+        d.skipped = _release(storage, d)  # before the manifests go (a gc killed between: nothing lost)
+        if d.skipped is not None:
+            done(d)
+            continue
         storage.delete_many(prefix + k for k in d.keys if names.parse_manifest_name(k) is not None
                             or d.kind == "temp")  # (an interrupted put's: nothing reads it)
         if d.kind in ("checkpoint", "generation"):
@@ -117,16 +120,23 @@ def run_deletions(storage: Storage, gc_plan, on_deleted=None) -> None:
             done(d)
 
 
-def _release(storage: Storage, d) -> None:
-    """Rewrite the release mark of every attempt ``d``'s manifests read. A manifest must
-    go within claims.COMMIT_WINDOW of its marks (a save that checked it was there
-    commits within that of its check, so the marks outlast its commit by the grace):
-    marks that took longer to write are written again."""
-    for _ in range(3):
-        started = time.monotonic()
+RELEASE_TRIES = 3  # writes of a deletion's release marks before gc leaves it to a later run
+
+
+def _release(storage: Storage, d) -> str | None:
+    """Rewrite the release mark of every attempt ``d``'s manifests read; why ``d`` must
+    not run now, or None. A manifest must go within claims.COMMIT_WINDOW of its marks (a
+    save that checked it was there commits within the lease of its check, so the marks
+    outlast its commit by the grace): marks that took longer to write are written again,
+    and after RELEASE_TRIES such tries the deletion is skipped whole (its manifest and
+    files stay; the marks written say only that no commit of those attempts is to come,
+    as after a gc killed right after them)."""
+    if not d.release:
+        return None
+    tries = claims.Windowed(tries=RELEASE_TRIES)
+    for _ in tries:
         _mark_released(storage, d, d.release)
-        if time.monotonic() - started <= claims.COMMIT_WINDOW:
-            return
+    return None if tries.in_time else tries.overran("writing its release marks") + "; a later run deletes it"
 
 
 def _mark_released(storage: Storage, d, attempts) -> None:

@@ -26,7 +26,7 @@ from .follower import await_outcome
 from .manifests import generations, read_manifest
 from .indexes import read_indexes, vote_of_index
 from .reader import verified
-from .save import _refuse
+from .save import refuse
 from .votes import write_vote
 
 # One blob at a time is in memory (its stored bytes and, when compressed, its decoded
@@ -152,5 +152,5 @@ def promote(src: Storage, dst: Storage, manifest: fmt.Manifest, rank: int, *, ti
                           retire_files=manifest.step is None)  # other steps may reference a retired one's files
         return await_outcome(dst, manifest.attempt, timeout, rank, world)
     except BaseException as e:
-        _refuse(dst, manifest.attempt, manifest.step, world, rank, e)
+        refuse(dst, manifest.attempt, manifest.step, world, rank, e)
         raise

@@ -17,7 +17,6 @@ import pickle
 import pickletools
 import re
 import struct
-import types
 
 import torch
 
@@ -29,6 +28,7 @@ from ..storage import Storage
 from .dtype_record import check_dtype_record, check_storage_dtype
 from .flatten import GLOBAL, LOCAL, implied_storage_dtype, parse_skeleton_key, region_byte_offset, skeleton_key
 from .reader import BlobRead, check_extents, read_blobs
+from .walk import tensors_in
 from .weights_only import weights_only_refusal
 
 
@@ -140,30 +140,6 @@ def _check_meta_extents(tensors: list[torch.Tensor], growable: list[tuple[str, t
             raise FormatError(f"{where}: malformed object skeleton: it rebuilds tensor "
                               f"{keys.get(id(storage), '?')!r} (shape {list(t.shape)}, strides {list(t.stride())}, "
                               f"offset {t.storage_offset()}) past the {storage.nbytes()} bytes stored")
-
-
-def _tensors_in(result):
-    """Every tensor in ``result``. Walks containers and objects' attributes once each (a
-    skeleton may share one list many times, or hold itself: the walk stays linear in
-    the distinct objects)."""
-    seen: set[int] = set()
-    todo = [result]
-    while todo:
-        o = todo.pop()
-        if isinstance(o, torch.Tensor):
-            yield o
-            continue
-        if isinstance(o, (str, bytes, int, float, bool, type, types.ModuleType)) or o is None or id(o) in seen:
-            continue
-        seen.add(id(o))
-        if isinstance(o, dict):
-            todo.extend(o.values())
-        elif isinstance(o, (list, tuple, set, frozenset)):
-            todo.extend(o)
-        else:
-            attrs = getattr(o, "__dict__", None)
-            if isinstance(attrs, dict):
-                todo.extend(attrs.values())
 
 
 def _contiguous_region(shape, offsets, sizes) -> bool:
@@ -430,7 +406,7 @@ def restore(storage: Storage, manifest: fmt.Manifest, rank: int, map_location=No
     if _validate_sparse is not None:
         _validate_sparse()
     if _any_meta(over_meta, growable):  # (a fake load's too: one walk for both)
-        tensors = list(_tensors_in(result))
+        tensors = list(tensors_in(result, attributes=True))
         _check_meta_extents(tensors, growable, where)
         if fake:
             _place_fake_tensors(tensors, fake_devices)

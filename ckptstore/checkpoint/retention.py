@@ -72,11 +72,30 @@ class Candidate:
     committed_at: float  # epoch seconds
     metrics: dict
     pinned: bool
-    skipped: bool = False  # a resume could not use it (a skip mark on its visible generation)
+    # A resume could not use it (a skip mark on its visible generation): True for a mark
+    # bound to the manifest's bytes, UNBOUND for one that is not (a previous release's).
+    skipped: bool | str = False
+
+
+# A skip mark that could not be checked against the manifest's bytes: the step counts as
+# skipped when choosing the usable steps to keep, and is kept too wherever it would be
+# kept without the mark. Such a mark may only ever make gc keep more, never less: gc
+# never deletes the newest step a resume would load, whoever wrote the mark.
+UNBOUND = "unbound"
 
 
 def select_kept(cands: list[Candidate], policy: Retention, now: float) -> dict[str, list[str]]:
     """{name: reasons kept}; names absent from the result may be deleted."""
+    kept = _select(cands, policy, now, lambda c: bool(c.skipped))
+    if any(c.skipped == UNBOUND for c in cands):
+        # and what it keeps were the unbound marks absent (UNBOUND)
+        for name, whys in _select(cands, policy, now, lambda c: bool(c.skipped) and c.skipped != UNBOUND).items():
+            if name not in kept:
+                kept[name] = [f"{why} (its skip mark is not bound to the manifest)" for why in whys]
+    return kept
+
+
+def _select(cands: list[Candidate], policy: Retention, now: float, skipped) -> dict[str, list[str]]:
     kept: dict[str, list[str]] = {}
 
     def keep(c: Candidate, why: str) -> None:
@@ -85,7 +104,7 @@ def select_kept(cands: list[Candidate], policy: Retention, now: float) -> dict[s
     order = sorted(cands, key=lambda c: (c.step if c.step is not None else -1, c.committed_at, c.name))
     # A step a resume skipped (corrupt, rejected) is not what a restart would use: it
     # must not count as the newest or push a usable step out of "last N" or "best".
-    usable = [c for c in order if not c.skipped] or order[-1:]
+    usable = [c for c in order if not skipped(c)] or order[-1:]
     if usable:
         keep(usable[-1], "newest")
     for c in cands:
@@ -108,7 +127,7 @@ def select_kept(cands: list[Candidate], policy: Retention, now: float) -> dict[s
                 keep(c, f"within {policy.within:g}s")
     for b in policy.best:
         scored = [c for c in cands if isinstance(c.metrics.get(b.metric), (int, float))
-                  and not isinstance(c.metrics.get(b.metric), bool) and not c.skipped]
+                  and not isinstance(c.metrics.get(b.metric), bool) and not skipped(c)]
         scored.sort(key=lambda c: c.metrics[b.metric], reverse=(b.mode == "max"))
         for c in scored[:b.count]:
             keep(c, f"best {b.count} {b.metric} {b.mode}")

@@ -47,6 +47,17 @@ class SaveOptions:
     warn_unsafe: bool = True
 
 
+def save_options(compression: str | CompressionPolicy, commit_timeout: float, chunk_bytes: int | None,
+             pickle_protocol: int) -> SaveOptions:
+    """The options of a save from the public calls' arguments (``ckptstore.save``,
+    ``Store``)."""
+    policy = compression if isinstance(compression, CompressionPolicy) else CompressionPolicy(mode=compression)
+    kw = {} if chunk_bytes is None else {"chunk_bytes": int(chunk_bytes)}
+    return SaveOptions(compression=policy, commit_timeout=float(commit_timeout),
+                       pickle_protocol=pickle_protocol, **kw)
+
+
+
 class Progress(NamedTuple):
     """How far a save in flight is (the exit drain's messages): chunks and raw bytes of
     tensor data written of those staged; ``committing``: the data file is durable and
@@ -104,6 +115,13 @@ class SaveFuture:
         self.observed = True
         return exc
 
+    def failure(self) -> BaseException | None:
+        """The error of a save that is done and failed; None while in flight or once
+        committed. Unlike :meth:`exception`, it does not count as the program's look at
+        the outcome (``observed``): for ckptstore's own bookkeeping (the exit report,
+        callbacks on commit)."""
+        return self._future.exception() if self._future.done() else None
+
     def done(self) -> bool:
         return self._future.done()
 
@@ -147,8 +165,7 @@ class SaveFuture:
         self._settled.set()  # (the beat, which calls this, stops by itself)
 
     def __repr__(self) -> str:
-        state = "committed" if self.done() and self._future.exception() is None else (
-            "failed" if self.done() else "in flight")
+        state = "in flight" if not self.done() else "failed" if self.failure() is not None else "committed"
         return f"<SaveFuture {self.where} step={self.step} {state}>"
 
 
@@ -167,7 +184,7 @@ def start_save(obj, storage: Storage, *, rt: Runtime, attempt: str, step: int | 
                           warn_unsafe=options.warn_unsafe)
     except BaseException as e:
         writer.abort()
-        _refuse(storage, attempt, step, world_size, rank, e)
+        refuse(storage, attempt, step, world_size, rank, e)
         if isinstance(e, CkptStoreError):
             raise type(e)(f"{storage.describe()}: {e}") from e
         raise
@@ -175,7 +192,7 @@ def start_save(obj, storage: Storage, *, rt: Runtime, attempt: str, step: int | 
 
     # (a multi-node local tier, whose committer sees only its own node's data files,
     # cannot read the others' tables or indexes: version 3, whose votes hold the records)
-    indexed = (world_size > 1 and getattr(storage, "sees_all_data", True)) if options.indexed is None \
+    indexed = (world_size > 1 and storage.sees_all_data) if options.indexed is None \
         else options.indexed
 
     def finish() -> None:
@@ -204,7 +221,7 @@ def start_save(obj, storage: Storage, *, rt: Runtime, attempt: str, step: int | 
             if own is not None:  # a root: with this rank's own records, which it has at hand
                 manifest = with_index(storage, manifest, own, rt.readers)
         except BaseException as e:
-            _refuse(storage, attempt, step, world_size, rank, e)
+            refuse(storage, attempt, step, world_size, rank, e)
             future._future.set_exception(e)
         else:
             if after_commit is not None:
@@ -219,7 +236,7 @@ def start_save(obj, storage: Storage, *, rt: Runtime, attempt: str, step: int | 
     return future
 
 
-def _refuse(storage: Storage, attempt: str, step, world_size: int, rank: int, error: BaseException) -> None:
+def refuse(storage: Storage, attempt: str, step, world_size: int, rank: int, error: BaseException) -> None:
     """A failed rank tells the others at once: a no-vote, and from rank 0 an abort."""
     if world_size > 1:
         write_failure_vote(storage, attempt, step, world_size, rank, error)

@@ -40,7 +40,7 @@ def here(need: dict[str, int], storage: Storage) -> dict[str, int]:
     """The data files of ``need`` the committer can see: all, except on a multi-node
     local tier (storage/split.py), where only this node's are here; every other rank
     wrote and fsynced its own before it voted."""
-    if getattr(storage, "sees_all_data", True):
+    if storage.sees_all_data:
         return need
     return {name: size for name, size in need.items() if names.parse_data_file(name)[1] == 0}
 

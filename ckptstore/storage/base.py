@@ -61,8 +61,10 @@ The calls of one save, in order (docs/format.md, "Write order" and "Commits besi
    look (a claim or abort marker refuses; it gives the data files' sizes), ``stat`` of
    any file it did not list, ``stat`` of the base manifest of an incremental save in
    the ``sibling`` step, ``list`` of the store's ``epochs/`` (the fence of a run).
-7. (rank 0) ``put(manifest-<generation>.json, if_absent=True)``: the commit (I1), within
-   15 s of 6, else 6 again; then ``put(A/outcome.json, if_absent=True)``.
+7. (rank 0) ``put(manifest-<generation>.json, if_absent=True)``: the commit (I1), once
+   the checks of 6 ended within 60 s (``COMMIT_LEASE / 2``) of the start of the mark's
+   write, else 6 again until the commit's timeout; then ``put(A/outcome.json,
+   if_absent=True)`` (a multi-rank save) and ``delete(A/committing.json)``.
 8. (other ranks, while 4 to 7 run) ``read(A/outcome.json, limit=...)`` per poll; every
    eighth poll ``list("")`` and ``read(manifest-*)``, and ``stat(A/abort.json)``.
 9. (rank 0) ``list("")`` until the new generation is the newest listed; for each older
@@ -74,6 +76,18 @@ A rank that fails writes a no-vote at 3. A commit refused at 4 to 7 writes
 once 6 ran, ``delete(A/committing.json)``; nothing else is undone: the attempt's files
 are gc's. What a save reads before 1 (an
 incremental save's base manifest, a drop-in path's generations) is not part of it.
+
+Capability flags (class attributes; a backend overrides the ones it differs in):
+
+- ``sees_all_data``: whether every rank sees every rank's data files through this store,
+  so that the committer can check them all and a save can write format version 4's
+  indexes into them. True for ``local`` (one file system), ``memory`` (one process) and
+  ``s3``; False for ``SplitStorage`` (storage/split.py: a multi-node local tier, where
+  each node holds only its own ranks' data files).
+- ``opens_remotely``: whether opening an appended object costs round trips (True for
+  ``s3``), so a save opens its data file on an I/O thread while it stages.
+- ``keeps_empty_dirs``: whether directories outlive what they held (True for ``local``),
+  so that ``remove_empty_dirs`` has something to remove; False for object stores.
 
 Read coalescing (a hint to loaders, not part of the contract): a load merges the reads
 of small blobs that lie close together in one file into one ``readinto`` and splits
@@ -183,6 +197,10 @@ class Storage(abc.ABC):
     # Opening an appended object costs round trips (S3): a save then opens its data file
     # on an I/O thread while it stages (pipeline.RankWriter.open_soon).
     opens_remotely: bool = False
+    # Every rank's data files are seen through this store (the committer checks them
+    # all: validation.check_files; a multi-rank save writes version 4 indexes: save.py).
+    # False only for SplitStorage, whose data files stay on each node.
+    sees_all_data: bool = True
     # Directories are things of their own that outlive what they held (local disk), so a
     # save killed before its first file leaves empty ones: ``remove_empty_dirs`` removes
     # them. Object stores have prefixes only, which vanish with their last object.

@@ -13,25 +13,54 @@ import sys
 import click
 
 from ..errors import CkptStoreError
+from .preflight import detections, misplaced, script_problem
 
 
 def _parser() -> argparse.ArgumentParser:
+    from .decide import Policy
+
+    d = Policy()  # the defaults live in one place
     p = argparse.ArgumentParser(prog="ckptstore run", add_help=False)
     p.add_argument("--store", required=True, help="the checkpoint store (path or URL): the journal goes there")
     p.add_argument("--run-id", default=None, help="journal run id (default: a new one per `ckptstore run`)")
-    p.add_argument("--max-restarts", type=int, default=10, help="relaunches after failures (preemptions excepted)")
-    p.add_argument("--max-restarts-per-hour", type=int, default=30)
-    p.add_argument("--backoff", type=float, default=1.0, help="first delay before a relaunch, seconds (doubles)")
-    p.add_argument("--backoff-max", type=float, default=60.0)
-    p.add_argument("--hang-timeout", type=float, default=600.0,
-                   help="seconds without progress from any rank (saves and loads excepted)")
-    p.add_argument("--first-progress-timeout", type=float, default=1800.0,
-                   help="seconds from a launch to its first training step")
+    p.add_argument("--max-restarts", type=int, default=d.max_restarts,
+                   help="relaunches after failures in all (preemptions excepted)")
+    p.add_argument("--max-restarts-per-hour", type=int, default=d.max_restarts_per_hour,
+                   help="more failures than this within an hour gives up")
+    p.add_argument("--max-preemptions-per-hour", type=int, default=d.max_preemptions_per_hour,
+                   help="more preemptions than this within an hour gives up")
+    p.add_argument("--backoff", type=float, default=d.backoff_s,
+                   help="first delay before a relaunch, seconds (doubles)")
+    p.add_argument("--backoff-max", type=float, default=d.backoff_max_s)
+    p.add_argument("--outage-window", type=float, default=d.outage_window_s,
+                   help="seconds an error that names an outage (and an unreachable store) is retried")
+    p.add_argument("--health-wait", type=float, default=d.health_wait_s,
+                   help="seconds failed health checks are rechecked before giving up on the node")
+    p.add_argument("--hang-timeout", type=float, default=d.hang_timeout_s,
+                   help="seconds without progress from any reporting rank (saves and loads excepted)")
+    p.add_argument("--first-progress-timeout", type=float, default=d.first_progress_timeout_s,
+                   help="seconds from a launch to the first training step of a reporting rank")
+    p.add_argument("--resume-timeout", type=float, default=d.resume_timeout_s,
+                   help="the longest a Checkpointer.resume() may take, and its bound until one is measured")
+    p.add_argument("--save-timeout", type=float, default=d.save_timeout_s,
+                   help="the longest a save (start to commit, or a wait for commits) may take, and its bound "
+                   "until one is measured")
+    p.add_argument("--section-factor", type=float, default=d.section_factor,
+                   help="learned section bounds are this many times the longest measured (0: not learned)")
+    p.add_argument("--health-interval", type=float, default=d.health_interval_s,
+                   help="seconds between health checks of the node during the run (0: off)")
+    p.add_argument("--straggler-report", type=float, default=d.straggler_report_s,
+                   help="seconds between step-time reports for straggler detection (0: off)")
     p.add_argument("--run-timeout", type=float, default=None, help="give up after this many seconds in all")
-    p.add_argument("--no-progress-restarts", type=int, default=3,
+    p.add_argument("--no-progress-restarts", type=int, default=d.no_progress_restarts,
                    help="give up after this many failures in a row without a newer checkpoint")
     p.add_argument("--alert", default=None, help="shell command run on every failure and on giving up "
-                   "(the event as JSON on stdin)")
+                   "(the event as JSON on stdin; in the background)")
+    p.add_argument("--join-timeout", type=float, default=120.0,
+                   help="several nodes: seconds a relaunch waits in torch's rendezvous for every node (then exit 16)")
+    p.add_argument("--decision-wait", type=float, default=30.0,
+                   help="several nodes: seconds a failed attempt waits for the other nodes' reports before its "
+                   "verdict")
     p.add_argument("--staging-dir", action="append", default=[], help="a local directory to health-check")
     p.add_argument("--expected-gpus", type=int, default=None,
                    help="health check: fewer visible GPUs than this is an unhealthy node")
@@ -49,12 +78,13 @@ def split_argv(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     ours = _parser()
     our_opts = {s for a in ours._actions for s in a.option_strings}
     theirs = get_args_parser()._option_string_actions
-    mine, rest, i = [], [], 0
+    mine, rest, script, i = [], [], [], 0
     while i < len(argv):
         tok = argv[i]
         name = tok.split("=", 1)[0]
         if not tok.startswith("-") or tok == "--":
             rest += argv[i:]  # the script and its arguments
+            script = argv[i + (tok == "--"):]
             break
         if name.startswith("--") and name.replace("_", "-") in our_opts:  # torchrun's spelling of ours
             name = name.replace("_", "-")
@@ -78,6 +108,12 @@ def split_argv(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                 rest.append(argv[i + 1])
                 i += 1
         i += 1
+    if script and not any(t == "--store" or t.startswith("--store=") for t in mine):
+        later = misplaced(script[1:], our_opts)
+        if later:
+            raise _Refused(f"ckptstore run: {', '.join(later)} after SCRIPT ({script[0]}) goes to the script; "
+                           "the supervisor's options go before the script: ckptstore run [torchrun options] "
+                           "--store URL [policy options] SCRIPT [ARGS...]")
     return ours.parse_args(mine), rest
 
 
@@ -89,8 +125,9 @@ def run_command(argv) -> None:
 
     ckptstore run [torchrun options] --store URL [policy options] SCRIPT [ARGS...]
 
-    Exit status: 0 finished, 10 deterministic error, 11 restart limit, 12 no progress,
-    13 unhealthy node, 14 run timeout, 143 stopped by SIGTERM (docs/runbook.md).
+    Exit status: 0 finished, 2 usage, 10 deterministic error, 11 restart limit, 12 no
+    progress, 13 unhealthy node, 14 run timeout, 15 store unreachable, 16 a node missing
+    at a relaunch (several nodes), 143 stopped by SIGTERM (docs/runbook.md).
     """
     argv = list(argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -99,8 +136,9 @@ def run_command(argv) -> None:
         sys.exit(0 if argv else 2)
     from torch.distributed.run import parse_args
 
+    from .decide import Policy
     from .health import HealthLimits
-    from .runner import Policy, Supervisor
+    from .runner import Supervisor
 
     try:
         opts, launcher = split_argv(argv)
@@ -110,18 +148,34 @@ def run_command(argv) -> None:
         sys.exit(2)
     except SystemExit as e:
         sys.exit(2 if e.code else 0)
+    problem = script_problem(launch_args)
+    if problem:  # refused before any launch: it would fail the same way on every attempt
+        click.echo(f"ckptstore run: {problem}", err=True)
+        sys.exit(2)
     nproc = launch_args.nproc_per_node
     nnodes = str(launch_args.nnodes).split(":")[-1]
+    nnodes_min = str(launch_args.nnodes).split(":")[0]
     world = int(nproc) * int(nnodes) if str(nproc).isdigit() and nnodes.isdigit() else None
     policy = Policy(max_restarts=opts.max_restarts, max_restarts_per_hour=opts.max_restarts_per_hour,
-                    backoff_s=opts.backoff, backoff_max_s=opts.backoff_max, hang_timeout_s=opts.hang_timeout,
+                    max_preemptions_per_hour=opts.max_preemptions_per_hour, backoff_s=opts.backoff,
+                    backoff_max_s=opts.backoff_max, outage_window_s=opts.outage_window,
+                    health_wait_s=opts.health_wait, hang_timeout_s=opts.hang_timeout,
                     first_progress_timeout_s=opts.first_progress_timeout, run_timeout_s=opts.run_timeout,
                     no_progress_restarts=opts.no_progress_restarts, alert=opts.alert,
+                    resume_timeout_s=opts.resume_timeout, save_timeout_s=opts.save_timeout,
+                    section_factor=opts.section_factor, health_interval_s=opts.health_interval,
+                    straggler_report_s=opts.straggler_report,
                     health=HealthLimits(expected_gpus=opts.expected_gpus))
     try:
         sup = Supervisor(opts.store, launcher, policy, run_id=opts.run_id, staging_dirs=tuple(opts.staging_dir),
-                         world_size=world, nnodes=int(nnodes) if nnodes.isdigit() else 1)
+                         world_size=world, nnodes=int(nnodes) if nnodes.isdigit() else 1,
+                         nnodes_max=max(int(n) for n in (nnodes, nnodes_min) if n.isdigit()) if
+                         (nnodes.isdigit() or nnodes_min.isdigit()) else None,
+                         node_rank=launch_args.node_rank, join_timeout_s=opts.join_timeout,
+                         decision_wait_s=opts.decision_wait)
     except (ValueError, CkptStoreError) as e:  # a store URL or run id that cannot be used
         click.echo(f"ckptstore run: {e}", err=True)
         sys.exit(2)
+    for line in detections(launch_args, policy):
+        click.echo(f"ckptstore run: {line}", err=True)
     sys.exit(sup.run())

@@ -341,8 +341,9 @@ def _select(nvml, count: int) -> tuple[list[int], str | None, str]:
     return chosen, None, note
 
 
-def gpu_checks(lim: HealthLimits) -> list[Check]:
-    """The ``gpus`` check and each selected device's rules (see the module docstring)."""
+def gpu_checks(lim: HealthLimits, rules=GPU_RULES) -> list[Check]:
+    """The ``gpus`` check and each selected device's ``rules`` (default all; see the
+    module docstring)."""
     try:
         import pynvml as nvml
     except ImportError:
@@ -355,7 +356,7 @@ def gpu_checks(lim: HealthLimits) -> list[Check]:
             return _none(f"NVML: {_text(e)}", lim)
         return [Check("gpus", False, f"NVML failed to start: {_error_text(e)}")]
     try:
-        return _device_checks(nvml, lim)
+        return _device_checks(nvml, lim, rules)
     finally:
         try:
             nvml.nvmlShutdown()
@@ -363,7 +364,7 @@ def gpu_checks(lim: HealthLimits) -> list[Check]:
             pass
 
 
-def _device_checks(nvml, lim: HealthLimits) -> list[Check]:
+def _device_checks(nvml, lim: HealthLimits, rules=GPU_RULES) -> list[Check]:
     try:
         count = int(nvml.nvmlDeviceGetCount())
         indices, problem, note = _select(nvml, count)
@@ -385,7 +386,7 @@ def _device_checks(nvml, lim: HealthLimits) -> list[Check]:
         except nvml.NVMLError as e:
             out.append(Check(f"gpu{i}.visible", False, f"gpu{i}: {_error_text(e)}"))
             continue
-        for rule in GPU_RULES:
+        for rule in rules:
             name = f"gpu{i}.{rule.__name__[len('_gpu_'):]}"
             try:
                 c = rule(g, lim)
@@ -395,6 +396,35 @@ def _device_checks(nvml, lim: HealthLimits) -> list[Check]:
             except Exception as e:  # noqa: BLE001 - an NVML error fails this check only
                 out.append(Check(name, False, f"{g.label}: {_error_text(e)}"))
     return out
+
+
+def gpu_memory_used() -> dict[str, tuple[int, int]] | None:
+    """``{uuid: (used bytes, total bytes)}`` of each selected device (as
+    ``CUDA_VISIBLE_DEVICES`` selects), or None without NVML or devices, or when NVML
+    fails: the supervisor waits on these for a previous attempt's memory to be freed."""
+    try:
+        import pynvml as nvml
+    except ImportError:
+        return None
+    try:
+        nvml.nvmlInit()
+    except Exception:  # noqa: BLE001 - no NVML, no readings
+        return None
+    try:
+        indices, _, _ = _select(nvml, int(nvml.nvmlDeviceGetCount()))
+        out = {}
+        for i in indices:
+            handle = nvml.nvmlDeviceGetHandleByIndex(i)
+            info = nvml.nvmlDeviceGetMemoryInfo(handle)
+            out[_text(nvml.nvmlDeviceGetUUID(handle))] = (int(info.used), int(info.total))
+        return out or None
+    except Exception:  # noqa: BLE001 - a reading that fails is no reading
+        return None
+    finally:
+        try:
+            nvml.nvmlShutdown()
+        except Exception:  # noqa: BLE001
+            pass
 
 
 # ---------------------------------------------------------------------------- disks

@@ -32,12 +32,33 @@ and as the name), ``host``; then the fields of its kind:
   training step time, as the ranks' progress reports last said).
 - ``measure``: ``attempt``, ``save_blocking_s``, ``step_s``: written once per attempt,
   at its first save, so that ``status`` can advise an interval before any failure.
-- ``give_up``: ``reason`` (str), ``code`` (int exit status), ``class``.
+- ``give_up``: ``reason`` (str), ``code`` (int exit status), ``class`` ("deterministic",
+  "restart_limit", "preemption_limit", "no_progress", "timeout", "store", "preempted",
+  "nodes_missing").
+
+Several nodes (consensus.py): the nodes' shared decisions live beside the runs, under
+``journal/.shared/<run>/`` (not a run name); only the writer of an attempt's verdict
+journals its ``failure`` (with ``nodes``: every node's own view, and ``node``: whose
+evidence was chosen), ``give_up`` and ``finish``.
 - ``unhealthy``: ``checks`` (the failed ones: list of {name, ok, detail, value}),
   ``reason`` (str); the last event of a run that stopped on an unhealthy node.
 - ``finish``: ``attempt``, ``step`` (last step), ``save_blocking_s``, ``step_s``.
+- ``sections``: ``attempt``, ``longest`` (dict: section -> seconds); ``section_timeout``:
+  ``attempt``, ``section``, ``rank``, ``step``, ``elapsed_s``, ``bound_s``, ``source``,
+  ``measured_s``, ``factor``, ``floor_s``, ``option`` (sections.py).
+- ``run_health``: ``attempt``, ``action`` ("preempt", "warn"), ``checks`` (watch.py).
+- ``step_times``: ``attempt``, ``ranks`` (dict: rank string -> median step time);
+  ``straggler``: ``attempt``, ``rank``, ``step_s``, ``others_s``, ``ratio``, ``reports``,
+  ``since``, ``alert_factor`` (stragglers.py).
 
 Any event may carry ``save_blocking_s`` / ``step_s``; status takes the latest of each.
+
+Credentials are never written: ``append`` passes every string of an event, at any
+depth, through :func:`redact_text` (``urls.redact_url``: a URL's ``user:password@`` is
+removed, credential-looking query values such as ``X-Amz-Signature`` become ``***``),
+so a launch command, a failure reason or a traceback that holds a presigned or
+password-bearing URL is journaled without it. An event nested more than
+``MAX_EVENT_DEPTH`` deep is refused (readers would skip it).
 
 Reading treats the store as hostile: each event is read with a cap, parsed strictly,
 and skipped (counted ``unreadable``) unless it is a JSON object whose ``kind`` is the
@@ -67,6 +88,7 @@ from ..checkpoint.manifests import read_capped
 from ..errors import CkptStoreError
 from ..names import ATTEMPTS_DIR
 from ..storage import Storage
+from ..storage.urls import redact_url
 
 JOURNAL_DIR = "journal"
 MAX_EVENT_BYTES = fmt.MAX_MARKER_BYTES  # 64 KiB: keep traceback tails well below it
@@ -136,7 +158,7 @@ class Journal:
         us = int(round(t * 1e6))
         at = _dt.datetime.fromtimestamp(us / 1e6, _dt.timezone.utc).isoformat(timespec="microseconds")
         event = {"kind": kind, "run": self.run_id, "at": at, "t": us / 1e6, "host": self._host,
-                 **_finite(fields)}
+                 **_clean(fields, 1)}
         data = json.dumps(event, allow_nan=False, sort_keys=False).encode()
         if len(data) > MAX_EVENT_BYTES:
             raise ValueError(f"{kind} event of {len(data)} bytes exceeds {MAX_EVENT_BYTES} (shorten the traceback)")
@@ -225,13 +247,46 @@ def nests_within(value, depth: int) -> bool:
     return True
 
 
-def _finite(v):
-    """``v`` with NaN and infinities replaced by None: strict JSON (what the reader
-    accepts) has no spelling for them, and one bad median must not lose an event."""
+# A URL in a text: a scheme (its last 32 characters are enough to find it, in linear
+# time), ":/", then up to whitespace or a quote, as urls.redact_url finds one.
+_URL_START = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]{0,31}:/")
+_URL_END = re.compile(r"""[\s'"<>]""")
+URL_TOKEN_MAX = 2048  # a URL longer than this is cut here ("..."): what lay beyond is never shown
+
+
+def redact_text(text: str) -> str:
+    """``urls.redact_url(text)``, in time linear in ``len(text)``: each URL of ``text``
+    is redacted on its own (one without '@' or '?' has nothing to redact), and one
+    longer than ``URL_TOKEN_MAX`` is cut to that length first, so that no crafted
+    string (64 KiB of letters) makes a reader or the writer spend seconds on it."""
+    if ":/" not in text:
+        return text
+    out, pos = [], 0
+    while (m := _URL_START.search(text, pos)) is not None:
+        end = _URL_END.search(text, m.end())
+        end = len(text) if end is None else end.start()
+        url = text[m.start():end]
+        cut = len(url) > URL_TOKEN_MAX
+        url = url[:URL_TOKEN_MAX]
+        out += [text[pos:m.start()], (redact_url(url) if "@" in url or "?" in url else url) + ("..." if cut else "")]
+        pos = end
+    out.append(text[pos:])
+    return "".join(out)
+
+
+def _clean(v, level: int):
+    """``v`` as an event may hold it: every string redacted (:func:`redact_text`), NaN
+    and infinities as None (strict JSON, what the reader accepts, has no spelling for
+    them, and one bad median must not lose an event); ValueError for containers nested
+    deeper than MAX_EVENT_DEPTH (``level``: the depth of ``v``, the event's own 1)."""
+    if isinstance(v, str):
+        return redact_text(v)
     if isinstance(v, float) and not math.isfinite(v):
         return None
+    if isinstance(v, (dict, list, tuple)) and level > MAX_EVENT_DEPTH:
+        raise ValueError(f"event values nest deeper than {MAX_EVENT_DEPTH} levels")
     if isinstance(v, dict):
-        return {k: _finite(x) for k, x in v.items()}
+        return {k: _clean(x, level + 1) for k, x in v.items()}
     if isinstance(v, (list, tuple)):
-        return [_finite(x) for x in v]
+        return [_clean(x, level + 1) for x in v]
     return v

@@ -6,9 +6,14 @@ date: the step reached, what the rank is doing (``loading`` a checkpoint, ``trai
 ``saving`` (also while ``ckptstore.wait()`` or the exit waits for its saves),
 ``preempted``, ``done``), its step time, the blocking cost of its saves, the step it
 resumed from and the newest step it saw committed (where the next attempt resumes,
-a local tier's commits included).
+a local tier's commits included); the section it is in (``section``: ``resume``,
+``step``, ``save``) and when that began (``section_t``, unix seconds), the longest
+duration it measured of each section (``longest``: ``resume``, ``step``, ``save``:
+a save's time from its start to its commit) and the median of its last
+:data:`STEP_WINDOW` step times (``step_median_s``, for stragglers).
 The supervisor reads these files for hang detection (no rank advanced for the hang
-timeout, saves and loads excepted), lost work and the checkpoint-interval advice.
+timeout), the bounds of each section (sections.py), stragglers (stragglers.py), lost
+work and the checkpoint-interval advice.
 
 One small local file per rank, replaced atomically, rewritten at each step
 (tens of microseconds): nothing here touches the checkpoint store.
@@ -25,6 +30,8 @@ import time
 ENV_DIR = "CKPTSTORE_PROGRESS_DIR"
 REPORT_EVERY = 1.0  # seconds between two reports of one rank that say nothing new
 STATES = ("loading", "train", "saving", "preempted", "done")
+SECTIONS = ("resume", "step", "save")  # what a rank reports it is in (sections.py judges them)
+STEP_WINDOW = 20  # step times in a rank's ``step_median_s``
 
 
 class ProgressReporter:
@@ -45,14 +52,21 @@ class ProgressReporter:
         directory = os.environ.get(ENV_DIR)
         return cls(directory, rank) if directory else None
 
-    def report(self, state: str | None = None, step: int | None = None, force: bool = False, **fields) -> None:
-        """``state`` None keeps the current one (a field's news, such as a commit)."""
+    def report(self, state: str | None = None, step: int | None = None, force: bool = False,
+               section: str | None = None, **fields) -> None:
+        """``state`` None keeps the current one (a field's news, such as a commit).
+        ``section``: the section the rank is in from now on; another section, or a new
+        step of the ``step`` section, starts its clock (``section_t``)."""
         with self._lock:
             now = time.monotonic()
             state = self.record["state"] if state is None else state
             # Each new step is written (a few tens of microseconds: lost work is then exact);
             # a report that says nothing new at most once a second.
-            changed = state != self.record["state"] or (step is not None and step != self.record["step"])
+            new_step = step is not None and step != self.record["step"]
+            changed = state != self.record["state"] or new_step
+            if section is not None and (section != self.record.get("section") or (section == "step" and new_step)):
+                self.record.update(section=section, section_t=time.time())
+                changed = True
             if step is not None:
                 self.record["step"] = int(step)
             self.record.update(fields, state=state, t=time.time())
@@ -69,6 +83,16 @@ class ProgressReporter:
             if step <= (self.record.get("committed_step") or -1):
                 return
             self.record.update(committed_step=int(step), committed_t=committed_t)
+            self._write()
+
+    def note_longest(self, section: str, seconds: float) -> None:
+        """A duration of ``section`` this rank measured: kept (and written at once) when
+        it is the longest so far. Not progress: the report's time stays."""
+        with self._lock:
+            longest = self.record.setdefault("longest", {})
+            if seconds <= longest.get(section, -1.0):
+                return
+            longest[section] = float(seconds)
             self._write()
 
     def _write(self) -> None:

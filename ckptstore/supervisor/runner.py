@@ -2,11 +2,15 @@
 after a failure decide from evidence whether to relaunch it, and record everything in
 the run's journal in the store.
 
-Per attempt: health checks of the node; ``python -m ckptstore.supervisor.launch`` (torch's
-launcher, in a process group of its own, ``--max-restarts 0``: the supervisor relaunches
-it whole, which re-forms the process group every time, where torchrun's in-place worker
-restarts did not); the ranks' progress files (supervisor/progress.py) for hang
-detection; at the end, the launcher's result for the classification (classify.py).
+Per attempt: the gate (gate.py: the last attempt's GPU memory freed, the node's health
+checks, rechecked for a bounded time); the launcher (launch.py: torch's launcher, in a
+session of its own, ``--max-restarts 0``: the supervisor relaunches it whole, which
+re-forms the process group every time, where torchrun's in-place worker restarts did
+not; every worker through bootstrap.py); the ranks' progress files (progress.py) for
+hang detection; at the end, the launcher's result for the classification
+(classify.py) and the decision (decide.py). Every failure and relaunch is one
+``ckptstore run:`` line on stderr; the alert command runs in the background
+(alerts.py).
 """
 
 from __future__ import annotations
@@ -21,49 +25,51 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 from .. import format as fmt
 from .._jitter import jitter as _jitter
 from ..storage import Storage, open_storage
+from . import consensus, launch
+from .alerts import Alerts
 from .classify import Verdict, classify
-from .health import EXIT_UNHEALTHY, HealthLimits, check_node, checks_json, healthy
+from .decide import (EXIT_DETERMINISTIC, EXIT_NO_PROGRESS, EXIT_NODES_MISSING, EXIT_RESTART_LIMIT, History, Policy,
+                     decide)
+from .gate import EXIT_STORE_UNREACHABLE, Gate
+from .health import EXIT_UNHEALTHY, check_node, checks_json, local_store_path
 from .journal import Journal, new_run_id
 from .launch import ENV_SUPERVISOR
 from .progress import ENV_DIR, read_progress
+from .sections import Sections
 from .status import newest_checkpoint
+from .stragglers import ALERT_FACTOR, Tracker, report_of
+from .watch import NodeWatch, run_checks
 
+__all__ = ["EXIT_DETERMINISTIC", "EXIT_FINISHED", "EXIT_NODES_MISSING", "EXIT_NO_PROGRESS", "EXIT_RESTART_LIMIT",
+           "EXIT_RUN_TIMEOUT",
+           "EXIT_STOPPED", "EXIT_STORE_UNREACHABLE", "EXIT_UNHEALTHY", "Policy", "Supervisor"]
 
-# Exit status of `ckptstore run` (docs/runbook.md).
+# Exit status of `ckptstore run` (docs/runbook.md); 10-12: decide.py, 13: health.py, 15: gate.py.
 EXIT_FINISHED = 0
-EXIT_DETERMINISTIC = 10
-EXIT_RESTART_LIMIT = 11
-EXIT_NO_PROGRESS = 12
-EXIT_RUN_TIMEOUT = 14  # (13, EXIT_UNHEALTHY: health.py)
+EXIT_RUN_TIMEOUT = 14
 EXIT_STOPPED = 143  # the supervisor itself got SIGTERM (the whole job preempted): no restart
 
 POLL_S = 0.5  # how often the supervisor looks at the job (progress files, exit)
+PEER_POLL_S = 1.0  # several nodes: how often it looks for another node's end of the attempt (consensus.py)
+JOIN_TIMEOUT_S = 120.0  # several nodes: a relaunch's wait in torch's rendezvous for every node
 STOP_GRACE_S = 30.0  # SIGTERM to SIGKILL, as torchrun gives its workers
 
 
-@dataclass(frozen=True)
-class Policy:
-    max_restarts: int = 10
-    max_restarts_per_hour: int | None = 30
-    backoff_s: float = 1.0  # first delay before a relaunch; doubles per consecutive failure
-    backoff_max_s: float = 60.0
-    hang_timeout_s: float = 600.0  # no rank advanced for this long (saves and loads excepted)
-    first_progress_timeout_s: float = 1800.0  # launch to first reported step
-    run_timeout_s: float | None = None
-    no_progress_restarts: int = 3  # failures in a row without a newer committed step
-    alert: str | None = None  # a shell command; the event arrives as JSON on its stdin
-    health: HealthLimits = HealthLimits()
+def say(line: str) -> None:
+    """One line of the supervisor's own on stderr."""
+    print(f"ckptstore run: {line}", file=sys.stderr, flush=True)
 
 
 class Supervisor:
     def __init__(self, store_url: str, launcher_args: list[str], policy: Policy = Policy(),
                  run_id: str | None = None, staging_dirs: tuple[str, ...] = (), world_size: int | None = None,
-                 nnodes: int = 1):
+                 nnodes: int = 1, nnodes_max: int | None = None, node_rank=None,
+                 join_timeout_s: float = JOIN_TIMEOUT_S, decision_wait_s: float = consensus.WAIT_S):
         self.store_url = store_url
         self.launcher_args = list(launcher_args)
         self.policy = policy
@@ -73,70 +79,120 @@ class Supervisor:
         self.world_size, self.nnodes = world_size, nnodes
         self._stop_signal: int | None = None
         self._proc: subprocess.Popen | None = None
-        self._previous_sig: str | None = None  # the last failure's signature (classify.py)
+        self.alerts = Alerts(policy.alert)
+        self.gate = Gate(lambda: check_node(self.store_url, list(self.staging_dirs), self.policy.health),
+                         policy, lambda: self._stop_signal is not None)
         self._worker_pids: set[int] = set()  # the current attempt's ranks (progress files)
         self._progress_dir = ""
+        self.sections = Sections(policy)  # the run's measured sections and their bounds
+        self._reported_before: bool | None = None  # an attempt of this run reported (None: journal unread)
+        self.stragglers = Tracker()
+        # Several nodes: one attempt number, one verdict per failure, one alert per event,
+        # shared through the store (consensus.py); a single node decides alone, as before.
+        self.node_rank, self.join_timeout_s = node_rank, join_timeout_s
+        self.shared: consensus.Shared | None = None
+        if (nnodes_max or nnodes) > 1:
+            self.shared = consensus.Shared(self.storage, self.journal.run_id,
+                                           consensus.node_name(socket.gethostname(), node_rank), decision_wait_s)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> int:
+        try:
+            return self._run()
+        finally:
+            self.alerts.drain()  # the last events' alerts (a give-up's) go out before the exit
+
+    def _run(self) -> int:
         started = time.monotonic()
         self._install_signals()
         policy = asdict(self.policy)
         policy["alert"] = bool(self.policy.alert)  # the command may hold a secret (a webhook URL)
         self._event("run_start", command=self.launcher_args, world_size=self.world_size, nnodes=self.nnodes,
                     hosts=[socket.gethostname()], policy=policy)
-        failure_times: list[float] = []  # of the failures that count against the limits
-        stalled, consecutive = 0, 0
+        history = self._history = History()
         last_ckpt = self._stored_checkpoint()[0]  # where the last attempt (or the first) resumes
         attempt = 0
+        if self.shared is not None:  # a node (re)started late joins where the run is
+            attempt, ended = self.shared.start(
+                lambda n: self.join_timeout_s if n > 0 else consensus.FIRST_JOIN_S,
+                stopped=lambda: self._stop_signal is not None, say=say)
+            if ended is not None:
+                return self._follow(attempt, self.shared.settled_from(ended, False))
         while True:
-            checks = check_node(self.store_url, list(self.staging_dirs), self.policy.health)
-            if not healthy(checks):
-                reason = "; ".join(f"{c.name}: {c.detail}" for c in checks if not c.ok)
+            fit = self.gate.before_launch(relaunch=attempt > 0)
+            if fit.state == "stopped":
+                return self._stopped()
+            if fit.state == "unhealthy":
                 # the last event: `status` reads the run as ended on an unhealthy node
-                self._event("unhealthy", checks=[c for c in checks_json(checks) if not c["ok"]], reason=reason)
-                print(f"ckptstore run: unhealthy node: {reason}", file=sys.stderr, flush=True)
+                self._event("unhealthy", checks=[c for c in checks_json(fit.checks) if not c["ok"]],
+                            reason=fit.reason)
+                say(f"unhealthy node: {fit.reason} (exit {EXIT_UNHEALTHY})")
+                if self.shared is not None:  # the others, waiting for this node in the rendezvous, stop too
+                    self._decree(attempt, "give_up", EXIT_UNHEALTHY, "unhealthy",
+                                 f"node {self.shared.node} is unhealthy: {fit.reason}")
                 return EXIT_UNHEALTHY
+            if fit.state == "store":
+                return self._give_up(f"the store is unreachable: {fit.reason} (checked for "
+                                     f"{self.policy.outage_window_s:g}s; the node is healthy)",
+                                     EXIT_STORE_UNREACHABLE, "store")
             self._event("attempt_start", attempt=attempt)
+            if self.shared is not None:
+                self._shared_call(self.shared.join, attempt, self.node_rank)
             outcome = self._attempt(attempt, started)
+            if outcome.klass == "unhealthy":  # a GPU failed during the run: the job saved and stopped
+                return self._unhealthy_in_run(attempt, outcome)
+            if outcome.klass == "finished" and self.shared is not None:
+                settled = self._decree(attempt, "finish", EXIT_FINISHED, "finished", "the script finished")
+                if not settled.mine:
+                    return self._follow(attempt, settled)
             if outcome.klass == "finished":
                 self._event("finish", attempt=attempt, step=outcome.evidence.get("step"),
                             save_blocking_s=outcome.evidence.get("save_blocking_s"),
                             step_s=outcome.evidence.get("step_s"))
+                say(f"finished: attempt {attempt}, {_last_step(outcome.evidence.get('step'))}")
                 return EXIT_FINISHED
             if outcome.klass == "timeout":
+                if self.shared is not None:
+                    settled = self._decree(attempt, "give_up", EXIT_RUN_TIMEOUT, "timeout", outcome.reason)
+                    if not settled.mine:
+                        return self._follow(attempt, settled)
                 return self._give_up(outcome.reason, EXIT_RUN_TIMEOUT, "timeout")
             ckpt, ckpt_t = self._resume_point(outcome.evidence)
-            self._record_failure(attempt, outcome, ckpt, ckpt_t)
-            if self._stop_signal is not None:
-                return self._stopped()
-            if outcome.klass == "deterministic":
-                return self._give_up(f"deterministic error: {outcome.reason}", EXIT_DETERMINISTIC, "deterministic")
-            now = time.monotonic()
-            counted = outcome.klass != "preempted"  # a preemption is not the job's fault: no budget spent
-            if counted:
-                failure_times.append(now)
-                self._previous_sig = outcome.signature
             # Progress: a step committed beyond where this attempt started (where its ranks
             # say they resumed, else the previous failure's resume point); never a step
             # that went back, nor a store that could not be read.
             start = outcome.evidence["resumed_step"] if outcome.evidence.get("resume_reported") else last_ckpt
             advanced = ckpt is not None and (start is None or ckpt > start)
             last_ckpt = ckpt if ckpt is not None else last_ckpt
-            stalled = stalled + 1 if (counted and not advanced) else 0
-            # backoff grows only while stuck: a newer checkpoint starts it over
-            consecutive = (1 if counted else 0) if advanced else consecutive + counted
-            if stalled >= self.policy.no_progress_restarts:
-                return self._give_up(f"no checkpoint newer than step {ckpt} in {stalled} failures in a row",
-                                     EXIT_NO_PROGRESS, "no_progress")
-            if len(failure_times) > self.policy.max_restarts:
-                return self._give_up(f"restart limit reached ({self.policy.max_restarts})", EXIT_RESTART_LIMIT,
-                                     "restart_limit")
-            hour = [t for t in failure_times if now - t < 3600]
-            if self.policy.max_restarts_per_hour is not None and len(hour) > self.policy.max_restarts_per_hour:
-                return self._give_up(f"{len(hour)} failures within an hour (limit "
-                                     f"{self.policy.max_restarts_per_hour})", EXIT_RESTART_LIMIT, "restart_limit")
-            self._backoff(consecutive if counted else 0)
+            if self.shared is not None:
+                settled = self._settle(attempt, outcome, advanced, ckpt)
+                if settled.record["action"] == "finish":
+                    return self._follow(attempt, settled)
+                decision, local = settled.decision, outcome
+                outcome = settled.failure
+                outcome.evidence = {**local.evidence, **{k: v for k, v in outcome.evidence.items() if v is not None}}
+                if settled.mine:
+                    self._record_failure(attempt, outcome, ckpt, ckpt_t, nodes=settled.record.get("nodes"),
+                                         node=settled.record.get("failure_node"))
+                else:
+                    say(f"attempt {attempt} failed here: {local.klass}: {' '.join(str(local.reason).split())[:300]}; "
+                        f"the run's verdict, by node {settled.record.get('node')}, follows")
+            else:
+                decision = decide(self.policy, history, outcome, advanced, time.monotonic(), checkpoint=ckpt)
+                outcome.klass, outcome.reason = decision.klass, decision.reason
+                self._record_failure(attempt, outcome, ckpt, ckpt_t)
+            failed = _failure_line(attempt, outcome)
+            if self._stop_signal is not None:
+                say(f"{failed}; not relaunched: the supervisor was stopped")
+                return self._stopped()
+            if decision.code is not None:
+                say(f"{failed}; not relaunched")
+                return self._give_up(decision.give_up_reason, decision.code, decision.give_up_class,
+                                     journal=self.shared is None or settled.mine)
+            wait = _jitter.uniform(decision.backoff_s / 2, decision.backoff_s) if decision.backoff_s > 0 else 0.0
+            resumes = f"resuming from step {ckpt}" if ckpt is not None else "from the start (no checkpoint)"
+            say(f"{failed}; relaunch in {wait:.1f}s as attempt {attempt + 1}, {resumes}")
+            self._sleep(wait)  # jitter: the nodes do not relaunch in lockstep
             if self._stop_signal is not None:  # stopped while waiting: no new launch
                 return self._stopped()
             attempt += 1
@@ -154,8 +210,11 @@ class Supervisor:
         os.mkdir(progress_dir)
         result_path = os.path.join(work, "result.json")
         env = dict(os.environ, **{ENV_DIR: progress_dir, ENV_SUPERVISOR: str(os.getpid())})
-        cmd = [sys.executable, "-m", "ckptstore.supervisor.launch", result_path, "--max-restarts=0",
-               *self.launcher_args]
+        if self.shared is not None:  # the attempt's own rendezvous; a relaunch waits a bounded time for every node
+            env[launch.ENV_RDZV_ID] = consensus.rdzv_id(self.journal.run_id, attempt)
+            if attempt > 0:
+                env[launch.ENV_JOIN_TIMEOUT] = f"{self.join_timeout_s:g}"
+        cmd = launch.command(result_path, ["--max-restarts=0", *self.launcher_args])
         launched = time.monotonic()
         launched_t = time.time()
         self._proc = subprocess.Popen(cmd, env=env, start_new_session=True)
@@ -164,6 +223,11 @@ class Supervisor:
         watch = _ProgressWatch(launched)
         resumed_logged = measured = False
         verdict: Verdict | None = None
+        peer_check = time.monotonic() + PEER_POLL_S
+        self._learn_sections()
+        node = NodeWatch(lambda: run_checks(self.staging_dirs, local_store_path(self.store_url), self.policy.health),
+                         self.policy.health_interval_s)
+        next_report = launched + self.policy.straggler_report_s
         try:
             while True:
                 try:
@@ -187,15 +251,30 @@ class Supervisor:
                     self._kill(signal.SIGKILL)  # a hung rank does not answer SIGTERM
                     verdict = Verdict("hang", hung)
                     break
+                verdict = self._in_run_checks(attempt, progress, launched_t, node)
+                if verdict is not None:
+                    break
+                if self.policy.straggler_report_s > 0 and time.monotonic() >= next_report:
+                    next_report = time.monotonic() + self.policy.straggler_report_s
+                    self._report_step_times(attempt, progress)
                 if self._stop_signal is not None:
                     self._kill(self._stop_signal)
                     break
+                if self.shared is not None and time.monotonic() >= peer_check:
+                    peer_check = time.monotonic() + PEER_POLL_S
+                    why = self._shared_call(self.shared.interrupted, attempt)
+                    if why:  # the attempt ended elsewhere: this node's ranks wait for peers that are gone
+                        self._kill(signal.SIGKILL)
+                        verdict = Verdict("transient", f"stopped: {why}")
+                        verdict.evidence["peer"] = True
+                        break
         finally:
             self._reap()
         progress = read_progress(progress_dir)
         watch.update(progress)
         if not resumed_logged:  # the first step came after the last look (a short attempt)
             self._log_resume(attempt, watch, progress, launched_t)
+        self._journal_sections(attempt, progress, watch, launched_t)
         evidence = {"step": watch.max_step, "step_s": watch.step_s, "save_blocking_s": watch.save_blocking_s,
                     "resume_reported": watch.resume_reported, "resumed_step": watch.resumed_step,
                     "committed_step": watch.committed_step, "committed_t": watch.committed_t}
@@ -211,9 +290,79 @@ class Supervisor:
                                   "before the job could save", exit_code=code)
             else:
                 result = _read_json(result_path) or {"failures": {}, "launcher_error": f"exit code {code}"}
-                verdict = classify(result, watch.max_step, self._previous_sig)
+                verdict = classify(result, watch.max_step, relaunched=attempt > 0 and not watch.trained)
         verdict.evidence.update(evidence)
         return verdict
+
+    # ------------------------------------------------------------------ during the attempt
+    def _learn_sections(self) -> None:
+        """Once per supervisor: what this run's journal measured (a --run-id used before)."""
+        if self._reported_before is not None:
+            return
+        try:
+            events = self.journal.events()
+        except Exception:  # an unreadable journal teaches nothing
+            events = []
+        self.sections.learn_from_journal(events)
+        self._reported_before = any(e.get("kind") in ("resume", "sections") for e in events)
+
+    def _in_run_checks(self, attempt: int, progress: dict, launched_t: float, node: NodeWatch) -> Verdict | None:
+        """The sections' bounds (sections.py) and the node's health (watch.py): the
+        verdict that ends the attempt, or None."""
+        self._reported_before = self._reported_before or bool(progress)
+        late = self.sections.judge(progress, launched_t, time.time(), bool(self._reported_before))
+        if late is not None:
+            self._event("section_timeout", attempt=attempt, **late.event())
+            self._kill(signal.SIGKILL)  # as for a hang: a stuck rank does not answer SIGTERM
+            return Verdict("hang", late.reason(), evidence={"section": late.section})
+        finding = node.poll()
+        if finding is None:
+            return None
+        for c in finding.warnings:
+            self._event("run_health", attempt=attempt, action="warn", checks=checks_json([c]))
+            say(f"health check failed during the run: {c.name}: {c.detail} (the job goes on)")
+        if not finding.unhealthy:
+            return None
+        reason = "; ".join(f"{c.name}: {c.detail}" for c in finding.unhealthy)
+        self._event("run_health", attempt=attempt, action="preempt", checks=checks_json(finding.unhealthy))
+        say(f"unhealthy GPU during the run: {reason}; stopping the job with SIGTERM (its preemption save)")
+        self._kill(signal.SIGTERM)  # the Checkpointer saves (to the durable tier too) and stops
+        return Verdict("unhealthy", reason, evidence={"checks": checks_json(finding.unhealthy)})
+
+    def _report_step_times(self, attempt: int, progress: dict) -> None:
+        """A ``step_times`` report of this node's ranks; a ``straggler`` event (and alert)
+        for each rank that became one beyond the alert factor (stragglers.py)."""
+        ranks = report_of(progress)
+        if not ranks or self.world_size == 1:
+            return
+        self._event("step_times", attempt=attempt, ranks={str(r): s for r, s in sorted(ranks.items())})
+        for s in self.stragglers.update(attempt, ranks, socket.gethostname(), fmt.utc_now()):
+            fields = {k: v for k, v in s.as_dict().items() if k != "host"}  # (the event's own host: this node)
+            self._event("straggler", attempt=attempt, alert_factor=ALERT_FACTOR, **fields)
+            say(f"straggler: rank {s.rank} steps in {s.step_s:.3g}s, {s.ratio:.1f}x the other ranks' "
+                f"median {s.others_s:.3g}s, for {s.reports} reports")
+
+    def _journal_sections(self, attempt: int, progress: dict, watch: "_ProgressWatch", launched_t: float) -> None:
+        """What this attempt measured of each section: learned from, and journaled."""
+        first = None if watch.first_step_t is None else max(0.0, watch.first_step_t - launched_t)
+        longest = self.sections.attempt_longest(progress, first)
+        for name, seconds in longest.items():
+            self.sections.observe(name, seconds)
+        if longest:
+            self._event("sections", attempt=attempt, longest=longest)
+
+    def _unhealthy_in_run(self, attempt: int, v: Verdict) -> int:
+        """The end of a run whose GPU failed while it ran: the job stopped after its
+        preemption save; the node is to be replaced."""
+        ckpt, _ = self._resume_point(v.evidence)
+        self._event("unhealthy", checks=v.evidence.get("checks") or [], reason=v.reason, attempt=attempt,
+                    during_run=True, step=v.evidence.get("step"), checkpoint_step=ckpt)
+        saved = f"; the next run resumes from step {ckpt}" if ckpt is not None else "; no checkpoint committed"
+        say(f"unhealthy node during the run: {v.reason}{saved} (exit {EXIT_UNHEALTHY})")
+        if self.shared is not None:  # the others' ranks lost this node's: they stop with the run's verdict
+            self._decree(attempt, "give_up", EXIT_UNHEALTHY, "unhealthy",
+                         f"node {self.shared.node} is unhealthy during the run: {v.reason}")
+        return EXIT_UNHEALTHY
 
     def _log_resume(self, attempt: int, watch: "_ProgressWatch", progress: dict, launched_t: float) -> bool:
         """Journal where the attempt resumed from, once its first step is reported."""
@@ -254,7 +403,8 @@ class Supervisor:
             _kill_worker(pid, self._progress_dir)
 
     # ------------------------------------------------------------------ records
-    def _record_failure(self, attempt: int, v: Verdict, ckpt_step: int | None, ckpt_t: float | None) -> None:
+    def _record_failure(self, attempt: int, v: Verdict, ckpt_step: int | None, ckpt_t: float | None,
+                        **shared) -> None:
         step = v.evidence.get("step")
         lost = None if step is None else max(0, step - (ckpt_step if ckpt_step is not None else -1))
         step_s = v.evidence.get("step_s")
@@ -263,15 +413,57 @@ class Supervisor:
                     step=step, checkpoint_step=ckpt_step,
                     checkpoint_age_s=None if ckpt_t is None else max(0.0, time.time() - ckpt_t),
                     lost_steps=lost, lost_s=None if (lost is None or step_s is None) else lost * step_s,
-                    save_blocking_s=v.evidence.get("save_blocking_s"), step_s=step_s)
+                    save_blocking_s=v.evidence.get("save_blocking_s"), step_s=step_s, **shared)
 
     def _stopped(self) -> int:
         return self._give_up(f"the supervisor was stopped by {signal.Signals(self._stop_signal).name}",
                              EXIT_STOPPED, "preempted")
 
-    def _give_up(self, reason: str, code: int, klass: str) -> int:
-        self._event("give_up", reason=reason, code=code, **{"class": klass})
-        print(f"ckptstore run: gave up: {reason} (exit {code})", file=sys.stderr, flush=True)
+    def _give_up(self, reason: str, code: int, klass: str, journal: bool = True) -> int:
+        if journal:  # several nodes: only the verdict's writer journals (and alerts) it
+            self._event("give_up", reason=reason, code=code, **{"class": klass})
+        say(f"gave up: {reason} (exit {code})")
+        return code
+
+    # ------------------------------------------------------------------ several nodes (consensus.py)
+    def _shared_call(self, fn, *args):
+        """A shared-record read or write that must not take the supervisor down: None
+        when the store fails (the next poll tries again)."""
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001
+            say(f"shared records: {type(e).__name__}: {e}")
+            return None
+
+    def _settle(self, attempt: int, outcome: Verdict, advanced: bool, ckpt: int | None) -> "consensus.Settled":
+        self._shared_call(self.shared.report, attempt, outcome, advanced, ckpt)
+        try:
+            return self.shared.settle(attempt, self.policy, stopped=lambda: self._stop_signal is not None)
+        except Exception as e:  # noqa: BLE001 - the store failed: this node decides alone, from its history
+            say(f"shared records: {type(e).__name__}: {e}; deciding from this node's evidence alone")
+            local = Verdict(outcome.klass, outcome.reason, outcome.rank, outcome.exit_code, outcome.signal,
+                            outcome.traceback, outcome.signature, dict(outcome.evidence), outcome.outage)
+            d = decide(self.policy, self._history, local, advanced, time.time(), checkpoint=ckpt)
+            local.klass, local.reason = d.klass, d.reason
+            return consensus.Settled({"action": "relaunch" if d.code is None else "give_up"}, True, local, d)
+
+    def _decree(self, attempt: int, action: str, code: int, klass: str, reason: str) -> "consensus.Settled":
+        settled = self._shared_call(self.shared.decree, attempt, action, code, klass, reason)
+        if settled is None:  # the store failed: this node's word stands for itself
+            return consensus.Settled({"action": action, "code": code}, True, Verdict(klass, reason),
+                                     consensus.Decision(klass, reason, code=code))
+        return settled
+
+    def _follow(self, attempt: int, settled: "consensus.Settled") -> int:
+        """End as the run's verdict on ``attempt``, written by another node, says."""
+        rec = settled.record
+        by = rec.get("node")
+        if rec.get("action") == "finish":
+            say(f"finished: attempt {attempt} (the run's verdict, by node {by})")
+            return EXIT_FINISHED
+        code = settled.decision.code if settled.decision.code is not None else EXIT_STOPPED
+        reason = settled.decision.give_up_reason or settled.failure.reason
+        say(f"gave up: {reason} (the run's verdict on attempt {attempt}, by node {by}) (exit {code})")
         return code
 
     def _event(self, kind: str, **fields) -> None:
@@ -279,9 +471,9 @@ class Supervisor:
             event = self.journal.append(kind, **fields)
         except Exception as e:  # the journal must not take the job down with it
             event = {"kind": kind, "run": self.journal.run_id, "at": fmt.utc_now(), **fields}
-            print(f"ckptstore run: could not journal {kind}: {e}", file=sys.stderr, flush=True)
-        if kind in ("failure", "give_up", "unhealthy") and self.policy.alert:
-            _alert(self.policy.alert, event)
+            say(f"could not journal {kind}: {e}")
+        if kind in ("failure", "give_up", "unhealthy", "straggler", "run_health"):
+            self.alerts.send(event)
 
     def _stored_checkpoint(self, at_most: int | None = None) -> tuple[int | None, float | None]:
         """The store's newest committed step (not above ``at_most``) and its commit time
@@ -307,11 +499,8 @@ class Supervisor:
             return stored, stored_t
         return reported, reported_t
 
-    def _backoff(self, consecutive: int) -> None:
-        if consecutive <= 0:
-            return
-        delay = min(self.policy.backoff_max_s, self.policy.backoff_s * 2 ** (consecutive - 1))
-        end = time.monotonic() + _jitter.uniform(delay / 2, delay)  # jitter: nodes do not relaunch in lockstep
+    def _sleep(self, seconds: float) -> None:
+        end = time.monotonic() + seconds
         while self._stop_signal is None and time.monotonic() < end:
             time.sleep(min(POLL_S, max(0.0, end - time.monotonic())))
 
@@ -371,8 +560,12 @@ class _ProgressWatch:
         if self.busy:
             self.last_change = now
 
-    def hung(self, policy: Policy) -> str | None:
-        now = time.monotonic()
+    def hung(self, policy: Policy, now: float | None = None) -> str | None:
+        """Why the attempt is hung, or None. Only ranks that report progress are judged:
+        a script that never reports (no Checkpointer) is never hung."""
+        now = time.monotonic() if now is None else now
+        if not self.seen:
+            return None
         if not self.trained:
             if now - self.launched > policy.first_progress_timeout_s and not self.busy:
                 return f"no training step within {policy.first_progress_timeout_s:.0f}s of the launch"
@@ -423,25 +616,14 @@ def _read_json(path: str) -> dict | None:
         return None
 
 
-ALERT_TIMEOUT_S = 30.0
+def _last_step(step) -> str:
+    return f"last step {step}" if step is not None else "no step reported"
 
 
-def _alert(command: str, event: dict) -> None:
-    """Run the user's alert command with the event as JSON on stdin (best effort). It
-    runs in a session of its own: at the timeout the shell and everything of its group
-    are killed (a hung ``curl`` would otherwise hold the supervisor's output open); a
-    command it started in the background and left is the user's."""
-    try:
-        proc = subprocess.Popen(command, shell=True, stdin=subprocess.PIPE, text=True, start_new_session=True)
-    except OSError as e:
-        print(f"ckptstore run: alert command failed: {e}", file=sys.stderr, flush=True)
-        return
-    try:
-        proc.communicate(json.dumps(event, default=str), timeout=ALERT_TIMEOUT_S)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        print(f"ckptstore run: alert command failed: {e}", file=sys.stderr, flush=True)
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # the shell and what it is waiting for
-        except OSError:
-            pass
-        proc.wait()
+def _failure_line(attempt: int, v: Verdict) -> str:
+    """The one stderr line of a failed attempt (the relaunch or its absence is added)."""
+    reason = " ".join(str(v.reason).split())
+    if len(reason) > 400:
+        reason = reason[:400] + "..."
+    where = "" if "step" in reason else f" ({_last_step(v.evidence.get('step'))})"
+    return f"attempt {attempt} failed: {v.klass}: {reason}{where}"

@@ -24,11 +24,11 @@ nodes may each journal the same one):
   up), ``end - t`` of that failure. Failures before any resume are startup.
 - ``goodput = (wall_s - startup_s - recovery_s - lost_s) / wall_s``, clamped to [0, 1];
   None while ``wall_s`` is 0.
-- Young/Daly: ``recommended_interval_s = min(MAX_INTERVAL_S, sqrt(2 * C * M))``, C
-  the latest journaled ``save_blocking_s``, M ``mtbf_s`` or, before the first failure
-  that counts, ``PRIOR_MTBF_S``; ``recommended_interval_steps = max(1, round(interval /
-  step_s))`` with the latest journaled ``step_s``. None while C (or step_s) was never
-  measured.
+- Young/Daly: ``recommended_interval_s = min(MAX_INTERVAL_S, max(MIN_INTERVAL_SAVES * C,
+  sqrt(2 * C * M)))``, C the latest journaled ``save_blocking_s``, M ``mtbf_s`` or,
+  before the first failure that counts, ``PRIOR_MTBF_S``; ``recommended_interval_steps
+  = max(1, round(interval / step_s))`` with the latest journaled ``step_s``. None while
+  C (or step_s) was never measured.
 
 The journal is untrusted input, and so is a caller's event list: an event's ``t`` is
 taken into ``[0, now]`` (no event can show a run longer than the clock allows, so
@@ -36,7 +36,9 @@ taken into ``[0, now]`` (no event can show a run longer than the clock allows, s
 MTBF 1e300 s and ``every="auto"`` stop saving), events are taken in time order, and
 every field copied into the summary is reduced to its documented type and a bounded
 size (``command``: at most ``MAX_LIST`` strings; ``checks``: at most ``MAX_LIST``
-records of scalar fields), so that no event can crash ``status`` or its JSON.
+records of scalar fields), so that no event can crash ``status`` or its JSON. Every
+string copied is redacted (``journal.redact_text``: no URL's password or signature),
+also for journals written before the writer redacted.
 """
 
 from __future__ import annotations
@@ -48,12 +50,18 @@ from .. import format as fmt
 from .. import names
 from ..checkpoint.catalog import read_skip_mark, scan_location
 from ..storage import Storage
-from .journal import Journal, finite_float, latest_run
+from .journal import URL_TOKEN_MAX, Journal, finite_float, latest_run, redact_text
+from .stragglers import from_events as stragglers_from_events
 
 PRIOR_MTBF_S = 24 * 3600.0  # before a failure is seen: one a day, a common large-job figure
 # The longest interval status recommends and every="auto" waits between saves, whatever
 # the journal says: a failure then costs at most this much work.
 MAX_INTERVAL_S = 6 * 3600.0
+# The shortest: this many times the blocking cost of a save, whatever MTBF the journal
+# claims (100,000 failure events in a minute made it ~0 and every="auto" save at every
+# step), so the blocking saves never take more than a sixth of the run's time. Young/Daly
+# is below it only for an MTBF under 12.5 save costs, where it no longer holds anyway.
+MIN_INTERVAL_SAVES = 5.0
 MAX_LIST = 256  # entries of a journaled list (command, checks) copied into a summary
 CLASSES = ("transient", "deterministic", "hang", "preempted")
 _TERMINAL = {"finish": "finished", "give_up": "gave_up", "unhealthy": "unhealthy"}
@@ -75,7 +83,8 @@ def summarize(events: list[dict], now: float, checkpoint: dict | None = None) ->
            "checkpoint_age_s": None if ckpt_t is None else max(0.0, now - ckpt_t),
            "last_failure": None, "last_resume": None, "last_event_at": None, "give_up": None, "unhealthy": None,
            "save_blocking_s": None, "step_s": None, "mtbf_source": None,
-           "recommended_interval_s": None, "recommended_interval_steps": None}
+           "recommended_interval_s": None, "recommended_interval_steps": None, "stragglers": [],
+           "section_timeouts": [], "run_health": []}
     if not events:
         return out
     first = next((e for e in events if e.get("kind") == "run_start"), events[0])
@@ -138,6 +147,12 @@ def summarize(events: list[dict], now: float, checkpoint: dict | None = None) ->
         useful = wall - out["startup_s"] - out["recovery_s"] - out["lost_s"]
         out["goodput"] = min(1.0, max(0.0, useful / wall))
 
+    out["stragglers"] = stragglers_from_events(events)
+    out["section_timeouts"] = [_section_timeout(e) for e in events if e.get("kind") == "section_timeout"][-MAX_LIST:]
+    out["run_health"] = [{"attempt": _int(e.get("attempt")), "action": _str(e.get("action"), 16),
+                          "checks": _checks(e.get("checks")), "at": _str(e.get("at"), 64)}
+                         for e in events if e.get("kind") == "run_health"][-MAX_LIST:]
+
     c = out["save_blocking_s"]
     observed = out["mtbf_s"] is not None
     out["mtbf_source"] = "observed" if observed else "prior"
@@ -151,11 +166,12 @@ def summarize(events: list[dict], now: float, checkpoint: dict | None = None) ->
 
 
 def young_daly(save_s: float, mtbf_s: float) -> float:
-    """Young/Daly's checkpoint interval ``sqrt(2 * save_s * mtbf_s)``, at most
-    MAX_INTERVAL_S (0 for a cost or MTBF that is not a positive finite number)."""
+    """Young/Daly's checkpoint interval ``sqrt(2 * save_s * mtbf_s)``, at least
+    MIN_INTERVAL_SAVES times ``save_s`` and at most MAX_INTERVAL_S (0 for a cost or MTBF
+    that is not a positive finite number)."""
     if not (_num(save_s) and _num(mtbf_s)) or save_s <= 0 or mtbf_s <= 0:
         return 0.0
-    return min(MAX_INTERVAL_S, math.sqrt(2.0 * save_s * mtbf_s))
+    return min(MAX_INTERVAL_S, max(MIN_INTERVAL_SAVES * save_s, math.sqrt(2.0 * save_s * mtbf_s)))
 
 
 def _finite(o):
@@ -189,6 +205,13 @@ def _downtime(resumes: list[dict], fails: list[dict], resume0: dict | None, star
     if down_since is not None:
         recovery += max(0.0, end - down_since)
     return startup, recovery
+
+
+def _section_timeout(e: dict) -> dict:
+    return {"attempt": _int(e.get("attempt")), "section": _str(e.get("section"), 16), "rank": _int(e.get("rank")),
+            "step": _int(e.get("step")), "elapsed_s": _num(e.get("elapsed_s")), "bound_s": _num(e.get("bound_s")),
+            "source": _str(e.get("source"), 16), "measured_s": _num(e.get("measured_s")),
+            "at": _str(e.get("at"), 64)}
 
 
 def _failure_record(e: dict) -> dict:
@@ -240,7 +263,11 @@ def _int(v) -> int | None:
 
 
 def _str(v, limit: int = _TEXT) -> str | None:
-    return v[:limit] if isinstance(v, str) else None
+    """A journaled string, cut to ``limit`` characters, with its credentials redacted
+    (``journal.redact_text``): journals written before the writer redacted hold them
+    as written. Redacted before it is cut, so that a URL cut in two shows no part of
+    its password; at most ``URL_TOKEN_MAX`` characters beyond ``limit`` are read."""
+    return redact_text(v[:limit + URL_TOKEN_MAX])[:limit] if isinstance(v, str) else None
 
 
 def _strs(v) -> list | None:

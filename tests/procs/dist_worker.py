@@ -131,7 +131,7 @@ elif scenario == "tiers":
     same = latest_manifest(local).to_json(), latest_manifest(durable).to_json()
     # (a version 4 root: the promotion names the same indexes, copied byte for byte)
     same = all(same[0][k] == same[1][k] for k in ("attempt", "indexes", "globals", "created_at", "metrics"))
-    say("tiers", ",".join(map(str, tiered.local.steps())), ",".join(map(str, tiered._committed_steps())), int(same))
+    say("tiers", ",".join(map(str, tiered.local.steps())), ",".join(map(str, tiered.committed_steps())), int(same))
     dist.barrier()
     if rank == 0:
         shutil.rmtree(root + "-local")  # the node is lost: every rank of it loses its local tier
@@ -159,12 +159,12 @@ elif scenario == "tiers_nodes":
     # (it lags one save on other nodes); once more now, as its next save would:
     from ckptstore.tiers import sweep_own_data
 
-    with store._sweeping:  # (after the sweep its last commit started, if it still runs)
-        sweep_own_data(store.local, rank, set(store._committed_here), set())
+    with store._tiers._sweeping:  # (after the sweep its last commit started, if it still runs)
+        sweep_own_data(store.local, rank, set(store._tiers._committed_here), set())
     mine = sorted({int(p.parts[-4][len("step-"):]) for p in node.rglob(f"data-r{rank:05d}-*.bin")})
     others = [p for p in node.rglob("data-*.bin") if f"data-r{rank:05d}-" not in p.name]
     say("files", ",".join(map(str, mine)), len(others), ",".join(map(str, store.local.steps())),
-        ",".join(map(str, store._committed_steps())))
+        ",".join(map(str, store.committed_steps())))
     got, info = tiered().resume()
     say("resumed", info.step, info.tier, "ok" if equal_bitwise(got, rank_state(rank, info.step)) else "bad")
     dist.barrier()

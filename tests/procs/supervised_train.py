@@ -1,11 +1,13 @@
 """docs/examples/fault_tolerant_training.py with faults injected, for tests/test_supervisor.py.
 
 FAULT (environment) = KIND:STEP[:MARKER], or several joined by commas, on rank 1 when it
-is about to train STEP:
+is about to train STEP (on every rank of this node with FAULT_ANY_RANK=1: a simulated
+node's supervisor sets it for its own ranks, whatever global rank the rendezvous gives them):
   raise          RuntimeError with the same message every time (deterministic, found on repeat)
   deterministic  ckptstore.DeterministicError (stops the run at once)
   hang           says so and blocks forever, once (MARKER file: not again after a restart)
   kill           SIGKILL itself, once (MARKER)
+  hangsave       blocks forever inside the save of STEP, once (MARKER): a save stuck on a peer
 """
 
 import importlib.util
@@ -43,7 +45,7 @@ def once(marker) -> bool:
 def batch(samples, rank, rows):
     global_batch = 16
     step = samples // global_batch
-    if rank == 1 and step in FAULTS:
+    if (rank == 1 or os.environ.get("FAULT_ANY_RANK") == "1") and step in FAULTS:
         kind, marker = FAULTS[step]
         if kind == "raise":
             raise RuntimeError(f"bad data shard at sample {samples}")
@@ -58,5 +60,17 @@ def batch(samples, rank, rows):
 
 
 example.batch = batch
+_save = ckptstore.Store.save
+
+
+def save(self, step, *args, **kwargs):
+    kind, marker = FAULTS.get(step, (None, None))
+    if os.environ.get("RANK") == "1" and kind == "hangsave" and once(marker):
+        example.say(f"rank 1: stuck in the save of step {step}")
+        threading.Event().wait()
+    return _save(self, step, *args, **kwargs)
+
+
+ckptstore.Store.save = save
 sys.argv[0] = EXAMPLE
 example.main()

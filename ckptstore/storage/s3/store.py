@@ -28,6 +28,7 @@ from ...errors import (
     TruncatedObjectError,
 )
 from ..base import AppendWriter, ObjectInfo, ReadHints, Storage, _check_limit, check_key, redact_url
+from ..urls import valid_bucket
 from .client import (
     DEFAULT_COALESCE_BLOB,
     DEFAULT_COALESCE_GAP,
@@ -154,11 +155,10 @@ class S3Storage(Storage):
                  conditional_writes: str | None = None, expected_bucket_owner: str | None = None,
                  request_payer: bool = False, sse_kms_key_id: str | None = None, checksums: str | None = None,
                  _parts_per_tier: int = MAX_PARTS // 10, _shared: _Shared | None = None):
-        if bucket and "@" in bucket:  # s3://user:password@bucket: never echoed back
-            raise ValueError(f"invalid S3 bucket name {'***@' + bucket.rpartition('@')[2]!r}: credentials do "
-                             "not belong in an s3:// URL (boto3's configuration provides them)")
-        if not bucket or "/" in bucket:
-            raise ValueError(f"invalid S3 bucket name {bucket!r}")
+        if not bucket or not valid_bucket(bucket):  # (never echoed: s3://KEY:SECRET@bucket gives "KEY:SECRET")
+            raise ValueError("invalid S3 bucket name (not shown: it may hold a credential): letters, digits, '.', "
+                             "'-' and '_' only, at most 255; credentials do not belong in an s3:// URL "
+                             "(boto3's configuration provides them)")
         self.bucket = bucket
         # The root prefix obeys the key grammar too: "a/../victim" would be literal on
         # AWS but normalised by some S3-compatible servers and proxies.

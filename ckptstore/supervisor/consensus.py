@@ -1,0 +1,360 @@
+"""Several nodes, one decision: what the supervisors (``ckptstore run``, one per node)
+of a multi-node run share through the store (docs/format.md, "Shared decisions";
+docs/runbook.md, "Several nodes").
+
+No coordinator: every record is a small JSON object written create-only
+(``put(if_absent=True)``), as journal events and run epochs are, so the first writer
+wins, the others read what it wrote, and no node's loss takes the decisions with it::
+
+    journal/.shared/<run>/attempt-<10 digits>/member-<node>.json   a node launched this attempt
+    journal/.shared/<run>/attempt-<10 digits>/report-<node>.json   its own verdict on the attempt's end
+    journal/.shared/<run>/attempt-<10 digits>/verdict.json         the run's decision after it
+
+- **One attempt number.** Every node launches attempt 0 first; attempt N+1 exists only
+  through attempt N's verdict (``action: relaunch``), so all nodes number alike, and
+  each attempt's torch rendezvous has an id of its own (:func:`rdzv_id`): a round that
+  torch's c10d handler closed when a launcher of the last attempt exited can never
+  block the next one.
+- **One verdict per failure.** A node whose attempt ended writes its report, then waits
+  (at most ``wait_s``) for the reports of every node that launched the attempt; a node
+  whose attempt is still running sees a peer's report (or the verdict) within a poll
+  and stops its launcher. The first node with every report (or at the end of the wait)
+  merges them (:func:`merge`: the strongest evidence of any node, as classify.py ranks
+  evidence within one node), replays the run's earlier verdicts through
+  :func:`decide.decide` (pure: the same inputs give every node the same history) and
+  writes ``verdict.json`` create-only; every node follows the verdict it reads back.
+- **One alert per event.** Only the verdict's writer journals the ``failure`` and
+  ``give_up`` (or ``finish``) events, so only it alerts.
+- **A give-up stops every node.** A node that ends the run on its own (unhealthy before
+  a launch or during the run, the run timeout) writes the verdict of the attempt the
+  others are launching or running; they poll it (every second) while their launchers
+  wait in the rendezvous or run, and stop with its exit code. A ``finish`` verdict
+  interrupts nobody: the other nodes' ranks finish too.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import time
+from dataclasses import dataclass
+
+from .. import format as fmt
+from ..checkpoint.manifests import read_capped
+from ..errors import AlreadyExistsError, CkptStoreError
+from ..storage import Storage
+from .classify import Verdict
+from .decide import Decision, History, Policy, decide
+from .journal import JOURNAL_DIR, MAX_EVENT_BYTES, check_run_id
+
+SHARED_DIR = f"{JOURNAL_DIR}/.shared"  # not a run name (a dot first): journal readers skip it
+ATTEMPT_DIGITS = 10
+MAX_ATTEMPT = 10**ATTEMPT_DIGITS - 1
+_ATTEMPT_RE = re.compile(r"attempt-([0-9]{10})/?")
+_NODE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+_MEMBER_RE = re.compile(r"member-([A-Za-z0-9][A-Za-z0-9._-]{0,63})\.json")
+_REPORT_RE = re.compile(r"report-([A-Za-z0-9][A-Za-z0-9._-]{0,63})\.json")
+VERDICT_LEAF = "verdict.json"
+WAIT_S = 30.0  # the longest wait for the reports of the other nodes of an attempt
+FIRST_JOIN_S = 600.0  # torch's own join timeout, which the first attempt keeps
+POLL_S = 0.5
+
+
+def node_name(host: str, node_rank) -> str:
+    """A node's name in the shared records: its host and ``--node-rank``, reduced to
+    ``[A-Za-z0-9][A-Za-z0-9._-]{0,63}``."""
+    base = re.sub(r"[^A-Za-z0-9._-]", "_", str(host)).lstrip("._-") or "host"
+    suffix = f"-{node_rank}" if str(node_rank).isdigit() else ""
+    return (base[:64 - len(suffix)] + suffix)[:64]
+
+
+def attempt_dir(run: str, attempt: int) -> str:
+    if not isinstance(attempt, int) or isinstance(attempt, bool) or not 0 <= attempt <= MAX_ATTEMPT:
+        raise ValueError(f"attempt {attempt!r} does not fit a shared record name (0 .. {MAX_ATTEMPT})")
+    return f"{SHARED_DIR}/{check_run_id(run)}/attempt-{attempt:0{ATTEMPT_DIGITS}d}"
+
+
+def rdzv_id(run: str, attempt: int) -> str:
+    """The torch rendezvous id of ``attempt``: the same on every node, new per attempt."""
+    return f"{run}-a{attempt}"
+
+
+# ------------------------------------------------------------------ evidence
+def verdict_json(v: Verdict) -> dict:
+    return {"class": v.klass, "reason": str(v.reason)[:4000], "rank": v.rank, "exit_code": v.exit_code,
+            "signal": v.signal, "signature": v.signature, "outage": bool(v.outage),
+            "step": v.evidence.get("step"), "peer": bool(v.evidence.get("peer")),
+            "nodes_missing": bool(v.evidence.get("nodes_missing")),
+            "traceback": (v.traceback or None) and v.traceback[-4000:]}
+
+
+def verdict_from(d: dict) -> Verdict:
+    v = Verdict(str(d.get("class") or "transient"), str(d.get("reason") or ""), _int(d.get("rank")),
+                _int(d.get("exit_code")), d.get("signal") if isinstance(d.get("signal"), str) else None,
+                d.get("traceback") if isinstance(d.get("traceback"), str) else None,
+                d.get("signature") if isinstance(d.get("signature"), str) else None,
+                outage=bool(d.get("outage")))
+    v.evidence["step"] = _int(d.get("step"))
+    v.evidence["peer"] = bool(d.get("peer"))
+    if d.get("nodes_missing"):
+        v.evidence["nodes_missing"] = True
+    return v
+
+
+def weight(v: dict) -> int:
+    """How strongly one node's verdict explains the attempt's end (lower: stronger): the
+    program said so; a rank's own error; a hang; a rank killed by a signal; an outage; a
+    preemption; a node missing at the rendezvous; the machinery (lost peers); a node
+    stopped because a peer failed."""
+    klass = v.get("class")
+    if klass == "deterministic":
+        return 0
+    if v.get("peer"):
+        return 8
+    if v.get("signature") and not v.get("outage"):
+        return 1
+    if klass == "hang":
+        return 2
+    if klass == "transient" and v.get("signal") not in (None, "SIGTERM"):
+        return 3
+    if v.get("outage"):
+        return 4
+    if klass == "preempted":
+        return 5
+    if v.get("nodes_missing"):
+        return 6
+    return 7
+
+
+def merge(reports: dict[str, dict]) -> tuple[str, dict]:
+    """(node, report) of the report whose verdict explains the attempt's end best: the
+    strongest evidence, then the earliest end, then the node name."""
+    return min(reports.items(), key=lambda kv: (weight(kv[1].get("verdict") or {}), _num(kv[1].get("t")), kv[0]))
+
+
+@dataclass
+class Settled:
+    record: dict  # verdict.json as read back
+    mine: bool  # this node wrote it (journals the failure and the give-up, alerts)
+    failure: Verdict  # the merged failure, with its final class and reason
+    decision: Decision
+
+
+class Shared:
+    """The shared records of run ``run`` for node ``node``."""
+
+    def __init__(self, storage: Storage, run: str, node: str, wait_s: float = WAIT_S, poll_s: float = POLL_S,
+                 clock=time.time, sleep=time.sleep):
+        if not _NODE_RE.fullmatch(node):
+            raise ValueError(f"node name {node!r} is not [A-Za-z0-9][A-Za-z0-9._-]{{0,63}}")
+        self.storage, self.run, self.node = storage, check_run_id(run), node
+        self.wait_s, self.poll_s, self.clock, self.sleep = wait_s, poll_s, clock, sleep
+        self.host = socket.gethostname()
+
+    # ------------------------------------------------------------------ records
+    def _put(self, key: str, record: dict) -> bool:
+        """Create-only; False when the object exists (someone else's)."""
+        data = json.dumps(record, allow_nan=False, default=str).encode()
+        if len(data) > MAX_EVENT_BYTES:
+            raise ValueError(f"shared record {key} of {len(data)} bytes exceeds {MAX_EVENT_BYTES}")
+        try:
+            self.storage.put(key, data, if_absent=True)
+            return True
+        except AlreadyExistsError:
+            return False
+
+    def _get(self, key: str) -> dict | None:
+        try:
+            data = read_capped(self.storage, key, MAX_EVENT_BYTES, "shared record")
+            rec = fmt.loads_json(data, "shared record")
+        except (CkptStoreError, OSError):
+            return None
+        return rec if isinstance(rec, dict) else None
+
+    def _base(self, attempt: int) -> dict:
+        return {"run": self.run, "attempt": attempt, "node": self.node, "host": self.host, "t": self.clock()}
+
+    def join(self, attempt: int, node_rank=None) -> None:
+        """Say that this node launches ``attempt``."""
+        self._put(f"{attempt_dir(self.run, attempt)}/member-{self.node}.json",
+                  {**self._base(attempt), "node_rank": node_rank})
+
+    def _leaves(self, attempt: int) -> list[str]:
+        try:
+            return self.storage.list(attempt_dir(self.run, attempt))
+        except (CkptStoreError, OSError):
+            return []
+
+    def members(self, attempt: int) -> set[str]:
+        return {m.group(1) for m in map(_MEMBER_RE.fullmatch, self._leaves(attempt)) if m}
+
+    def reports(self, attempt: int) -> dict[str, dict]:
+        out = {}
+        for m in map(_REPORT_RE.fullmatch, self._leaves(attempt)):
+            if m:
+                rec = self._get(f"{attempt_dir(self.run, attempt)}/{m.group(0)}")
+                if rec is not None and isinstance(rec.get("verdict"), dict):
+                    out[m.group(1)] = rec
+        return out
+
+    def verdict(self, attempt: int) -> dict | None:
+        rec = self._get(f"{attempt_dir(self.run, attempt)}/{VERDICT_LEAF}")
+        return rec if rec is not None and rec.get("action") in ("relaunch", "give_up", "finish") else None
+
+    def latest(self) -> int | None:
+        """The newest attempt with any record."""
+        try:
+            names = self.storage.list(f"{SHARED_DIR}/{self.run}")
+        except (CkptStoreError, OSError):
+            return None
+        found = [int(m.group(1)) for m in map(_ATTEMPT_RE.fullmatch, names) if m]
+        return max(found) if found else None
+
+    def start(self, window_s=lambda attempt: FIRST_JOIN_S, stopped=lambda: False, say=lambda line: None,
+              wait_poll_s: float = 5.0) -> tuple[int, dict | None]:
+        """Where a node that starts (or restarts) joins the run: (the attempt to launch,
+        None), or (the attempt, its verdict) when the run already ended there. The
+        newest attempt without a verdict is joined while its rendezvous may still be
+        open (its first member record younger than ``window_s(attempt)``, torch's join
+        timeout); one that runs without this node is not disturbed: the node waits for
+        its verdict and joins the next attempt (or ends as the run did)."""
+        n = self.latest()
+        if n is None:
+            return 0, None
+        v = self.verdict(n)
+        if v is None:
+            first = self.first_member_t(n)
+            if first is None or self.clock() - first < window_s(n):
+                return n, None
+            say(f"attempt {n} runs without this node (since {self.clock() - first:.0f}s): it joins the next one")
+            while v is None and not stopped():
+                self.sleep(wait_poll_s)
+                v = self.verdict(n)
+            if v is None:
+                return n, None
+        if v["action"] == "relaunch":
+            return n + 1, None
+        return n, v
+
+    def first_member_t(self, attempt: int) -> float | None:
+        times = []
+        for m in map(_MEMBER_RE.fullmatch, self._leaves(attempt)):
+            rec = self._get(f"{attempt_dir(self.run, attempt)}/{m.group(0)}") if m else None
+            if rec is not None and isinstance(rec.get("t"), (int, float)) and not isinstance(rec.get("t"), bool):
+                times.append(float(rec["t"]))
+        return min(times) if times else None
+
+    # ------------------------------------------------------------------ during an attempt
+    def interrupted(self, attempt: int) -> str | None:
+        """Why this node's attempt must stop although its launcher still runs: the
+        attempt's verdict is written, or another node reported its end."""
+        v = self.verdict(attempt)
+        if v is not None and v["action"] == "finish":
+            return None  # another node finished first: this one's ranks finish too (rank 0 may still write)
+        if v is not None:
+            return f"the run's verdict on attempt {attempt} ({v['action']}, by {v.get('node')})"
+        leaves = self._leaves(attempt)
+        peers = sorted(m.group(1) for m in map(_REPORT_RE.fullmatch, leaves) if m and m.group(1) != self.node)
+        if peers:
+            return f"attempt {attempt} ended on node {peers[0]}"
+        return None
+
+    # ------------------------------------------------------------------ after an attempt
+    def report(self, attempt: int, v: Verdict, advanced: bool, checkpoint: int | None) -> None:
+        self._put(f"{attempt_dir(self.run, attempt)}/report-{self.node}.json",
+                  {**self._base(attempt), "verdict": verdict_json(v), "advanced": bool(advanced),
+                   "checkpoint": checkpoint})
+
+    def gather(self, attempt: int, stopped=lambda: False) -> tuple[dict | None, dict[str, dict]]:
+        """(the verdict, if one is written, else None; the reports) once every member
+        of ``attempt`` reported, a verdict exists, or ``wait_s`` passed."""
+        end = self.clock() + self.wait_s
+        while True:
+            v = self.verdict(attempt)
+            if v is not None:
+                return v, {}
+            reports = self.reports(attempt)
+            if self.members(attempt) <= set(reports) or self.clock() >= end or stopped():
+                return None, reports
+            self.sleep(self.poll_s)
+
+    def history(self, policy: Policy, before: int) -> History:
+        """The run's history as the verdicts of attempts 0 .. before-1 made it: each is
+        replayed through decide() with the inputs it recorded."""
+        h = History()
+        for n in range(before):
+            rec = self.verdict(n)
+            if rec is None or not isinstance(rec.get("failure"), dict):
+                continue
+            decide(policy, h, verdict_from(rec["failure"]), bool(rec.get("advanced")), _num(rec.get("now")),
+                   checkpoint=_int(rec.get("checkpoint")))
+        return h
+
+    def settle(self, attempt: int, policy: Policy, stopped=lambda: False) -> Settled:
+        """The run's decision after ``attempt`` failed: gather the nodes' reports, merge
+        them, decide, write the verdict create-only; what was written first is followed."""
+        found, reports = self.gather(attempt, stopped)
+        if found is None:
+            if not reports:  # (our own report could not be written: decide alone)
+                raise CkptStoreError(f"no report of attempt {attempt} could be read from the store")
+            node, chosen = merge(reports)
+            failure = verdict_from(chosen["verdict"])
+            if failure.evidence.get("nodes_missing") and attempt > 0:
+                gone = sorted(self.members(attempt - 1) - self.members(attempt))
+                if gone:
+                    failure.reason += f" (launched attempt {attempt - 1}, not this one: {', '.join(gone)})"
+            advanced = any(bool(r.get("advanced")) for r in reports.values())
+            ckpts = [c for c in (_int(r.get("checkpoint")) for r in reports.values()) if c is not None]
+            ckpt = max(ckpts) if ckpts else None
+            now = self.clock()
+            failure_in = verdict_json(failure)
+            d = decide(policy, self.history(policy, attempt), failure, advanced, now, checkpoint=ckpt)
+            missing = sorted(self.members(attempt) - set(reports))
+            rec = {**self._base(attempt), "action": "relaunch" if d.code is None else "give_up",
+                   "failure": failure_in, "failure_node": node, "class": d.klass, "reason": d.reason,
+                   "backoff_s": d.backoff_s, "code": d.code, "give_up_class": d.give_up_class,
+                   "give_up_reason": d.give_up_reason, "advanced": advanced, "checkpoint": ckpt, "now": now,
+                   "nodes": {n: _line(r["verdict"]) for n, r in sorted(reports.items())}, "unreported": missing}
+            if d.code is None:
+                rec.update(next_attempt=attempt + 1, rdzv_id=rdzv_id(self.run, attempt + 1))
+            mine = self._put(f"{attempt_dir(self.run, attempt)}/{VERDICT_LEAF}", rec)
+            found = rec if mine else self.verdict(attempt)
+            if found is None:
+                raise CkptStoreError(f"the verdict on attempt {attempt} exists but cannot be read")
+        else:
+            mine = False
+        return self.settled_from(found, mine)
+
+    def settled_from(self, rec: dict, mine: bool) -> Settled:
+        failure = verdict_from(rec.get("failure") if isinstance(rec.get("failure"), dict) else {})
+        failure.klass = str(rec.get("class") or failure.klass)
+        failure.reason = str(rec.get("reason") or failure.reason)
+        code = _int(rec.get("code"))
+        if rec["action"] == "finish":
+            code = 0
+        d = Decision(failure.klass, failure.reason, backoff_s=_num(rec.get("backoff_s")), code=code,
+                     give_up_class=rec.get("give_up_class"), give_up_reason=rec.get("give_up_reason"))
+        return Settled(rec, mine, failure, d)
+
+    def decree(self, attempt: int, action: str, code: int | None, klass: str, reason: str) -> Settled:
+        """This node ends the run at ``attempt`` (finished, gave up before or without a
+        merged failure); the first such verdict counts, and is returned."""
+        rec = {**self._base(attempt), "action": action, "class": klass, "reason": reason, "code": code,
+               "give_up_class": klass if action == "give_up" else None,
+               "give_up_reason": reason if action == "give_up" else None}
+        mine = self._put(f"{attempt_dir(self.run, attempt)}/{VERDICT_LEAF}", rec)
+        found = rec if mine else (self.verdict(attempt) or rec)
+        return self.settled_from(found, mine)
+
+
+def _line(v: dict) -> str:
+    return f"{v.get('class')}: {str(v.get('reason'))[:300]}"
+
+
+def _int(v) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def _num(v) -> float:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else 0.0

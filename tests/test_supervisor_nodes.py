@@ -1,0 +1,249 @@
+"""Several nodes, one decision (issue 35, section 3): simulated nodes on one machine, one
+``ckptstore run`` each (``--nnodes 2 --node-rank K``, c10d rendezvous on 127.0.0.1, one
+CPU rank per node, one store), deciding together through the store's shared records
+(ckptstore/supervisor/consensus.py, docs/format.md "Shared decisions").
+
+Before: each node's supervisor decided alone. A deterministic error on node 1 stopped
+node 1 (exit 10) while node 0 relaunched and waited for it in torch's rendezvous for its
+default join timeout (600 s) on every attempt; attempts were numbered per node, and every
+node journaled and alerted its own failure of each attempt.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+from ckptstore.storage import open_storage
+from ckptstore.supervisor import consensus, runner
+from ckptstore.supervisor.journal import Journal
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from jobutil import HANG_GUARD_S, Job, assert_bit_identical  # noqa: E402
+from test_supervisor import SCRIPT, STEPS, kinds, reference, status  # noqa: E402,F401
+
+RUN = "nodes"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Nodes:
+    """``n`` simulated nodes of one run; ``faults[k]``: node k's FAULT (any rank of it)."""
+
+    def __init__(self, store: Path, tmp: Path, *policy, n: int = 2, faults: dict | None = None,
+                 nnodes: str | None = None, options: dict | None = None, staggered: bool = False):
+        port = free_port()
+        self.store, self.tmp = store, tmp
+        self.final = tmp / f"final-{random.getrandbits(32):08x}.pt"
+        self.alerts = [tmp / f"alerts-{k}.jsonl" for k in range(n)]
+        self.jobs = []
+        for k in range(n):
+            fault = (faults or {}).get(k)
+            self.jobs.append(Job(
+                [sys.executable, "-m", "ckptstore.cli", "run", "--nnodes", nnodes or str(n), "--node-rank", str(k),
+                 "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                 "--store", str(store), "--run-id", RUN, "--backoff", "0.05", "--decision-wait", "5",
+                 "--join-timeout", "5", "--alert", f"cat >> {self.alerts[k]}; echo >> {self.alerts[k]}", *policy,
+                 *(options or {}).get(k, []),
+                 str(SCRIPT), str(store), "--steps", str(STEPS), "--every", "5", "--final", str(self.final)],
+                env={"FAULT": fault or "none:-1", "FAULT_ANY_RANK": "1" if fault else ""}))
+            if staggered and k == 0:  # the others start once node 0 launched (it waits in the rendezvous)
+                first = consensus.node_name(socket.gethostname(), 0)
+                deadline = time.monotonic() + HANG_GUARD_S
+                while first not in self.shared().members(0):
+                    assert time.monotonic() < deadline and self.jobs[0].proc.poll() is None, "node 0 never launched"
+                    time.sleep(0.05)  # (a bounded poll of the store, not a synchronisation by time)
+
+    def finish(self) -> list[int]:
+        return [job.finish() for job in self.jobs]
+
+    def output(self) -> str:
+        return "\n".join(f"--- node {k}\n" + job.output()[-3000:] for k, job in enumerate(self.jobs))
+
+    def alert_events(self) -> list[dict]:
+        out = []
+        for path in self.alerts:
+            if path.exists():
+                out += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return sorted(out, key=lambda e: e["t"])
+
+    def events(self) -> list[dict]:
+        return Journal(open_storage(str(self.store)), RUN).events()
+
+    def shared(self) -> consensus.Shared:
+        return consensus.Shared(open_storage(str(self.store)), RUN, "reader")
+
+
+def test_a_deterministic_error_on_one_node_stops_every_node_with_one_verdict_and_one_alert(tmp_path):
+    """Node 1's rank raises the same error at step 12 on every attempt: the second time
+    is deterministic for the run, both nodes exit 10 after two attempts, the run's two
+    failures are journaled (and alerted) once each, by the verdict's writer."""
+    nodes = Nodes(tmp_path / "store", tmp_path, faults={1: "raise:12"})
+    assert nodes.finish() == [runner.EXIT_DETERMINISTIC] * 2, nodes.output()
+    events = nodes.events()
+    failures = kinds(events, "failure")
+    assert [(f["attempt"], f["class"]) for f in failures] == [(0, "transient"), (1, "deterministic")], failures
+    assert all("bad data shard at sample 192" in f["reason"] for f in failures)
+    assert all(len(f["nodes"]) == 2 for f in failures)  # both nodes' own view, in the one record
+    assert sorted(e["attempt"] for e in kinds(events, "attempt_start")) == [0, 0, 1, 1]
+    assert len(kinds(events, "give_up")) == 1 and kinds(events, "give_up")[0]["code"] == runner.EXIT_DETERMINISTIC
+    assert [e["kind"] for e in nodes.alert_events()] == ["failure", "failure", "give_up"]
+    shared = nodes.shared()
+    verdicts = [shared.verdict(n) for n in (0, 1)]
+    assert [v["action"] for v in verdicts] == ["relaunch", "give_up"] and verdicts[0]["next_attempt"] == 1
+    assert verdicts[0]["rdzv_id"] == f"{RUN}-a1"
+    assert shared.verdict(2) is None and shared.latest() == 1
+    st = status(nodes.store)
+    assert (st["state"], st["restarts"], st["give_up"]["code"]) == ("gave_up", 1, runner.EXIT_DETERMINISTIC)
+    assert [f["class"] for f in st["failures"]] == ["transient", "deterministic"]
+
+
+def test_an_unhealthy_node_stops_the_others_waiting_in_the_rendezvous(tmp_path):
+    """Node 1 fails its health check before the first launch (this machine has no GPU):
+    it exits 13 and writes the run's verdict on attempt 0, which node 0 reads while its
+    launcher waits in the rendezvous for node 1: it stops and exits 13 too, at once
+    instead of after torch's join timeout; one `unhealthy` event, one alert."""
+    nodes = Nodes(tmp_path / "store", tmp_path, options={1: ["--expected-gpus", "1", "--health-wait", "0"]},
+                  staggered=True)
+    assert nodes.finish() == [runner.EXIT_UNHEALTHY] * 2, nodes.output()
+    verdict = nodes.shared().verdict(0)
+    assert (verdict["action"], verdict["code"], verdict["node"]) == \
+        ("give_up", runner.EXIT_UNHEALTHY, consensus.node_name(socket.gethostname(), 1))
+    assert f"node {verdict['node']} is unhealthy" in nodes.jobs[0].output()
+    assert nodes.shared().members(0) == {consensus.node_name(socket.gethostname(), 0)}  # it had launched
+    assert [e["kind"] for e in nodes.events() if e["kind"] in ("unhealthy", "give_up", "failure")] == ["unhealthy"]
+    assert [e["kind"] for e in nodes.alert_events()] == ["unhealthy"]
+
+
+def test_a_rank_killed_on_one_node_recovers_bit_identical_under_one_attempt_number(tmp_path, reference):
+    """Node 1's rank is SIGKILLed at step 12 once: both nodes relaunch as attempt 1
+    (through a rendezvous of its own) and end bit-identical to an uninterrupted run; the
+    failure is recorded once, with the killed rank as its cause."""
+    nodes = Nodes(tmp_path / "store", tmp_path, faults={1: f"kill:12:{tmp_path / 'killed-once'}"})
+    assert nodes.finish() == [runner.EXIT_FINISHED] * 2, nodes.output()
+    assert_bit_identical(nodes.final, reference)
+    events = nodes.events()
+    failures = kinds(events, "failure")
+    caused = [f for f in failures if not (f["class"] == "transient" and f["step"] == STEPS - 1)]  # (teardown)
+    assert len(caused) == 1 and caused[0]["attempt"] == 0 and caused[0]["signal"] == "SIGKILL", failures
+    assert len({f["attempt"] for f in failures}) == len(failures)  # one record per attempt, whoever saw it
+    started = sorted(e["attempt"] for e in kinds(events, "attempt_start"))
+    assert started == sorted([n for n in range(len(failures) + 1)] * 2), started
+    assert len(kinds(events, "finish")) == 1
+    shared = nodes.shared()
+    assert shared.verdict(0)["action"] == "relaunch" and shared.verdict(len(failures))["action"] == "finish"
+    assert [e["kind"] for e in nodes.alert_events()] == ["failure"] * len(failures)
+
+
+def test_a_node_that_never_returns_stops_the_others_within_the_join_timeout(tmp_path):
+    """Node 1 is lost at step 8 (every process of it SIGKILLed, as a node that dies): node
+    0 waits at most --decision-wait for its report, relaunches, waits at most
+    --join-timeout in the rendezvous of attempt 1 and stops with exit 16, naming the
+    node."""
+    nodes = Nodes(tmp_path / "store", tmp_path)
+    lost = nodes.jobs[1]
+    lost.expect(lambda l: l.startswith("rank ") and " step 8 " in l, "a step 8 on node 1")
+    tree = [lost.proc, *psutil.Process(lost.proc.pid).children(recursive=True)]
+    for p in tree:
+        try:
+            os.kill(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert nodes.jobs[0].finish() == runner.EXIT_NODES_MISSING, nodes.output()
+    lost.finish()
+    give_up = kinds(nodes.events(), "give_up")
+    assert len(give_up) == 1 and give_up[0]["class"] == "nodes_missing", give_up
+    assert "join timeout" in give_up[0]["reason"] and f"{socket.gethostname()}-1" in give_up[0]["reason"]
+    assert nodes.shared().verdict(1)["unreported"] == []  # node 1 never launched attempt 1
+    assert nodes.shared().verdict(0)["unreported"] == [consensus.node_name(socket.gethostname(), 1)]
+
+
+def test_with_min_max_nodes_the_others_continue_without_a_lost_node(tmp_path):
+    """``--nnodes 1:2``: node 1 is lost at step 8; node 0 relaunches, torch's rendezvous
+    completes with the one node left (after its last-call wait), and the job resumes on
+    one rank from the two ranks' checkpoint (resharded) and finishes."""
+    nodes = Nodes(tmp_path / "store", tmp_path, "--rdzv-conf", "last_call_timeout=2", nnodes="1:2")
+    lost = nodes.jobs[1]
+    lost.expect(lambda l: l.startswith("rank ") and " step 8 " in l, "a step 8 on node 1")
+    for p in [lost.proc, *psutil.Process(lost.proc.pid).children(recursive=True)]:
+        try:
+            os.kill(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert nodes.jobs[0].finish() == runner.EXIT_FINISHED, nodes.output()
+    lost.finish()
+    resumed = [line for line in nodes.jobs[0].lines if line.startswith("rank 0: resumed at step")]
+    assert resumed and "saved by 2 ranks" in resumed[-1], nodes.output()
+    shared = nodes.shared()  # (an attempt before the loss may have ended early: torch's elastic rounds)
+    last = shared.latest()
+    assert last >= 1 and shared.verdict(last)["action"] == "finish"
+    assert shared.members(last) == {consensus.node_name(socket.gethostname(), 0)}
+
+
+# ------------------------------------------------------------------ the shared records, in process
+def test_a_node_that_starts_late_joins_an_open_attempt_waits_out_a_running_one_and_follows_an_end():
+    clock = [1000.0]
+    storage = open_storage(f"memory://late-{random.getrandbits(32):08x}")
+    early = consensus.Shared(storage, RUN, "a-0", clock=lambda: clock[0])
+    late = consensus.Shared(storage, RUN, "b-1", clock=lambda: clock[0], sleep=lambda s: None)
+    assert late.start() == (0, None)  # nothing yet: attempt 0
+    early.join(0)
+    clock[0] += 10
+    assert late.start(lambda n: 60) == (0, None)  # its rendezvous may still be open: join it
+    clock[0] += 100
+    polls = []
+
+    def stopped():  # the running attempt ends (a relaunch) while the late node waits
+        polls.append(1)
+        if len(polls) == 2:
+            early.decree(0, "give_up", 10, "deterministic", "x")  # (any verdict ends the wait)
+        return False
+    attempt, ended = late.start(lambda n: 60, stopped=stopped)
+    assert (attempt, ended["action"], ended["code"]) == (0, "give_up", 10) and len(polls) == 2
+    assert late.settled_from(ended, False).decision.code == 10
+
+
+def test_the_verdict_merges_every_nodes_evidence_and_replays_the_history():
+    from ckptstore.supervisor.classify import Verdict
+    from ckptstore.supervisor.decide import Policy
+
+    storage = open_storage(f"memory://merge-{random.getrandbits(32):08x}")
+    a, b = (consensus.Shared(storage, RUN, n, wait_s=0) for n in ("a-0", "b-1"))
+    lost_peer = Verdict("transient", "rank 0: RuntimeError: Connection closed by peer")
+    own = Verdict("transient", "rank 1: ValueError: bad", signature="ValueError: bad @ step 11")
+    for n in (0, 1):
+        a.join(n), b.join(n)
+        a.report(n, lost_peer, False, 10)
+        b.report(n, own, False, 10)
+    first = a.settle(0, Policy())
+    assert first.mine and first.record["failure_node"] == "b-1" and first.decision.code is None
+    assert first.record["next_attempt"] == 1 and first.record["rdzv_id"] == f"{RUN}-a1"
+    assert not b.settle(0, Policy()).mine  # the first verdict is followed
+    second = b.settle(1, Policy())  # the history of attempt 0 comes from its verdict: a repeat
+    assert second.mine and second.decision.code == 10 and second.failure.klass == "deterministic"
+
+
+def test_a_running_attempt_stops_for_a_peers_end_but_not_for_a_finish():
+    storage = open_storage(f"memory://peer-{random.getrandbits(32):08x}")
+    from ckptstore.supervisor.classify import Verdict
+
+    a, b = (consensus.Shared(storage, RUN, n) for n in ("a-0", "b-1"))
+    a.join(0), b.join(0)
+    assert a.interrupted(0) is None
+    a.report(0, Verdict("transient", "rank 0 was killed by SIGKILL", signal="SIGKILL"), False, None)
+    assert a.interrupted(0) is None and b.interrupted(0) == "attempt 0 ended on node a-0"
+    a.join(1), b.join(1)
+    assert a.decree(1, "finish", 0, "finished", "the script finished").mine
+    assert b.interrupted(1) is None  # its ranks finish too
