@@ -96,6 +96,19 @@ def run_job(cmd: list[str], timeout: float, kill_after_first: bool = False, nran
         rc = proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         timed_out = True
+        # torchrun starts its workers in sessions of their own: kill every descendant by
+        # pid (taken before the launcher dies and they are re-parented), then its group
+        import psutil
+
+        try:
+            kids = psutil.Process(proc.pid).children(recursive=True)
+        except psutil.Error:
+            kids = []
+        for kid in kids:
+            try:
+                kid.kill()
+            except psutil.Error:
+                pass
         os.killpg(proc.pid, signal.SIGKILL)  # the group this bench started (start_new_session)
         rc = proc.wait(timeout=10)
     end = time.time()
