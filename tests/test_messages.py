@@ -303,7 +303,7 @@ def test_the_search_for_checkpoints_below_is_bounded(tmp_path):
 
 # ---------------------------------------------------------------------------- doctor
 def test_doctor_prints_a_table_with_the_json_data(monkeypatch):
-    import ckptstore.cli as cli_mod
+    import ckptstore.cli.app as cli_mod
 
     report = {"ckptstore": "9.9", "native": True, "native_reason": None, "hardware_threads": 2,
               "cuda": {"available": False, "runtime": None, "devices": [],

@@ -13,7 +13,7 @@ import time
 
 import click
 
-from ._terminal import printable
+from .._terminal import printable
 
 
 @click.command("status")
@@ -27,11 +27,11 @@ def status(url: str, run_id: str | None, as_json: bool, local: str | None) -> No
     """Summarise a supervised run: state, restarts, failures by class, MTBF, lost work,
     goodput, checkpoint age and the recommended checkpoint interval."""
     # cli.py imports this module at its end to register the command: import it lazily
-    from .cli import EXIT_PROBLEM, EXIT_USAGE, _fail, _open
-    from .errors import CkptStoreError, InvalidURLError
-    from .storage.urls import shown
-    from .supervisor.journal import is_run_id
-    from .supervisor.status import status as run_status
+    from .app import EXIT_PROBLEM, EXIT_USAGE, _fail, _open
+    from ..errors import CkptStoreError, InvalidURLError
+    from ..storage.urls import shown
+    from ..supervisor.journal import is_run_id
+    from ..supervisor.status import status as run_status
 
     if run_id is not None and not is_run_id(run_id):
         _fail(f"--run {run_id!r}: not a run id ([A-Za-z0-9][A-Za-z0-9._-]{{0,63}})", EXIT_USAGE)
@@ -61,7 +61,7 @@ def _newest(url: str) -> dict | None:
     the node holding it was lost)."""
     import os
 
-    from .storage import is_url, open_storage
+    from ..storage import is_url, open_storage
 
     if not is_url(url) and not os.path.isdir(url):
         return None
@@ -69,7 +69,7 @@ def _newest(url: str) -> dict | None:
 
 
 def _newest_of(storage) -> dict | None:
-    from .supervisor.status import newest_checkpoint
+    from ..supervisor.status import newest_checkpoint
 
     newest = newest_checkpoint(storage)
     return None if newest is None else {"step": newest["step"],

@@ -18,16 +18,16 @@ import time
 
 import click
 
-from ._terminal import printable as _printable
-from ._version import __version__
-from .checkpoint import gc as gc_mod
-from .checkpoint import nearby
-from .checkpoint.catalog import Location, check_skip_mark, is_location, scan_location, scan_store
-from .checkpoint.retention import KeepBest, Retention, parse_duration
-from .checkpoint.verify import Problem, verify_manifest
-from .errors import CkptStoreError, InvalidURLError, NotACheckpointError
-from .storage import Storage, is_url, open_storage
-from .storage.urls import redact_url, shown
+from .._terminal import printable as _printable
+from .._version import __version__
+from ..checkpoint import gc as gc_mod
+from ..checkpoint import nearby
+from ..checkpoint.catalog import Location, check_skip_mark, is_location, scan_location, scan_store
+from ..checkpoint.retention import KeepBest, Retention, parse_duration
+from ..checkpoint.verify import Problem, verify_manifest
+from ..errors import CkptStoreError, InvalidURLError, NotACheckpointError
+from ..storage import Storage, is_url, open_storage
+from ..storage.urls import redact_url, shown
 
 EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2
 
@@ -88,7 +88,7 @@ def _nothing_here(url: str) -> str:
 
 
 def _open_container(path: str, allowed: bool) -> Storage:
-    from .checkpoint.container import read_container_file
+    from ..checkpoint.container import read_container_file
 
     if not allowed:
         _fail(f"{path}: a file (a single-file checkpoint holds nothing for gc to collect)", EXIT_USAGE)
@@ -236,7 +236,7 @@ def _ls_records(url: str, show_all: bool) -> list[dict]:
 def _readers(locations: list[Location]) -> dict[tuple[str, str], list[str]]:
     """{(location, attempt): the checkpoints whose manifests read its files}: incremental
     saves keep a dropped checkpoint's data while a newer one references it."""
-    from .checkpoint.gc import attempts_named, references_of
+    from ..checkpoint.gc import attempts_named, references_of
 
     out: dict[tuple[str, str], list[str]] = {}
     for loc in locations:
@@ -428,7 +428,7 @@ def consolidate(src: str, dst: str, as_torch: bool, rank: int, weights_only: boo
     full tensors of the sharded checkpoint SRC."""
     import torch
 
-    from . import api
+    from .. import api
 
     if _exists(dst):
         _fail(f"{shown(dst)}: already exists; consolidate never replaces a checkpoint", EXIT_USAGE)
@@ -468,7 +468,7 @@ def export(src: str, dest: str, as_zarr: bool, rank: int, extension_types: bool,
            as_json: bool) -> None:
     """Write every tensor of checkpoint SRC as a zarr v3 array below the new local
     directory DEST, with dtype and shape kept (docs/interop.md)."""
-    from . import zarr_io
+    from .. import zarr_io
 
     if os.path.lexists(dest):
         _fail(f"{dest}: already exists; export never writes into an existing path", EXIT_USAGE)
@@ -499,7 +499,7 @@ def export(src: str, dest: str, as_zarr: bool, rank: int, extension_types: bool,
 def import_(src: str, dest: str) -> None:
     """Save the zarr v3 hierarchy at local directory SRC (an export, or any hierarchy of
     arrays) as a new ckptstore checkpoint DEST."""
-    from . import api, zarr_io
+    from .. import api, zarr_io
 
     if is_url(src) or not os.path.isdir(src):  # (checked here, not by click, which echoes a URL whole)
         _fail(f"{shown(src)}: not a local directory (import reads a zarr v3 hierarchy on local disk)", EXIT_USAGE)
@@ -518,9 +518,9 @@ def _load_with_progress(src: str, label: str, quiet: bool, **load_args):
     that), with a bar over the stored bytes it reads."""
     import warnings
 
-    from . import api
-    from .checkpoint.reader import on_bytes_read
-    from .checkpoint.restore import latest_manifest
+    from .. import api
+    from ..checkpoint.reader import on_bytes_read
+    from ..checkpoint.restore import latest_manifest
 
     try:
         total = latest_manifest(open_storage(src)).stored_bytes
@@ -539,7 +539,7 @@ def _load_with_progress(src: str, label: str, quiet: bool, **load_args):
 
 
 def _tensors_of(state) -> list:
-    from .checkpoint.flatten import tensor_paths
+    from ..checkpoint.flatten import tensor_paths
 
     found, _ = tensor_paths(state)
     return [t for _, t in found.values()]
@@ -560,8 +560,8 @@ def doctor_report() -> dict:
     import xxhash
     import zstandard
 
-    from . import native
-    from .runtime import runtime
+    from .. import native
+    from ..runtime import runtime
 
     cuda = torch.cuda.is_available()
     backends = ["local", "memory"]
@@ -608,7 +608,7 @@ def doctor(as_json: bool, health: bool, store_url: str | None, staging_dirs: tup
            expected_gpus: int | None) -> None:
     """Report the native extension, CUDA, staging pool, backends and versions."""
     if health:
-        from .supervisor.health import HealthLimits, health_main
+        from ..supervisor.health import HealthLimits, health_main
 
         sys.exit(health_main(store_url, staging_dirs, as_json, HealthLimits(expected_gpus=expected_gpus)))
     report = doctor_report()
@@ -672,10 +672,10 @@ def doctor_text(report: dict) -> str:
     return "\n".join(f"{k:<{width}}  {v}".rstrip() for k, v in rows)
 
 
-from .supervisor.cli_run import run_command  # noqa: E402 (its own module: the supervisor)
+from .run import run_command  # noqa: E402 (its own module: the supervisor)
 
 main.add_command(run_command)
-from .cli_status import status as status_command  # noqa: E402
+from .status import status as status_command  # noqa: E402
 
 main.add_command(status_command)
 
