@@ -583,7 +583,8 @@ def test_I4_I7_gc_never_deletes_the_data_of_a_manifest_it_cannot_read(tmp_path):
     age_files(root, 30 * 86400)
     before = files_below(loc)
     r = cli("gc", root, "--keep-last", "1", "--json")
-    assert r.exit_code in (0, 1), r.output
+    # (a manifest this version cannot read is not an error for gc: it keeps that step and goes on)
+    assert r.exit_code == 0, r.output
     assert files_below(loc) == before, "gc deleted files a manifest names"
 
 
@@ -799,6 +800,7 @@ def test_I7_gc_sigkilled_at_random_moments_then_rerun(tmp_path, zygote, kill_tem
               for phase, t, offset in (("release", kill_template, 0), ("sweep", released_template, later))}
     assert totals["release"] > 10 and totals["sweep"] > 20, totals  # manifests; data files and marks
     rng = random.Random(SEED)
+    interrupted = {"release": 0, "sweep": 0}  # trials killed with some but not all deletions done
     for trial in range(KILL_TRIALS):
         phase = ("release", "sweep")[trial % 2]
         template, offset = (kill_template[0], 0) if phase == "release" else (released_template[0], later)
@@ -824,6 +826,7 @@ def test_I7_gc_sigkilled_at_random_moments_then_rerun(tmp_path, zygote, kill_tem
         else:
             assert code in (-signal.SIGKILL, 0) and deleted >= k, f"{label}: exit {code}\n{zygote.stderr_tail()}"
         print(f"{label}: {deleted} deleted before the kill")
+        interrupted[phase] += code == -signal.SIGKILL and 0 < deleted < total
         steps = assert_visible_whole(root)
         assert {8, 9} <= set(steps), f"{label}: retained checkpoint lost: {steps}"
         assert set(steps) <= set(KILL_STEPS)
@@ -844,6 +847,8 @@ def test_I7_gc_sigkilled_at_random_moments_then_rerun(tmp_path, zygote, kill_tem
             expected |= {f for f in left if f.startswith(f"{fmt.step_dir_name(s)}/attempts/{m.attempt}/")}
         assert set(left) == expected, f"{label}: left behind {sorted(set(left) - expected)}"
         shutil.rmtree(root)
+    # Not vacuous: in each phase some kill landed mid-run (after a deletion, before the last).
+    assert all(interrupted.values()), f"seed {SEED}: no gc run was killed mid-way in a phase: {interrupted}"
 
 
 # ---------------------------------------------------------------------------- child roles

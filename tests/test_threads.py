@@ -3,6 +3,7 @@ that owns the pools, and the config it is built from."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import pytest
@@ -119,7 +120,7 @@ def test_config_reads_every_variable_and_names_a_bad_one():
         Config(workers=0)
     with pytest.raises(ConfigError, match="unknown setting"):
         Config.from_env({}, worker=2)
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.workers = 4  # frozen
 
 

@@ -3,7 +3,7 @@ work (a script that is not there, a supervisor option given where it goes to the
 script), and say which detections are on for this script and why.
 
 Pure over torchrun's parsed arguments and the policy, apart from looking the script up
-on disk; the command line (cli_run.py) prints what these return.
+on disk; the command line (cli/run.py) prints what these return.
 """
 
 from __future__ import annotations

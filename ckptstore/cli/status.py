@@ -1,5 +1,5 @@
 """``ckptstore status URL``: how a supervised run (``ckptstore run``) is doing, from the
-journal in its store. Registered on the ``ckptstore`` group by ``cli.py``.
+journal in its store. Registered on the ``ckptstore`` group by app.py.
 
 Exit codes: 0 a journal was found; 1 the store holds no journal (or not the run asked
 for), or reading it failed; 2 usage error or unreachable store.
@@ -7,13 +7,13 @@ for), or reading it failed; 2 usage error or unreachable store.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 
 import click
 
-from ._terminal import printable
+from .._terminal import printable
+from .common import EXIT_PROBLEM, EXIT_USAGE, _fail, _open, _print_json
 
 
 @click.command("status")
@@ -26,12 +26,10 @@ from ._terminal import printable
 def status(url: str, run_id: str | None, as_json: bool, local: str | None) -> None:
     """Summarise a supervised run: state, restarts, failures by class, MTBF, lost work,
     goodput, checkpoint age and the recommended checkpoint interval."""
-    # cli.py imports this module at its end to register the command: import it lazily
-    from .cli import EXIT_PROBLEM, EXIT_USAGE, _fail, _open
-    from .errors import CkptStoreError, InvalidURLError
-    from .storage.urls import shown
-    from .supervisor.journal import is_run_id
-    from .supervisor.status import status as run_status
+    from ..errors import CkptStoreError, InvalidURLError
+    from ..storage.urls import shown
+    from ..supervisor.journal import is_run_id
+    from ..supervisor.status import status as run_status
 
     if run_id is not None and not is_run_id(run_id):
         _fail(f"--run {run_id!r}: not a run id ([A-Za-z0-9][A-Za-z0-9._-]{{0,63}})", EXIT_USAGE)
@@ -51,7 +49,7 @@ def status(url: str, run_id: str | None, as_json: bool, local: str | None) -> No
         except (CkptStoreError, OSError) as e:
             _fail(f"{shown(local)}: cannot read the tiers' newest steps: {e}", EXIT_PROBLEM)
     if as_json:
-        click.echo(json.dumps(summary, indent=2))
+        _print_json(summary)
     else:
         click.echo(render(summary))
 
@@ -61,7 +59,7 @@ def _newest(url: str) -> dict | None:
     the node holding it was lost)."""
     import os
 
-    from .storage import is_url, open_storage
+    from ..storage import is_url, open_storage
 
     if not is_url(url) and not os.path.isdir(url):
         return None
@@ -69,7 +67,7 @@ def _newest(url: str) -> dict | None:
 
 
 def _newest_of(storage) -> dict | None:
-    from .supervisor.status import newest_checkpoint
+    from ..supervisor.status import newest_checkpoint
 
     newest = newest_checkpoint(storage)
     return None if newest is None else {"step": newest["step"],

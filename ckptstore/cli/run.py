@@ -13,11 +13,11 @@ import sys
 import click
 
 from ..errors import CkptStoreError
-from .preflight import detections, misplaced, script_problem
+from ..supervisor.preflight import detections, misplaced, script_problem
 
 
 def _parser() -> argparse.ArgumentParser:
-    from .decide import Policy
+    from ..supervisor.decide import Policy
 
     d = Policy()  # the defaults live in one place
     p = argparse.ArgumentParser(prog="ckptstore run", add_help=False)
@@ -136,9 +136,9 @@ def run_command(argv) -> None:
         sys.exit(0 if argv else 2)
     from torch.distributed.run import parse_args
 
-    from .decide import Policy
-    from .health import HealthLimits
-    from .runner import Supervisor
+    from ..supervisor.decide import Policy
+    from ..supervisor.health import HealthLimits
+    from ..supervisor.runner import Supervisor
 
     try:
         opts, launcher = split_argv(argv)
