@@ -70,8 +70,7 @@ import ckptstore  # noqa: E402
 from ckptstore import format as fmt  # noqa: E402
 from ckptstore import names  # noqa: E402
 from ckptstore.checkpoint import gc  # noqa: E402
-from ckptstore.checkpoint.commit import read_manifest  # noqa: E402
-from ckptstore.checkpoint.restore import latest_manifest  # noqa: E402
+from ckptstore.checkpoint.manifests import latest_manifest, read_manifest  # noqa: E402
 from ckptstore.storage import LocalStorage  # noqa: E402
 
 MiB, GiB, TiB = 1 << 20, 1 << 30, 1 << 40

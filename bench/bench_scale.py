@@ -48,7 +48,9 @@ def simulate(storage, ranks: int, chunks: int, version: int, verify: bool) -> di
     from ckptstore import format as fmt
     from ckptstore import names
     from ckptstore.checkpoint.catalog import scan_store
-    from ckptstore.checkpoint.commit import commit, read_manifest, write_vote
+    from ckptstore.checkpoint.commit import commit
+    from ckptstore.checkpoint.manifests import read_manifest
+    from ckptstore.checkpoint.votes import write_vote
     from ckptstore.checkpoint.gc import plan
     from ckptstore.checkpoint.indexes import read_indexes
     from ckptstore.checkpoint.retention import Retention

@@ -44,7 +44,7 @@ from _common import cpu_model, read_through, write_json
 warnings.simplefilter("ignore")
 import ckptstore  # noqa: E402
 from ckptstore import names  # noqa: E402
-from ckptstore.checkpoint.commit import generations, read_manifest  # noqa: E402
+from ckptstore.checkpoint.manifests import generations, read_manifest  # noqa: E402
 from ckptstore.storage import LocalStorage  # noqa: E402
 
 

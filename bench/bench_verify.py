@@ -50,7 +50,7 @@ warnings.filterwarnings("ignore", message=".*using the slower pure-Python/torch 
 from _common import Contention, drop_caches, machine_info, write_json  # noqa: E402
 
 import ckptstore  # noqa: E402
-from ckptstore.checkpoint.restore import latest_manifest  # noqa: E402
+from ckptstore.checkpoint.manifests import latest_manifest  # noqa: E402
 from ckptstore.checkpoint.snapshot import DEFAULT_CHUNK_BYTES  # noqa: E402
 from ckptstore.runtime import runtime  # noqa: E402
 from ckptstore.storage import LocalStorage  # noqa: E402

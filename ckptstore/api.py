@@ -22,12 +22,11 @@ import torch
 
 from . import lifecycle
 from . import names
-from .checkpoint.commit import generations, read_manifest
 from .checkpoint.container import MAGIC, read_container, read_container_file, replace_file, write_container
 from .checkpoint.held import Hold, references_lock
 from .checkpoint.load import load_checkpoint
 from .checkpoint.references import index as index_references
-from .checkpoint.restore import latest_manifest
+from .checkpoint.manifests import generations, latest_manifest, read_manifest
 from .checkpoint.save import SaveFuture, SaveOptions, save_options, start_save
 from .checkpoint.weights_only import resolve_weights_only
 from .codecs import CompressionPolicy

@@ -47,12 +47,14 @@ from torch.futures import Future
 
 from . import format as fmt
 from . import names
-from .checkpoint.commit import commit, write_vote
+from .checkpoint.commit import commit
 from .checkpoint.flatten import global_skeleton
 from .checkpoint.references import resolve
 from .checkpoint.reshard import READ_BATCH_BYTES
 from .checkpoint.indexes import expand
-from .checkpoint.restore import latest_manifest, read_regions
+from .checkpoint.manifests import latest_manifest
+from .checkpoint.restore import read_regions
+from .checkpoint.votes import write_vote
 from .codecs import CompressionPolicy
 from .errors import CkptStoreError, FormatError
 from .pipeline import RankWriter

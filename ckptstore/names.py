@@ -27,7 +27,7 @@ TIER_BINDING_NAME = "tier-binding.json"
 EPOCHS_DIR = "epochs"  # at a store's root: one create-only claim per run incarnation
 ABORT_LEAF = "abort.json"
 # The committer's word to the ranks that wait: "committed as generation g" or "aborted"
-# (commit.await_outcome polls this one small object instead of listing the location).
+# (follower.await_outcome polls this one small object instead of listing the location).
 OUTCOME_LEAF = "outcome.json"
 # In an attempt: a gc deleted a manifest that read this attempt's files, which a save in
 # flight may still reference; rewriting it makes the attempt young again, so the files go

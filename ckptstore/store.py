@@ -21,15 +21,15 @@ from typing import Any
 from . import format as fmt
 from . import lifecycle
 from . import names
-from .checkpoint.commit import generations, write_failure_vote
 from .checkpoint.fencing import check_fence
 from .checkpoint.group import agree_on_attempt, rank_and_world
 from .checkpoint.references import index as index_references
 from .checkpoint import nearby
 from .checkpoint.indexes import expand
 from .checkpoint.load import Reading, load_once, with_reloads
-from .checkpoint.restore import latest_manifest
+from .checkpoint.manifests import generations, latest_manifest
 from .checkpoint.save import SaveFuture, SaveOptions, save_options, start_save
+from .checkpoint.votes import write_failure_vote
 from .checkpoint.weights_only import resolve_weights_only
 from .codecs import CompressionPolicy
 from .checkpoint import gc

@@ -42,10 +42,10 @@ from typing import Callable
 
 from . import format as fmt
 from . import lifecycle, names
-from .checkpoint.commit import generations, read_capped, read_manifest
 from .checkpoint.fencing import check_fence
 from .checkpoint.gc import attempts_named
 from .checkpoint.group import gather, rank_and_world
+from .checkpoint.manifests import generations, read_capped, read_manifest
 from .checkpoint.promote import Throttle, promote
 from .checkpoint.retention import Retention
 from .checkpoint.save import SaveFuture, refuse

@@ -302,7 +302,7 @@ def _assert_same(a, b):
 
 def _manifest(path):
     from ckptstore.storage import LocalStorage as _LS
-    from ckptstore.checkpoint.catalog import latest_manifest
+    from ckptstore.checkpoint.manifests import latest_manifest
 
     return latest_manifest(_LS(str(path)))
 

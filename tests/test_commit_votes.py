@@ -12,7 +12,9 @@ import torch
 
 from ckptstore import format as fmt
 from ckptstore import names
-from ckptstore.checkpoint.commit import abort, attempt_files, await_outcome, read_outcome, read_votes
+from ckptstore.checkpoint.follower import await_outcome
+from ckptstore.checkpoint.retire import attempt_files
+from ckptstore.checkpoint.votes import abort, read_outcome, read_votes
 from ckptstore.errors import CommitError
 from ckptstore.checkpoint.save import SaveOptions, start_save
 from ckptstore.hashing import digest
@@ -178,13 +180,13 @@ def test_an_outcome_is_an_attempt_file_gc_knows(tmp_path):
 def test_a_waiting_rank_in_exit_mode_finds_the_manifest_before_it_presumes_the_committer_dead(tmp_path, monkeypatch):
     """Rank 0 died after its manifest, before its outcome, and its heartbeat stopped:
     the waiting rank looks at the manifests before it aborts, and the commit stands."""
-    from ckptstore.checkpoint import commit as commit_mod, exiting
+    from ckptstore.checkpoint import exiting, heartbeat
 
     where, attempt, manifest = committed_world(tmp_path)
     where.delete(names.outcome_name(attempt))
     monkeypatch.setattr(exiting, "_active", threading.Event())
     exiting.enter()
-    monkeypatch.setattr(commit_mod, "_patience", lambda content, world_size: 0.0)  # presumed dead at once
+    monkeypatch.setattr(heartbeat, "patience", lambda content, world_size: 0.0)  # presumed dead at once
     assert await_outcome(where, attempt, HANG_GUARD_S, 1, 3).generation == manifest.generation
     assert not where.exists(names.abort_name(attempt))
 

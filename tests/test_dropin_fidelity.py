@@ -410,7 +410,7 @@ def test_a_fake_load_reads_no_tensor_bytes_but_checks_the_skeleton(tmp_path):
     the load touches none of it), but the skeleton is read and its hash checked."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from ckptstore.checkpoint.restore import latest_manifest
+    from ckptstore.checkpoint.manifests import latest_manifest
     from ckptstore.storage import LocalStorage
 
     path = tmp_path / "ckpt"

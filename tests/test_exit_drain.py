@@ -25,7 +25,7 @@ import ckptstore
 import ckptstore.checkpoint.save as save_mod
 from ckptstore import lifecycle, names
 from ckptstore.checkpoint import exiting
-from ckptstore.checkpoint.commit import abort
+from ckptstore.checkpoint.votes import abort
 from ckptstore.checkpoint.save import SaveOptions, start_save
 from ckptstore.config import Config, ConfigError
 from ckptstore.runtime import runtime

@@ -18,7 +18,7 @@ import zstandard
 import ckptstore
 from ckptstore import format as fmt, names
 from ckptstore.checkpoint.capture import capture
-from ckptstore.checkpoint.restore import latest_manifest
+from ckptstore.checkpoint.manifests import latest_manifest
 from ckptstore.checkpoint.verify import verify
 from ckptstore.errors import FormatError
 from ckptstore.storage import LocalStorage

@@ -31,7 +31,7 @@ from ckptstore import format as fmt
 from ckptstore import names
 from ckptstore.checkpoint import gc as gc_mod
 from ckptstore.checkpoint.catalog import scan_store
-from ckptstore.checkpoint.commit import read_manifest
+from ckptstore.checkpoint.manifests import read_manifest
 from ckptstore.checkpoint.retention import (
     Candidate,
     KeepBest,

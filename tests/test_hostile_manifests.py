@@ -25,7 +25,7 @@ from cliutil import cli, cli_env, files_below
 import ckptstore
 from ckptstore import format as fmt
 from ckptstore import names
-from ckptstore.checkpoint.commit import read_manifest
+from ckptstore.checkpoint.manifests import read_manifest
 from ckptstore.errors import CommitError, FormatError, IntegrityError
 from ckptstore.resume import CheckpointSkippedWarning
 from ckptstore.storage import LocalStorage
@@ -250,7 +250,7 @@ def test_I4_vote_of_another_rank_or_attempt_is_refused_at_commit(tmp_path):
     d = json.loads(vote.read_bytes())
     d["rank"] = 0
     vote.write_text(json.dumps(d))
-    from ckptstore.checkpoint.commit import read_votes
+    from ckptstore.checkpoint.votes import read_votes
 
     # (version 4: the vote names an index in rank 1's file, which rank 0's cannot)
     with pytest.raises(FormatError, match="holds the vote of rank 0|rank 0's index lies in .*data-r00001"):
@@ -461,7 +461,7 @@ def test_container_length_that_lies_costs_only_what_the_stream_holds(tmp_path):
 def test_I6_retiring_never_deletes_the_new_generations_files_an_old_manifest_names(tmp_path):
     """A planted older generation that names the attempt of the save being committed:
     retiring it must drop that manifest, never the new checkpoint's files."""
-    import ckptstore.checkpoint.commit as commit_mod
+    from ckptstore.checkpoint.manifests import generations
 
     loc = str(tmp_path / "c")
     ckptstore.save(_state(1), loc).result()
@@ -481,7 +481,7 @@ def test_I6_retiring_never_deletes_the_new_generations_files_an_old_manifest_nam
         ckptstore.save(_state(2), loc).result()
     finally:
         LocalStorage.put = real_put
-    assert commit_mod.generations(LocalStorage(loc)) == [2]
+    assert generations(LocalStorage(loc)) == [2]
     assert ckptstore.load(loc)["step"] == 2
     assert ckptstore.verify(loc) == []
 

@@ -20,7 +20,7 @@ from ckptstore import format as fmt
 from ckptstore import names
 from ckptstore.checkpoint import gc as gc_mod
 from ckptstore.checkpoint.references import MIN_REFERENCE_BYTES
-from ckptstore.checkpoint.restore import latest_manifest
+from ckptstore.checkpoint.manifests import latest_manifest
 from ckptstore.checkpoint.retention import Retention
 from ckptstore.cli import main
 from ckptstore.errors import BaseRetiredError, CommitError, FormatError
@@ -423,7 +423,9 @@ def test_every_rank_of_a_commit_refused_for_its_dropped_base_gets_that_error(tmp
     """Rank 0 finds the base gone; the other ranks learn it from the abort: each raises
     BaseRetiredError, so a later save of each warns and they all go on together (a plain
     CommitError there made the next save raise on those ranks only)."""
-    from ckptstore.checkpoint.commit import _conclude, abort, check_base
+    from ckptstore.checkpoint.follower import _conclude
+    from ckptstore.checkpoint.validation import check_base
+    from ckptstore.checkpoint.votes import abort
 
     storage = LocalStorage(str(tmp_path / "s")).child(fmt.step_dir_name(2))
     attempt = names.new_attempt_id()

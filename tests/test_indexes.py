@@ -19,9 +19,9 @@ from ckptstore import Store
 from ckptstore import format as fmt
 from ckptstore import names
 from ckptstore.checkpoint import fingerprint
-from ckptstore.checkpoint.commit import read_manifest, write_vote
+from ckptstore.checkpoint.manifests import latest_manifest, read_manifest
+from ckptstore.checkpoint.votes import write_vote
 from ckptstore.checkpoint.indexes import covered, expand, seal
-from ckptstore.checkpoint.restore import latest_manifest
 from ckptstore.checkpoint.save import SaveOptions, start_save
 from ckptstore.checkpoint.snapshot import snapshot
 from ckptstore.checkpoint.verify import verify

@@ -374,7 +374,7 @@ def test_ckptstores_waits_draw_nothing_from_the_programs_random_stream():
     """The commit's polls (every rank of a multi-rank save, on background threads) and
     the S3 retry backoff jittered their sleeps with the global generator: a resumed run
     then drew other numbers than an uninterrupted one."""
-    from ckptstore.checkpoint.commit import Deadline
+    from ckptstore.checkpoint.heartbeat import Deadline
 
     random.seed(1234)
     expected = random.Random(1234).random()

@@ -35,7 +35,8 @@ import ckptstore  # noqa: E402
 import s3util  # noqa: E402
 from ckptstore import format as fmt  # noqa: E402
 from ckptstore.checkpoint.indexes import expand  # noqa: E402
-from ckptstore.checkpoint.restore import latest_manifest, restore  # noqa: E402
+from ckptstore.checkpoint.manifests import latest_manifest  # noqa: E402
+from ckptstore.checkpoint.restore import restore  # noqa: E402
 from ckptstore.checkpoint.save import SaveOptions, start_save  # noqa: E402
 from ckptstore.codecs import CompressionPolicy  # noqa: E402
 from ckptstore.errors import (  # noqa: E402

@@ -159,7 +159,8 @@ def test_bucket_owner_requester_pays_and_kms_go_with_every_request(bucket, proxy
     st = s3util.s3_storage(bucket, "loc", proxy.url, expected_bucket_owner="123456789012", request_payer=True,
                            sse_kms_key_id="alias/ckpt")
     from ckptstore import names
-    from ckptstore.checkpoint.restore import latest_manifest, restore
+    from ckptstore.checkpoint.manifests import latest_manifest
+    from ckptstore.checkpoint.restore import restore
     from ckptstore.checkpoint.save import SaveOptions, start_save
     from ckptstore.runtime import runtime
 

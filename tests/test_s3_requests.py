@@ -17,7 +17,8 @@ from urllib.parse import parse_qs, unquote, urlsplit
 import pytest
 
 from ckptstore import names
-from ckptstore.checkpoint.commit import FULL_LOOK_EVERY, await_outcome, follower_cadence, committer_cadence
+from ckptstore.checkpoint.follower import FULL_LOOK_EVERY, await_outcome
+from ckptstore.checkpoint.heartbeat import committer_cadence, follower_cadence
 from ckptstore.checkpoint.save import SaveOptions, start_save
 from ckptstore.codecs import CompressionPolicy
 from ckptstore.runtime import runtime
@@ -168,7 +169,7 @@ def test_polling_slows_as_the_world_grows_so_a_prefix_is_not_flooded():
 
 
 def test_heartbeats_slow_as_the_world_grows():
-    from ckptstore.checkpoint.commit import SAVE_BEAT_EVERY, save_beat_every
+    from ckptstore.checkpoint.heartbeat import SAVE_BEAT_EVERY, save_beat_every
 
     assert save_beat_every(2) == save_beat_every(1500) == SAVE_BEAT_EVERY  # as before for most jobs
     for world in (4096, 16384, 99999):

@@ -29,7 +29,7 @@ import sharded_procs as sp  # noqa: E402
 
 import ckptstore  # noqa: E402
 from ckptstore import format as fmt  # noqa: E402
-from ckptstore.checkpoint.commit import generations  # noqa: E402
+from ckptstore.checkpoint.manifests import generations  # noqa: E402
 from ckptstore.storage import LocalStorage  # noqa: E402
 
 SAVED_WORLD = 4

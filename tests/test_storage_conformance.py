@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import pytest
 
@@ -429,6 +430,7 @@ PREFIX_CALLS = {
     "walk": lambda s, p: s.walk(p),  # refused at the call, not at the first next()
     "delete_prefix": lambda s, p: s.delete_prefix(p),
     "child": lambda s, p: s.child(p),
+    "remove_empty_dirs": lambda s, p: s.remove_empty_dirs(["ok/", p], 0),  # every prefix, before any removal
 }
 
 
@@ -530,3 +532,59 @@ def test_local_list_hides_temp_files(tmp_path):
     s.put("k", b"v")
     (tmp_path / "store" / "k.tmp-deadbeef").write_bytes(b"half")
     assert s.list("") == ["k"]
+
+
+# ---------------------------------------------------------------------------- empty directories
+def test_remove_empty_dirs_never_removes_an_object_or_the_root(storage):
+    """Whatever the store, offering objects, missing prefixes and the root removes
+    nothing; a store without directories of its own has none to remove."""
+    storage.put("a/full/k", b"x")
+    storage.put("b", b"y")
+    offered = ["a/full/k", "a/full", "a/", "b", "missing/", ""]
+    for dry_run in (True, False):
+        assert storage.remove_empty_dirs(offered, 0, dry_run=dry_run) == []
+    assert sorted(i.key for i in storage.walk("")) == ["a/full/k", "b"]
+    assert storage.remove_empty_dirs([], 0) == []
+    assert isinstance(storage.keeps_empty_dirs, bool)
+
+
+def _aged(root, rels, age=3600.0):
+    then = time.time() - age
+    for rel in rels:
+        os.utime(root / rel, (then, then), follow_symlinks=False)
+
+
+def test_local_remove_empty_dirs_judges_emptiness_and_age_before_removing_any(tmp_path):
+    """Children before parents: a parent holding only directories removed in the same
+    call counts as empty, judged (with its age) before the children go; one that holds
+    a file or a young directory stays, and so does a parent offered before its child."""
+    root = tmp_path / "s"
+    for rel in ("p/c1", "p/c2", "q/young", "r/c", "x/y"):
+        (root / rel).mkdir(parents=True)
+    (root / "r" / "file").write_bytes(b"x")
+    _aged(root, ["p/c1", "p/c2", "p", "q", "r/c", "r", "x/y", "x"])
+    st = LocalStorage(str(root))
+    assert st.keeps_empty_dirs
+    offered = ["p/c1", "p/c2/", "p", "q/young", "q", "r/c", "r", "x", "x/y"]
+    expected = ["p/c1", "p/c2", "p", "r/c", "x/y"]
+    assert st.remove_empty_dirs(offered, 600, dry_run=True) == expected
+    assert (root / "p" / "c1").is_dir()  # a dry run touches nothing
+    assert st.remove_empty_dirs(offered, 600) == expected
+    assert sorted(os.listdir(root)) == ["q", "r", "x"]
+    assert (root / "q" / "young").is_dir() and (root / "r" / "file").exists() and not (root / "x" / "y").exists()
+    assert st.remove_empty_dirs(["x"], 0) == ["x"]  # (older_than 0: any age)
+
+
+def test_local_remove_empty_dirs_never_through_a_symlink_nor_the_root(tmp_path):
+    outside = tmp_path / "outside"
+    (outside / "e").mkdir(parents=True)
+    root = tmp_path / "s"
+    (root / "sub" / "e").mkdir(parents=True)
+    (root / "link").symlink_to(outside, target_is_directory=True)
+    (root / "sub" / "alias").symlink_to(outside / "e", target_is_directory=True)
+    _aged(tmp_path, ["outside/e", "outside", "s/sub/e", "s/sub"])
+    st = LocalStorage(str(root))
+    assert st.remove_empty_dirs(["link/e", "link", "sub/alias", "sub/e", "sub", ""], 0) == ["sub/e"]
+    assert (outside / "e").is_dir() and (root / "link").is_symlink() and (root / "sub" / "alias").is_symlink()
+    view = st.child("sub")
+    assert view.remove_empty_dirs([""], 0) == [] and (root / "sub").is_dir()  # a view's root neither

@@ -21,7 +21,7 @@ import ckptstore
 from ckptstore.api import TierFallbackWarning
 from ckptstore.checkpoint import gc
 from ckptstore.checkpoint.promote import promote
-from ckptstore.checkpoint.restore import latest_manifest
+from ckptstore.checkpoint.manifests import latest_manifest
 from ckptstore.checkpoint.retention import Retention
 from ckptstore.checkpoint.verify import verify
 from ckptstore import names

@@ -14,7 +14,7 @@ from .. import hashing, names
 from ..errors import CkptStoreError
 from ..names import PIN_NAME
 from ..storage import Storage
-from .commit import generations, read_capped, read_manifest
+from .manifests import generations, read_capped, read_manifest
 from .retention import UNBOUND
 
 
@@ -48,7 +48,7 @@ class Location:
     # reported, never followed, read or deleted.
     foreign: list[str] = field(default_factory=list)
     # attempt -> every file ckptstore wrote in it, temporaries included (what deleting
-    # the attempt deletes: the same files commit.attempt_files finds)
+    # the attempt deletes: the same files retire.attempt_files finds)
     attempt_files: dict[str, list] = field(default_factory=dict)
     pinned: bool = False
     skip_marked: bool = False  # a resume skipped this step (names.SKIPPED_NAME)
@@ -120,7 +120,7 @@ def scan_location(storage: Storage, name: str) -> Location:
 
 def summarize(attempt: str, infos) -> Attempt | None:
     """What ``attempt``'s files (ObjectInfo of the files ckptstore wrote in it, as
-    commit.attempt_files lists them) say of it; None when it holds only temporaries."""
+    retire.attempt_files lists them) say of it; None when it holds only temporaries."""
     a = None
     for info in infos:
         leaf = info.key.rsplit("/", 1)[-1]

@@ -5,10 +5,11 @@ it lasts until the process ends (a save made after it, say by a SIGTERM handler 
 saves once more, runs in exit mode too). The checkpoint layer reads it:
 
 - every in-flight attempt of this process beats its heartbeat every :func:`beat_every`
-  seconds (:class:`Heartbeat`, one small thread per attempt, whatever stage the save is
-  in: staging, writing, voting or waiting), and the heartbeat says ``exiting``;
+  seconds (:class:`ckptstore.checkpoint.heartbeat.Heartbeat`, one small thread per
+  attempt, whatever stage the save is in: staging, writing, voting or waiting), and the
+  heartbeat says ``exiting``;
 - the commit's waits judge the peers the commit still needs by their heartbeats
-  (:class:`ckptstore.checkpoint.commit.PeerWatch`): a peer whose heartbeat has not
+  (:class:`ckptstore.checkpoint.heartbeat.PeerWatch`): a peer whose heartbeat has not
   changed for the liveness window is presumed dead, so the commit cannot succeed and
   the attempt is aborted at once instead of at the commit timeout;
 - a save whose attempt carries an abort marker cannot commit: the drain stops waiting
@@ -22,12 +23,9 @@ monotonic clock; no clock of another machine is compared with this one.
 from __future__ import annotations
 
 import threading
-from typing import Callable
 
 from .. import format as fmt
-from .. import names
 from ..config import config
-from ..storage import Storage
 
 EXITING_MARK = "exiting"  # the word a heartbeat written in exit mode carries after its time
 MAX_BEAT_EVERY = 1.0  # seconds between two exit-mode heartbeats (less when the window is short)
@@ -76,60 +74,3 @@ def heartbeat_bytes() -> bytes:
 def says_exiting(content: bytes | None) -> bool:
     """Whether a heartbeat's content (untrusted) was written in exit mode."""
     return content is not None and content.split(b" ")[-1:] == [EXITING_MARK.encode()]
-
-
-class Heartbeat:
-    """Beats one attempt's heartbeat of this rank while its multi-rank save is in
-    flight, whatever stage it is in: every ``every`` seconds normally (the first beat
-    after one period, so a short save writes none), and every :func:`beat_every`
-    seconds once the process exits (:meth:`hurry`), when it also watches for the
-    attempt's abort marker (one stat per beat).
-
-    A peer judging this rank so always has a cadence to hold it to: a rank whose
-    main thread cannot run its signal handler (blocked in a collective) still beats
-    from here, and is not taken for dead while its upload goes on.
-
-    Runs until ``settled`` is set (the save finished) or the attempt is aborted, in
-    which case it calls ``on_aborted`` once and stops beating."""
-
-    def __init__(self, storage: Storage, attempt: str, rank: int, every: float, settled: threading.Event,
-                 on_aborted: Callable[[], None]):
-        self._storage = storage
-        self._key = names.heartbeat_name(attempt, rank)
-        self._abort_key = names.abort_name(attempt)
-        self._every = every
-        self._settled = settled
-        self._on_aborted = on_aborted
-        self._wake = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"ckptstore-heartbeat-r{rank}", daemon=True)
-
-    def start(self) -> "Heartbeat":
-        self._thread.start()
-        return self
-
-    def hurry(self) -> None:
-        """Exit mode began: beat now, then fast."""
-        self._wake.set()
-
-    def stop(self) -> None:
-        self._wake.set()
-
-    def _run(self) -> None:
-        while True:
-            self._wake.wait(beat_every() if active() else self._every)
-            self._wake.clear()
-            if self._settled.is_set():
-                return
-            try:
-                self._storage.put(self._key, heartbeat_bytes())  # a plain overwrite, as every heartbeat
-            except Exception:
-                pass  # a missed beat costs a peer's patience, never data
-            if not active():
-                continue
-            try:
-                aborted = self._storage.exists(self._abort_key)
-            except Exception:
-                aborted = False
-            if aborted:
-                self._on_aborted()
-                return

@@ -1,6 +1,7 @@
 """Garbage collection: retention for committed checkpoints, and cleanup of superseded
 generations and of the debris of failed or abandoned attempts. This module plans;
-gc_run.py carries a plan out.
+gc_run.py carries a plan out; gc_dirs.py says which empty directories of killed saves
+the store removes.
 
 Safe beside running saves (I7): an attempt no manifest references is deleted only
 when nothing under it changed for the grace period; deletions are explicit keys
@@ -24,7 +25,7 @@ references lead to). The mark makes the attempt young again, so the usual rule f
 files no manifest names (idle for the grace) deletes them one grace later at the
 earliest, and each attempt deletion checks the attempt's age again just before it
 runs. A save checks that its base manifest is still there just before it commits
-(commit.check_base): a base present then keeps its files for at least the grace, and
+(validation.check_base): a base present then keeps its files for at least the grace, and
 a base gone refuses the commit. The store's own writer, which protects the bases of
 its saves itself (``Store``), and a run with no grace delete the files at once
 (``immediate``), but not while a commit is in flight.
@@ -46,7 +47,8 @@ from ..errors import CkptStoreError
 from ..storage import Storage
 from . import claims
 from .catalog import Location, read_pin, scan_store, skip_verdict
-from .commit import read_manifest
+from .manifests import read_manifest
+from .gc_dirs import empty_dirs
 from .gc_run import run_deletions
 from .liveness import attempts_named, references_of, with_unreadable
 from .retention import Candidate, Retention, select_kept
@@ -318,16 +320,6 @@ def _releases(fresh: dict[str, set[str]], label: str, manifests: list, where: di
         held = where[loc_name].attempts if loc_name in where else {}
         out += [(loc_name, a) for a in sorted(attempts) if a in held]
     return tuple(out)
-
-
-# A save makes its attempt's directory, then its first file: however short the grace (0
-# for a Store's own retention), an empty one younger than this may be a save's next step.
-EMPTY_DIR_MIN_AGE = 600.0
-
-
-def empty_dirs(storage: Storage, grace: float, dry_run: bool = False) -> list[str]:
-    """Remove (or list) the empty directories of saves killed before their first file."""
-    return storage.remove_stale_empty_dirs(max(grace, EMPTY_DIR_MIN_AGE), dry_run=dry_run)
 
 
 def execute(storage: Storage, gc_plan: GcPlan, on_deleted=None) -> None:

@@ -24,7 +24,8 @@ from ..errors import CkptStoreError, ObjectNotFoundError
 from ..storage import Storage
 from . import claims
 from .catalog import summarize
-from .commit import attempt_files, generations, read_manifest
+from .manifests import generations, read_manifest
+from .retire import attempt_files
 from .liveness import attempts_named, present
 
 

@@ -2,7 +2,7 @@
 
 A drop-in save (``ckptstore.save(obj, path)``) may reference chunks of the generation
 visible when its writer starts (``Blob.earlier``). A save of the same path that commits
-meanwhile retires that generation with its files (commit.retire_generations), and the
+meanwhile retires that generation with its files (retire.retire_generations), and the
 save in flight then failed ("data file vanished before the commit"): the loop
 ``save(a, p); save(b, p)`` without waiting lost its newest save. So a save holds the
 attempts it may reference until it is done, and retiring keeps what is held. A lock per

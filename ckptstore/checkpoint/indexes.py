@@ -40,6 +40,8 @@ from ..format import (
 from ..storage import Storage
 from . import fingerprint
 from .reader import verified
+from .references import ReferencingStorage, read_key
+from .validation import check_sizes, merge_shards
 
 
 # ---------------------------------------------------------------------------- a rank
@@ -99,10 +101,7 @@ def _tables(indexes) -> tuple[fmt.Blob, ...]:
 def check_referenced_files(storage: Storage, blobs) -> None:
     """The files this rank's references read (incremental saves) are there and long
     enough: what the committer checked of every vote's references in version 3, each
-    rank checks of its own before it votes (commit.check_base then keeps them)."""
-    from .commit import check_sizes
-    from .references import ReferencingStorage, read_key
-
+    rank checks of its own before it votes (validation.check_base then keeps them)."""
     need: dict[str, int] = {}
     for b in blobs:
         if b.step is not None or b.earlier:
@@ -159,8 +158,6 @@ def build_root(storage: Storage, votes: dict[int, fmt.Vote], world_size: int, po
 
 def exact_check(storage: Storage, votes: dict[int, fmt.Vote], pool) -> None:
     """The version 3 check of I5 over every rank's index (the fingerprints' fallback)."""
-    from .commit import merge_shards
-
     blobs = {r: v.index for r, v in votes.items()}
     indexes = _read(storage, blobs, {r: v.attempt for r, v in votes.items()}, pool)
     merge_shards([indexes[r] for r in sorted(indexes)])
@@ -220,7 +217,6 @@ def expand(storage: Storage, root: fmt.Manifest, pool=None) -> fmt.Manifest:
     if not root.indexed or root.complete:
         return root
     from ..runtime import runtime
-    from .commit import merge_shards
 
     pool = pool or runtime().readers
     indexes = read_indexes(storage, root, range(root.world_size), pool)

@@ -13,7 +13,7 @@ from ..errors import CkptStoreError, ObjectNotFoundError
 from ..storage import Storage
 from . import claims
 from .catalog import scan_store
-from .commit import read_capped, read_manifest
+from .manifests import read_capped, read_manifest
 
 
 def attempts_named(m) -> set[str]:

@@ -21,7 +21,8 @@ from .group import rank_and_world
 from .indexes import for_load
 from .references import resolve as resolve_references
 from .reshard import fill_template
-from .restore import latest_manifest, restore
+from .manifests import latest_manifest
+from .restore import restore
 
 T = TypeVar("T")
 

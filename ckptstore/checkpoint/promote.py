@@ -21,10 +21,13 @@ from .. import format as fmt
 from .. import names
 from ..errors import ObjectNotFoundError
 from ..storage import Storage
-from .commit import await_outcome, commit, generations, read_manifest, write_vote
+from .commit import commit
+from .follower import await_outcome
+from .manifests import generations, read_manifest
 from .indexes import read_indexes, vote_of_index
 from .reader import verified
 from .save import refuse
+from .votes import write_vote
 
 # One blob at a time is in memory (its stored bytes and, when compressed, its decoded
 # bytes for the hash): at most about twice the chunk size of the save.

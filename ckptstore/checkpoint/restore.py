@@ -1,4 +1,5 @@
-"""Loading: find the visible manifest, read and check every chunk, rebuild the object.
+"""Loading: read and check every chunk a manifest names, rebuild the object (which
+manifest is the visible one: manifests.py).
 
 Every blob read is decoded and its xxh3-128 compared with the manifest before any of
 its bytes reach the caller (I3). The skeleton is unpickled with torch's weights-only
@@ -22,50 +23,13 @@ import torch
 from .. import format as fmt
 from .._gc import gc_paused
 from ..codecs import check_stated_size
-from ..errors import (
-    CheckpointNotFoundError,
-    CkptStoreError,
-    FormatError,
-    NotACheckpointError,
-    NotCommittedError,
-    ObjectNotFoundError,
-    UnsafeLoadError,
-)
+from ..errors import CkptStoreError, FormatError, UnsafeLoadError
 from ..storage import Storage
-from . import nearby
-from .commit import generations, read_manifest
 from .dtype_record import check_dtype_record, check_storage_dtype
 from .flatten import GLOBAL, LOCAL, implied_storage_dtype, parse_skeleton_key, region_byte_offset, skeleton_key
 from .reader import BlobRead, check_extents, read_blobs
 from .walk import tensors_in
 from .weights_only import weights_only_refusal
-
-
-def latest_manifest(storage: Storage) -> fmt.Manifest:
-    """The visible (highest-generation) manifest of a checkpoint location."""
-    for _ in range(5):  # a newer commit may retire what we listed; look again
-        gens = generations(storage)
-        if not gens:
-            break
-        try:
-            return read_manifest(storage, gens[-1])
-        except ObjectNotFoundError:
-            continue
-    names = storage.list("")
-    where = storage.describe()
-    if not names:
-        if storage.is_dir():
-            raise NotACheckpointError(f"{where}: is an empty directory, not a ckptstore checkpoint")
-        raise CheckpointNotFoundError(f"{where}: no checkpoint here (no such file or directory)")
-    if f"{fmt.ATTEMPTS_DIR}/" in names:
-        raise NotCommittedError(f"{where}: holds save attempts but no committed manifest")
-    # A store root, or a directory of checkpoints: say what to pass instead (nearby.py)
-    found = nearby.search(storage)
-    store = found.root_store()
-    if store is not None:
-        raise NotACheckpointError(nearby.store_root_message(where, store))
-    below = f"; {nearby.below_message(where, found)}" if found.below() else ""
-    raise NotACheckpointError(f"{where}: exists but is not a ckptstore checkpoint (no manifest){below}")
 
 
 def _tensor_reads(tensors: dict[str, fmt.TensorEntry], where: str, reads: list[BlobRead],

@@ -15,10 +15,12 @@ from ..errors import CkptStoreError
 from ..pipeline import RankWriter
 from ..runtime import Runtime
 from ..storage import Storage
-from . import exiting
-from .commit import abort, await_outcome, commit, save_beat_every, write_failure_vote, write_vote
+from .commit import commit
+from .follower import await_outcome
+from .heartbeat import Heartbeat, save_beat_every
 from .indexes import rank_records, seal, with_index
 from .snapshot import DEFAULT_CHUNK_BYTES, snapshot
+from .votes import abort, write_failure_vote, write_vote
 
 
 @dataclass(frozen=True)
@@ -90,11 +92,11 @@ class SaveFuture:
         self._staged = threading.Event()
         self._settled = threading.Event()  # done, or its attempt was aborted: nothing left to wait for
         self._future.add_done_callback(lambda _f: self._settle())
-        # A multi-rank save beats its heartbeat from start to end (exiting.Heartbeat):
+        # A multi-rank save beats its heartbeat from start to end (heartbeat.Heartbeat):
         # slowly, and fast once the process exits (watch_exit).
-        self._beat: exiting.Heartbeat | None = None
+        self._beat: Heartbeat | None = None
         if world_size > 1 and storage is not None:
-            self._beat = exiting.Heartbeat(storage, attempt, rank, save_beat_every(world_size), self._settled,
+            self._beat = Heartbeat(storage, attempt, rank, save_beat_every(world_size), self._settled,
                                            self._on_aborted).start()
         self.aborted = False  # exit mode saw the attempt's abort marker: it cannot commit
         self.observed = False  # the caller has seen the outcome

@@ -14,7 +14,8 @@ from .. import format as fmt
 from ..errors import CkptStoreError, NotACheckpointError, UnsafeLoadError
 from ..storage import Storage, is_url, open_storage, shown
 from .reader import BlobRead, check_blobs, extent_problem, file_sizes
-from .restore import _real_tensors, latest_manifest, restore
+from .manifests import latest_manifest
+from .restore import _real_tensors, restore
 
 
 @dataclass(frozen=True)

@@ -115,7 +115,7 @@ def _load_with_progress(src: str, label: str, quiet: bool, **load_args):
 
     from .. import api
     from ..checkpoint.reader import on_bytes_read
-    from ..checkpoint.restore import latest_manifest
+    from ..checkpoint.manifests import latest_manifest
 
     try:
         total = latest_manifest(open_storage(src)).stored_bytes

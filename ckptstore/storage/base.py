@@ -37,7 +37,45 @@ conformance suite (tests/test_storage_conformance.py) checks for every backend:
 - No method follows a symlink below the root (the local backend: see storage/local.py);
   ``walk`` reports what is not a regular object in ``ObjectInfo.kind``, and reading one
   raises :class:`~ckptstore.errors.NotRegularObjectError`.
+- ``remove_empty_dirs`` removes only directories that are empty and old enough, both
+  judged before any is removed, never the root, never through a symlink; a store whose
+  ``keeps_empty_dirs`` is False (no directories of its own: S3, memory) removes nothing.
+  The store knows no checkpoint layout: the caller (gc) says which directories.
 - Messages carry no secrets: URLs in them pass through :func:`redact_url` (storage/urls.py).
+
+The calls of one save, in order (docs/format.md, "Write order" and "Commits beside gc";
+``A`` is ``attempts/<attempt id>``; rank 0 is the committer):
+
+1. (every rank) ``open_append(A/data-r<rank>-s<stream>.bin)``, on an I/O thread while
+   the rank stages where ``opens_remotely`` (S3); then ``append`` from many worker
+   threads, each returning its offset, and ``close``, which makes the file durable (I2).
+2. (every rank of a multi-rank save, from its start to its end) ``put(A/heartbeat-r<rank>)``,
+   a plain overwrite every few seconds; in exit mode also ``stat(A/abort.json)``.
+3. (every rank but a one-rank save's) ``put(A/vote-r<rank>.json, if_absent=True)``.
+4. (rank 0) ``walk(A/)`` and ``read(A/vote-*, limit=...)`` of the votes not read yet,
+   once per poll until every vote is there (in exit mode ``read`` of the missing
+   ranks' heartbeats); format version 4: ``readinto`` of the tables of global tensors
+   (and of every index only when a fingerprint does not add up).
+5. (rank 0) ``list("")``: the generations, to name the next one.
+6. (rank 0) ``put(A/committing.json)``, the commit mark, then ``walk(A/)``, the last
+   look (a claim or abort marker refuses; it gives the data files' sizes), ``stat`` of
+   any file it did not list, ``stat`` of the base manifest of an incremental save in
+   the ``sibling`` step, ``list`` of the store's ``epochs/`` (the fence of a run).
+7. (rank 0) ``put(manifest-<generation>.json, if_absent=True)``: the commit (I1), once
+   the checks of 6 ended within 60 s (``COMMIT_LEASE / 2``) of the start of the mark's
+   write, else 6 again until the commit's timeout; then ``put(A/outcome.json,
+   if_absent=True)`` (a multi-rank save) and ``delete(A/committing.json)``.
+8. (other ranks, while 4 to 7 run) ``read(A/outcome.json, limit=...)`` per poll; every
+   eighth poll ``list("")`` and ``read(manifest-*)``, and ``stat(A/abort.json)``.
+9. (rank 0) ``list("")`` until the new generation is the newest listed; for each older
+   one (a drop-in path: ``read`` first, for the attempts it names) ``delete`` of its
+   manifest; then ``walk`` and ``delete_many`` of those attempts' files (I6, I7).
+
+A rank that fails writes a no-vote at 3. A commit refused at 4 to 7 writes
+``put(A/abort.json, if_absent=True)`` and ``put(A/outcome.json, if_absent=True)`` and,
+once 6 ran, ``delete(A/committing.json)``; nothing else is undone: the attempt's files
+are gc's. What a save reads before 1 (an
+incremental save's base manifest, a drop-in path's generations) is not part of it.
 
 Capability flags (class attributes; a backend overrides the ones it differs in):
 
@@ -48,6 +86,8 @@ Capability flags (class attributes; a backend overrides the ones it differs in):
   each node holds only its own ranks' data files).
 - ``opens_remotely``: whether opening an appended object costs round trips (True for
   ``s3``), so a save opens its data file on an I/O thread while it stages.
+- ``keeps_empty_dirs``: whether directories outlive what they held (True for ``local``),
+  so that ``remove_empty_dirs`` has something to remove; False for object stores.
 
 Read coalescing (a hint to loaders, not part of the contract): a load merges the reads
 of small blobs that lie close together in one file into one ``readinto`` and splits
@@ -63,7 +103,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Sequence
 
 from ..errors import FormatError
 from .urls import redact_url  # noqa: F401 (re-exported: the one redaction, storage/urls.py)
@@ -158,9 +198,13 @@ class Storage(abc.ABC):
     # on an I/O thread while it stages (pipeline.RankWriter.open_soon).
     opens_remotely: bool = False
     # Every rank's data files are seen through this store (the committer checks them
-    # all: commit.check_files; a multi-rank save writes version 4 indexes: save.py).
+    # all: validation.check_files; a multi-rank save writes version 4 indexes: save.py).
     # False only for SplitStorage, whose data files stay on each node.
     sees_all_data: bool = True
+    # Directories are things of their own that outlive what they held (local disk), so a
+    # save killed before its first file leaves empty ones: ``remove_empty_dirs`` removes
+    # them. Object stores have prefixes only, which vanish with their last object.
+    keeps_empty_dirs: bool = False
 
     def _check(self, key: str, prefix: bool = False) -> str:
         """``check_key`` naming this store in the message (built only for a bad key)."""
@@ -267,11 +311,19 @@ class Storage(abc.ABC):
         ``older_than`` seconds ago; returns their keys. Stores without them: nothing."""
         return []
 
-    def remove_stale_empty_dirs(self, older_than: float, dry_run: bool = False) -> list[str]:
-        """Remove the empty directories a save killed before its first file left
-        (``attempts/<id>/``, ``attempts/``, and a ``step-N/`` that held only those),
-        unchanged for ``older_than`` seconds; returns their keys. Stores without
-        directories: nothing."""
+    def remove_empty_dirs(self, prefixes: Sequence[str], older_than: float, dry_run: bool = False) -> list[str]:
+        """Remove the directories ``prefixes`` name, in the given order, each only when it
+        is empty and unchanged for ``older_than`` seconds; returns the prefixes removed
+        (without their trailing '/'; ``dry_run``: those it would remove, touching
+        nothing). Emptiness and age are judged before anything is removed, so a caller
+        gives children before their parents: a directory that holds nothing but
+        directories removed earlier in the same call counts as empty. The root is never
+        removed, nothing is reached through a symlink, one that is not empty when its
+        turn comes stays, and a prefix that names no directory is passed over. Which
+        directories to offer is the caller's choice (gc: the ones a killed save leaves).
+        Stores without directories (``keeps_empty_dirs`` False): nothing."""
+        for prefix in prefixes:
+            self._check(prefix, prefix=True)
         return []
 
     def describe(self, key: str = "") -> str:

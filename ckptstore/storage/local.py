@@ -154,6 +154,7 @@ class LocalStorage(Storage):
     """Files below ``root`` (see the module docstring for the symlink rules)."""
 
     read_hints = ReadHints(COALESCE_BLOB, COALESCE_GAP, COALESCE_LIMIT)
+    keeps_empty_dirs = True  # (a save killed before its first file leaves some: gc removes them)
 
     def __init__(self, root: str | os.PathLike, _sub: tuple[str, ...] = ()):
         # _base is the root the user gave (followed, symlink or not); _sub the checked
@@ -526,55 +527,38 @@ class LocalStorage(Storage):
             raise NotRegularObjectError(f"{where}: {_what(st.st_mode)}, not a regular file")
         return ObjectInfo(key, st.st_size, st.st_mtime)
 
-    def remove_stale_empty_dirs(self, older_than: float, dry_run: bool = False) -> list[str]:
-        """Only where a save makes them: ``attempts/<id>/``, ``attempts/`` and ``step-N/``
-        at the root, ``step-N/attempts/`` and ``step-N/attempts/<id>/``; nothing else is
-        listed, nothing through a symlink is touched."""
-        from ..names import ATTEMPTS_DIR, is_attempt_id, parse_step_dir_name
-
+    def remove_empty_dirs(self, prefixes, older_than: float, dry_run: bool = False) -> list[str]:
+        """See :meth:`Storage.remove_empty_dirs`. Each directory is opened from the root
+        one component at a time, ``O_NOFOLLOW`` (a prefix through a symlink names no
+        directory), read and ``fstat``ed through that fd; ``rmdir`` runs relative to its
+        parent's fd, and refuses a directory that gained an entry meanwhile."""
+        rels = [self._check(p, prefix=True) for p in prefixes]  # every prefix, before anything is touched
         cutoff = time.time() - older_than
-
-        def listing(rel: str) -> tuple[list[str], bool, bool] | None:
-            """(subdirectory names, whether it holds anything else, whether it is old
-            enough); None when it cannot be listed. Symlinks are entries, never followed."""
+        chosen: list[str] = []  # in the caller's order; judged before any removal
+        gone: set[str] = set()
+        for name in rels:
+            if not name:
+                continue  # the root: never
             try:
-                entries = list(os.scandir(os.path.join(self.root, rel)))
-                old = os.lstat(os.path.join(self.root, rel)).st_mtime <= cutoff
+                _, fd = self._open_prefix(name)
+            except CkptStoreError:
+                continue  # (cannot be opened: not ours to judge)
+            if fd is None:
+                continue
+            try:
+                old = os.fstat(fd).st_mtime <= cutoff
+                entries = list(os.scandir(fd))
             except OSError:
-                return None
-            subdirs = [e.name for e in entries if e.is_dir(follow_symlinks=False)]
-            return subdirs, len(subdirs) < len(entries), old
-
-        order: list[str] = []  # children before their parents; listed before any removal
-
-        def attempts_dir(rel: str) -> bool:  # attempts/ and its attempts/<id>/
-            found = listing(rel)
-            if found is None:
-                return False
-            subdirs, others, old = found
-            empty = [f"{rel}/{d}" for d in subdirs if is_attempt_id(d) and listing(f"{rel}/{d}") == ([], False, True)]
-            order.extend(empty)
-            if others or not old or len(empty) < len(subdirs):
-                return False
-            order.append(rel)
-            return True
-
-        top = listing("")
-        for name in top[0] if top else []:  # the store's attempts/ (a checkpoint path) and its step-N/
-            if name == ATTEMPTS_DIR:
-                attempts_dir(name)
-            elif parse_step_dir_name(name) is not None:
-                found = listing(name)
-                if found is None:
-                    continue
-                subdirs, others, old = found
-                emptied = subdirs == [ATTEMPTS_DIR] and attempts_dir(f"{name}/{ATTEMPTS_DIR}")
-                if not others and old and (not subdirs or emptied):
-                    order.append(name)
+                continue
+            finally:
+                os.close(fd)
+            if old and all(e.is_dir(follow_symlinks=False) and f"{name}/{e.name}" in gone for e in entries):
+                chosen.append(name)
+                gone.add(name)
         if dry_run:
-            return order
+            return chosen
         removed = []
-        for rel in order:  # children first; rmdir refuses one that is no longer empty
+        for rel in chosen:  # children first; rmdir refuses one that is no longer empty
             try:
                 parts = self._parts(rel)
                 fds = self._dirs(parts[:-1], rel)

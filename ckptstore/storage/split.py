@@ -29,7 +29,7 @@ def is_data_key(key: str) -> bool:
 
 
 class SplitStorage(Storage):
-    sees_all_data = False  # data files of other nodes are not here (the Storage contract, base.py)
+    sees_all_data = False  # data files of other nodes are not here (the Storage contract, base.py; validation.check_files)
 
     def __init__(self, shared: Storage, data: Storage):
         self.shared, self.data = shared, data

@@ -41,7 +41,7 @@ import time
 from dataclasses import dataclass
 
 from .. import format as fmt
-from ..checkpoint.commit import read_capped
+from ..checkpoint.manifests import read_capped
 from ..errors import AlreadyExistsError, CkptStoreError
 from ..storage import Storage
 from .classify import Verdict

@@ -84,7 +84,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from .. import format as fmt
-from ..checkpoint.commit import read_capped
+from ..checkpoint.manifests import read_capped
 from ..errors import CkptStoreError
 from ..names import ATTEMPTS_DIR
 from ..storage import Storage

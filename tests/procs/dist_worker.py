@@ -115,7 +115,7 @@ elif scenario == "tiers":
     import shutil
 
     import torch
-    from ckptstore.checkpoint.restore import latest_manifest
+    from ckptstore.checkpoint.manifests import latest_manifest
 
     tiered = ckptstore.Store(root, local=root + "-local", durable_every=2, commit_timeout=timeout,
                              chunk_bytes=64 << 10)
