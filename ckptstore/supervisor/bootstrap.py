@@ -30,7 +30,8 @@ import os  # (frozen: nothing is looked up on sys.path for os and sys)
 import sys
 
 _HERE = os.path.dirname(os.path.realpath(__file__))
-if sys.path and os.path.realpath(sys.path[0] or os.curdir) == _HERE:
+# (only when run: progress.py imports this module for write_error_file)
+if __name__ == "__main__" and sys.path and os.path.realpath(sys.path[0] or os.curdir) == _HERE:
     del sys.path[0]  # run by path: ckptstore/supervisor/ would shadow top-level modules
 
 import faulthandler  # noqa: E402
@@ -75,6 +76,12 @@ def _record(exc: BaseException) -> None:
         return
     except BaseException:  # noqa: BLE001 - a broken torch (perhaps the very error): write it ourselves
         pass
+    write_error_file(path, exc)
+
+
+def write_error_file(path: str, exc: BaseException) -> None:
+    """``exc`` in torchelastic's error-file format (``ErrorHandler.record_exception``'s),
+    written without torch; the progress hook of a Checkpointer's worker uses it too."""
     import json
     import time
     import traceback

@@ -148,20 +148,13 @@ def guard_worker() -> None:
 
 
 def _write_error_file(path: str, exc_type, exc, tb) -> None:
-    """torchelastic's error-file format (ErrorHandler.record_exception), with the
-    traceback of the exception itself (that method formats the one being handled)."""
-    import traceback
+    """torchelastic's error-file format, with the traceback of the exception itself
+    (``ErrorHandler.record_exception`` formats the one being handled)."""
+    from .bootstrap import write_error_file
 
     if os.path.exists(path):  # the program's own @record got there first
         return
-    data = {"message": {"message": f"{exc_type.__name__}: {exc}",
-                        "extraInfo": {"py_callstack": "".join(traceback.format_exception(exc_type, exc, tb)),
-                                      "timestamp": str(int(time.time()))}}}
-    try:
-        with open(path, "w") as f:
-            json.dump(data, f)
-    except OSError:
-        pass
+    write_error_file(path, exc.with_traceback(tb) if exc is not None else exc_type())
 
 
 def die_with_parent(signum: int) -> None:
