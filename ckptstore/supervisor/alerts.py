@@ -50,7 +50,7 @@ class Alerts:
             try:
                 run(self.command, event)
             except Exception as e:  # noqa: BLE001 - an alert must never take the supervisor down
-                print(f"ckptstore run: alert command failed: {e}", file=sys.stderr, flush=True)
+                print(f"ckptstore run: the alert command failed: {type(e).__name__}", file=sys.stderr, flush=True)
             finally:
                 self._queue.task_done()
 
@@ -60,17 +60,25 @@ def run(command: str, event: dict, timeout: float | None = None) -> None:
     (default :data:`TIMEOUT_S`), kill its process group if it is still running, reap
     it. Best effort: a failure is said on stderr."""
     timeout = TIMEOUT_S if timeout is None else timeout
+    # (what is printed never names the command: it may hold a webhook URL and its token)
     try:
         proc = subprocess.Popen(command, shell=True, stdin=subprocess.PIPE, text=True, start_new_session=True)
     except OSError as e:
-        print(f"ckptstore run: alert command failed: {e}", file=sys.stderr, flush=True)
+        print(f"ckptstore run: the alert command failed to start: {_said(e)}", file=sys.stderr, flush=True)
         return
     try:
         proc.communicate(json.dumps(event, default=str), timeout=timeout)
     except (OSError, subprocess.TimeoutExpired) as e:
-        print(f"ckptstore run: alert command failed: {e}", file=sys.stderr, flush=True)
+        # TimeoutExpired's text holds the command, and a webhook URL (its token) in it
+        said = (f"timed out after {timeout:g} s; killed" if isinstance(e, subprocess.TimeoutExpired)
+                else f"failed: {_said(e)}")
+        print(f"ckptstore run: the alert command {said}", file=sys.stderr, flush=True)
         try:
             os.killpg(proc.pid, signal.SIGKILL)  # the shell and what it is waiting for
         except OSError:
             pass
         proc.wait()
+
+def _said(e: OSError) -> str:
+    """An OSError without its file name (the shell's path at most; never the command)."""
+    return f"{type(e).__name__}: [Errno {e.errno}] {e.strerror}" if e.strerror else type(e).__name__

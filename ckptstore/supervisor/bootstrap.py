@@ -65,35 +65,112 @@ def _die_with_parent() -> None:
 
 
 def _record(exc: BaseException) -> None:
-    """Called inside the ``except`` block (torch formats the exception being handled)."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path or os.path.exists(path):  # none asked for, or the program's own @record wrote it
-        return
+    """Called inside the ``except`` block (torch formats the exception being handled).
+    Never raises: the program's own exception, not a failure to record it, is what
+    leaves the worker."""
     try:
-        from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+        path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+        if not path or os.path.exists(path):  # none asked for, or the program's own @record wrote it
+            return
+        try:
+            from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
-        get_error_handler().record_exception(exc)
-        return
-    except BaseException:  # noqa: BLE001 - a broken torch (perhaps the very error): write it ourselves
+            get_error_handler().record_exception(exc)
+            if os.path.exists(path):
+                return
+        except BaseException:  # noqa: BLE001 - a broken torch (perhaps the very error), an exception
+            pass  # whose str() raises: write it ourselves
+        write_error_file(path, exc)
+    except BaseException:  # noqa: BLE001
         pass
-    write_error_file(path, exc)
+
+
+def _text(fn, exc: BaseException, fallback: str) -> str:
+    try:
+        return fn(exc)
+    except BaseException:  # noqa: BLE001 - an exception whose __str__ / __repr__ raises
+        return fallback
 
 
 def write_error_file(path: str, exc: BaseException) -> None:
     """``exc`` in torchelastic's error-file format (``ErrorHandler.record_exception``'s),
-    written without torch; the progress hook of a Checkpointer's worker uses it too."""
+    written without torch; the progress hook of a Checkpointer's worker uses it too.
+    An exception whose ``str()`` (or ``repr()``) raises is written all the same, with
+    a placeholder for what could not be formatted, as Python's own traceback does."""
     import json
     import time
     import traceback
 
-    data = {"message": {"message": f"{type(exc).__name__}: {exc}",
-                        "extraInfo": {"py_callstack": "".join(traceback.format_exception(exc)),
-                                      "timestamp": str(int(time.time()))}}}
+    name = _text(lambda e: type(e).__name__, exc, "BaseException")
+    message = _text(lambda e: f"{name}: {e}", exc, "")
+    if not message:
+        message = f"{name}: <exception str() failed>"
+    stack = _text(lambda e: "".join(traceback.format_exception(e)), exc, "")
+    if not stack:
+        try:
+            stack = "".join(traceback.format_tb(exc.__traceback__)) + message + "\n"
+        except BaseException:  # noqa: BLE001
+            stack = message + "\n"
+    data = {"message": {"message": message,
+                        "extraInfo": {"py_callstack": stack, "timestamp": str(int(time.time()))}}}
     try:
         with open(path, "w") as f:
             json.dump(data, f)
-    except OSError:
+    except (OSError, ValueError, TypeError):
         pass
+
+
+def _fresh_main():
+    """A new, empty ``__main__`` module, installed in ``sys.modules`` for good (as the
+    interpreter's own is): what the script defines stays importable as ``__main__``
+    after its top-level code returns (pickle in a thread or an atexit handler,
+    multiprocessing), and the bootstrap's own globals are not the script's. The
+    bootstrap's module is kept (``_BOOTSTRAP_MAIN``): its functions are still running."""
+    import builtins
+    import types
+
+    global _BOOTSTRAP_MAIN
+    _BOOTSTRAP_MAIN = sys.modules.get("__main__")
+    module = types.ModuleType("__main__")
+    module.__dict__["__builtins__"] = builtins
+    sys.modules["__main__"] = module
+    return module
+
+
+_BOOTSTRAP_MAIN = None
+
+
+def _run_file(target: str, safe: bool) -> None:
+    """Run the script at ``target`` as ``python SCRIPT`` does: in a fresh ``__main__``,
+    ``__file__`` absolute (Python 3.9 and later), ``__spec__`` None, compiled with its
+    absolute path (tracebacks name it), ``sys.argv[0]`` as given. A directory or a zip
+    file (its ``__main__.py``) is run as Python runs it, through runpy."""
+    import io
+    import zipfile
+
+    if os.path.isdir(target) or zipfile.is_zipfile(target):
+        sys.path.insert(0, target)  # Python's sys.path[0] for a directory or zip file, even under -P
+        _fresh_main()
+        import runpy
+
+        runpy._run_module_as_main("__main__", alter_argv=False)  # what Python itself runs
+        return
+    from importlib.machinery import SourceFileLoader, SourcelessFileLoader
+    from pkgutil import read_code
+
+    if not safe:
+        sys.path.insert(0, os.path.dirname(os.path.realpath(target)))
+    path = os.path.abspath(target)
+    with io.open_code(path) as f:
+        code = read_code(f)  # a compiled .pyc, as Python runs one
+    loader = SourcelessFileLoader if code is not None else SourceFileLoader
+    if code is None:
+        with io.open_code(path) as f:
+            code = compile(f.read(), path, "exec", dont_inherit=True)
+    module = _fresh_main()
+    module.__dict__.update(__file__=path, __cached__=None, __package__=None, __spec__=None,
+                           __loader__=loader("__main__", path))
+    exec(code, module.__dict__)
 
 
 def main(argv: list[str]) -> None:
@@ -112,10 +189,15 @@ def main(argv: list[str]) -> None:
             if not safe:
                 sys.path.insert(0, os.getcwd())
             sys.argv = [target, *args]
-            runpy.run_module(target, run_name="__main__", alter_sys=True)
-        else:
-            if mode == "file" and not safe:
-                sys.path.insert(0, os.path.dirname(os.path.realpath(target)))
+            # python -m's own function (runpy.run_module(alter_sys=True) puts the old
+            # __main__ back when the top-level code returns); it runs the module in the
+            # __main__ of sys.modules, so a fresh one (not the bootstrap's globals) first.
+            _fresh_main()
+            runpy._run_module_as_main(target, alter_argv=True)  # sys.argv[0]: the module's file
+        elif mode == "file":
+            sys.argv = [target, *args]
+            _run_file(target, safe)
+        else:  # run-path: torch's runpy.run_path, as torchrun --run-path runs the script
             sys.argv = [target, *args]
             runpy.run_path(target, run_name="__main__")
     except SystemExit as e:

@@ -147,7 +147,8 @@ def classify(result: dict, step: int | None, relaunched: bool = False) -> Verdic
         return Verdict("preempted", f"the launcher was stopped by {result['launcher_signal']}",
                        signal=result["launcher_signal"])
     errors = {r: f for r, f in failures.items() if f.get("error")}
-    first = {r: first_exception(f["error"], f.get("traceback")) for r, f in errors.items()}
+    # launch.py read the first exception from the whole traceback (the one kept is clipped)
+    first = {r: f.get("first") or first_exception(f["error"], f.get("traceback")) for r, f in errors.items()}
     for r, f in sorted(errors.items()):
         if _DETERMINISTIC.match(f["error"]) or _DETERMINISTIC.match(first[r]):
             return _verdict("deterministic", f"rank {r} raised {_error(f['error'], first[r])}", r, f)

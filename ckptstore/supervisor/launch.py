@@ -23,6 +23,7 @@ import os
 import signal
 import sys
 
+from .classify import first_exception
 from .progress import die_with_parent
 
 ENV_SUPERVISOR = "CKPTSTORE_SUPERVISOR_PID"  # the supervisor this launcher must not outlive
@@ -77,11 +78,28 @@ def _failure(f) -> dict:
         extra = message.get("extraInfo") if isinstance(message.get("extraInfo"), dict) else {}
         traceback = extra.get("py_callstack")
         message = message.get("message")
+    message = message if isinstance(message, str) else None
+    traceback = traceback if isinstance(traceback, str) else None
+    # The first exception of the chain, read from the whole traceback: the journal keeps
+    # only its head and tail (a C++ backtrace in a later exception runs to many KB).
+    first = first_exception(message, traceback) if message is not None else None
     return {"local_rank": f.local_rank, "pid": f.pid, "exitcode": f.exitcode,
             "signal": f.signal_name() if f.exitcode < 0 else None,
-            "error": message if isinstance(message, str) else None,
-            "traceback": traceback[-8000:] if isinstance(traceback, str) else None,
+            "error": message, "first": _clip(first, TRACEBACK_CHARS) if first is not None else None,
+            "traceback": _clip(traceback, TRACEBACK_CHARS) if traceback is not None else None,
             "timestamp": f.timestamp}
+
+
+TRACEBACK_CHARS = 8000  # of a rank's traceback (and first exception) in the result and journal
+
+
+def _clip(text: str, limit: int) -> str:
+    """``text`` within about ``limit`` characters: its head (where the first exception of
+    a chain is) and its tail (the exception raised), what lies between left out."""
+    if len(text) <= limit:
+        return text
+    head, tail = limit * 3 // 8, limit * 5 // 8
+    return f"{text[:head]}\n[... {len(text) - head - tail} characters left out ...]\n{text[-tail:]}"
 
 
 def _write(path: str, result: dict) -> None:
