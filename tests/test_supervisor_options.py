@@ -12,7 +12,7 @@ import pytest
 
 from ckptstore.cli.run import _parser
 from ckptstore.supervisor.classify import Verdict
-from ckptstore.supervisor.decide import EXIT_NO_PROGRESS, History, Policy, decide
+from ckptstore.supervisor.decide import History, Policy, decide
 from ckptstore.supervisor.progress import ProgressReporter, read_progress
 from ckptstore.supervisor.sections import Sections
 
