@@ -110,7 +110,7 @@ def test_a_relaunch_that_hangs_before_any_report_ends_once_the_run_is_known_to_r
     torch's timeouts. A script that never reports is still never judged."""
     sup = _supervisor(tmp_path, monkeypatch)
     sup._learn_sections()
-    now = time.time()
+    now = time.monotonic()  # the launch time: the supervisor's monotonic clock
     assert sup._in_run_checks(0, {}, now - 10_000.0, _Quiet()) is None  # never reported: never judged
     sup2 = _supervisor(tmp_path / "b", monkeypatch)
     sup2.journal.append("resume", attempt=0, step=None, first_step_s=100.0)  # attempt 0 reported

@@ -8,12 +8,44 @@ goes to torch's own launcher parser, which knows which of its options take a val
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 import click
 
 from ..errors import CkptStoreError
 from ..supervisor.preflight import detections, misplaced, script_problem
+
+
+def _count(least: int):
+    """An argparse ``type=``: a whole number >= ``least``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number (allowed: >= {least})") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"{value} is out of range (allowed: >= {least})")
+        return value
+    return parse
+
+
+def _seconds(positive: bool = False, inf: bool = False):
+    """An argparse ``type=``: seconds (or a factor), finite, >= 0 (``positive``: > 0);
+    ``inf``: infinity allowed too (no bound). NaN never: it compares false with
+    everything, so a bound of NaN neither fires nor ends."""
+    allowed = ("> 0" if positive else ">= 0") + (", or inf (no bound)" if inf else ", finite")
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number (allowed: {allowed})") from None
+        if math.isnan(value) or (math.isinf(value) and not (inf and value > 0)) or value < 0 or \
+                (positive and value == 0):
+            raise argparse.ArgumentTypeError(f"{text} is out of range (allowed: {allowed})")
+        return value
+    return parse
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -23,46 +55,46 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ckptstore run", add_help=False)
     p.add_argument("--store", required=True, help="the checkpoint store (path or URL): the journal goes there")
     p.add_argument("--run-id", default=None, help="journal run id (default: a new one per `ckptstore run`)")
-    p.add_argument("--max-restarts", type=int, default=d.max_restarts,
-                   help="relaunches after failures in all (preemptions excepted)")
-    p.add_argument("--max-restarts-per-hour", type=int, default=d.max_restarts_per_hour,
+    p.add_argument("--max-restarts", type=_count(0), default=d.max_restarts,
+                   help="relaunches after failures in all (preemptions excepted; 0: none)")
+    p.add_argument("--max-restarts-per-hour", type=_count(0), default=d.max_restarts_per_hour,
                    help="more failures than this within an hour gives up")
-    p.add_argument("--max-preemptions-per-hour", type=int, default=d.max_preemptions_per_hour,
+    p.add_argument("--max-preemptions-per-hour", type=_count(0), default=d.max_preemptions_per_hour,
                    help="more preemptions than this within an hour gives up")
-    p.add_argument("--backoff", type=float, default=d.backoff_s,
+    p.add_argument("--backoff", type=_seconds(), default=d.backoff_s,
                    help="first delay before a relaunch, seconds (doubles)")
-    p.add_argument("--backoff-max", type=float, default=d.backoff_max_s)
-    p.add_argument("--outage-window", type=float, default=d.outage_window_s,
+    p.add_argument("--backoff-max", type=_seconds(), default=d.backoff_max_s)
+    p.add_argument("--outage-window", type=_seconds(), default=d.outage_window_s,
                    help="seconds an error that names an outage (and an unreachable store) is retried")
-    p.add_argument("--health-wait", type=float, default=d.health_wait_s,
+    p.add_argument("--health-wait", type=_seconds(), default=d.health_wait_s,
                    help="seconds failed health checks are rechecked before giving up on the node")
-    p.add_argument("--hang-timeout", type=float, default=d.hang_timeout_s,
+    p.add_argument("--hang-timeout", type=_seconds(positive=True, inf=True), default=d.hang_timeout_s,
                    help="seconds without progress from any reporting rank (saves and loads excepted)")
-    p.add_argument("--first-progress-timeout", type=float, default=d.first_progress_timeout_s,
+    p.add_argument("--first-progress-timeout", type=_seconds(positive=True, inf=True), default=d.first_progress_timeout_s,
                    help="seconds from a launch to the first training step of a reporting rank")
-    p.add_argument("--resume-timeout", type=float, default=d.resume_timeout_s,
+    p.add_argument("--resume-timeout", type=_seconds(positive=True, inf=True), default=d.resume_timeout_s,
                    help="the longest a Checkpointer.resume() may take, and its bound until one is measured")
-    p.add_argument("--save-timeout", type=float, default=d.save_timeout_s,
+    p.add_argument("--save-timeout", type=_seconds(positive=True, inf=True), default=d.save_timeout_s,
                    help="the longest a save (start to commit, or a wait for commits) may take, and its bound "
                    "until one is measured")
-    p.add_argument("--section-factor", type=float, default=d.section_factor,
+    p.add_argument("--section-factor", type=_seconds(), default=d.section_factor,
                    help="learned section bounds are this many times the longest measured (0: not learned)")
-    p.add_argument("--health-interval", type=float, default=d.health_interval_s,
+    p.add_argument("--health-interval", type=_seconds(), default=d.health_interval_s,
                    help="seconds between health checks of the node during the run (0: off)")
-    p.add_argument("--straggler-report", type=float, default=d.straggler_report_s,
+    p.add_argument("--straggler-report", type=_seconds(), default=d.straggler_report_s,
                    help="seconds between step-time reports for straggler detection (0: off)")
-    p.add_argument("--run-timeout", type=float, default=None, help="give up after this many seconds in all")
-    p.add_argument("--no-progress-restarts", type=int, default=d.no_progress_restarts,
-                   help="give up after this many failures in a row without a newer checkpoint")
+    p.add_argument("--run-timeout", type=_seconds(positive=True, inf=True), default=None, help="give up after this many seconds in all")
+    p.add_argument("--no-progress-restarts", type=_count(0), default=d.no_progress_restarts,
+                   help="give up after this many failures in a row without a newer checkpoint (0: off)")
     p.add_argument("--alert", default=None, help="shell command run on every failure and on giving up "
                    "(the event as JSON on stdin; in the background)")
-    p.add_argument("--join-timeout", type=float, default=120.0,
+    p.add_argument("--join-timeout", type=_seconds(positive=True), default=120.0,
                    help="several nodes: seconds a relaunch waits in torch's rendezvous for every node (then exit 16)")
-    p.add_argument("--decision-wait", type=float, default=30.0,
+    p.add_argument("--decision-wait", type=_seconds(positive=True), default=30.0,
                    help="several nodes: seconds a failed attempt waits for the other nodes' reports before its "
                    "verdict")
     p.add_argument("--staging-dir", action="append", default=[], help="a local directory to health-check")
-    p.add_argument("--expected-gpus", type=int, default=None,
+    p.add_argument("--expected-gpus", type=_count(1), default=None,
                    help="health check: fewer visible GPUs than this is an unhealthy node")
     return p
 

@@ -16,7 +16,8 @@ same decision.
   deterministic ("not an outage").
 - **A node missing** at the attempt's rendezvous (several nodes: torch's join timeout
   passed) gives up at once (exit 16): a relaunch would wait for it again.
-- **Limits**, in this order: deterministic (exit 10), no progress (12), restart limit
+- **Limits**, in this order: deterministic (exit 10), no progress (12; ``no_progress_restarts``
+  0: off), restart limit
   (11), failures per hour (11), preemptions per hour (11). Preemptions count only
   towards their own limit and are relaunched at once.
 - **Backoff**: ``min(backoff_max_s, backoff_s * 2**(n-1))`` for the n-th failure since
@@ -51,7 +52,7 @@ class Policy:
     hang_timeout_s: float = 600.0  # no rank advanced for this long (saves and loads excepted)
     first_progress_timeout_s: float = 1800.0  # launch to first reported step
     run_timeout_s: float | None = None
-    no_progress_restarts: int = 3  # failures in a row without a newer committed step
+    no_progress_restarts: int = 3  # failures in a row without a newer committed step (0: off)
     alert: str | None = None  # a shell command; the event arrives as JSON on its stdin
     health: HealthLimits = HealthLimits()
     # Sections (sections.py): ceilings, and the bound while nothing is measured; learned
@@ -143,7 +144,7 @@ def decide(policy: Policy, history: History, v: Verdict, advanced: bool, now: fl
     history.previous = v
     history.stalled = 0 if advanced else history.stalled + (0 if in_outage else 1)
     history.consecutive = 1 if advanced else history.consecutive + 1
-    if history.stalled >= policy.no_progress_restarts:
+    if policy.no_progress_restarts > 0 and history.stalled >= policy.no_progress_restarts:  # 0: off
         newer = f"no checkpoint newer than step {checkpoint}" if checkpoint is not None else \
             "no checkpoint committed"
         return _give_up(klass, reason, EXIT_NO_PROGRESS, "no_progress",

@@ -7,7 +7,8 @@ date: the step reached, what the rank is doing (``loading`` a checkpoint, ``trai
 ``preempted``, ``done``), its step time, the blocking cost of its saves, the step it
 resumed from and the newest step it saw committed (where the next attempt resumes,
 a local tier's commits included); the section it is in (``section``: ``resume``,
-``step``, ``save``) and when that began (``section_t``, unix seconds), the longest
+``step``, ``save``) and when that began (``section_t``, unix seconds; ``section_mono``,
+``time.monotonic()``, what the supervisor judges the section's bound by), the longest
 duration it measured of each section (``longest``: ``resume``, ``step``, ``save``:
 a save's time from its start to its commit) and the median of its last
 :data:`STEP_WINDOW` step times (``step_median_s``, for stragglers).
@@ -65,7 +66,9 @@ class ProgressReporter:
             new_step = step is not None and step != self.record["step"]
             changed = state != self.record["state"] or new_step
             if section is not None and (section != self.record.get("section") or (section == "step" and new_step)):
-                self.record.update(section=section, section_t=time.time())
+                # section_t (wall) for people and the journal; section_mono judges the bound
+                # (CLOCK_MONOTONIC is system-wide on Linux: the supervisor on this node reads it too)
+                self.record.update(section=section, section_t=time.time(), section_mono=time.monotonic())
                 changed = True
             if step is not None:
                 self.record["step"] = int(step)

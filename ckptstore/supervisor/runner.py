@@ -251,7 +251,7 @@ class Supervisor:
                     self._kill(signal.SIGKILL)  # a hung rank does not answer SIGTERM
                     verdict = Verdict("hang", hung)
                     break
-                verdict = self._in_run_checks(attempt, progress, launched_t, node)
+                verdict = self._in_run_checks(attempt, progress, launched, node)
                 if verdict is not None:
                     break
                 if self.policy.straggler_report_s > 0 and time.monotonic() >= next_report:
@@ -306,11 +306,11 @@ class Supervisor:
         self.sections.learn_from_journal(events)
         self._reported_before = any(e.get("kind") in ("resume", "sections") for e in events)
 
-    def _in_run_checks(self, attempt: int, progress: dict, launched_t: float, node: NodeWatch) -> Verdict | None:
+    def _in_run_checks(self, attempt: int, progress: dict, launched: float, node: NodeWatch) -> Verdict | None:
         """The sections' bounds (sections.py) and the node's health (watch.py): the
-        verdict that ends the attempt, or None."""
+        verdict that ends the attempt, or None. ``launched``: the launch, ``time.monotonic()``."""
         self._reported_before = self._reported_before or bool(progress)
-        late = self.sections.judge(progress, launched_t, time.time(), bool(self._reported_before))
+        late = self.sections.judge(progress, launched, time.monotonic(), bool(self._reported_before), time.time())
         if late is not None:
             self._event("section_timeout", attempt=attempt, **late.event())
             self._kill(signal.SIGKILL)  # as for a hang: a stuck rank does not answer SIGTERM
@@ -562,7 +562,10 @@ class _ProgressWatch:
 
     def hung(self, policy: Policy, now: float | None = None) -> str | None:
         """Why the attempt is hung, or None. Only ranks that report progress are judged:
-        a script that never reports (no Checkpointer) is never hung."""
+        a script that never reports (no Checkpointer) is never hung. Monotonic clock only
+        (``launched``, ``last_change``: the supervisor's reads). The first-progress check is
+        subsumed by sections.py's ``startup`` bound, which it precedes each poll; kept for
+        its reason and journal (docs/runbook.md, "Two first-step timeouts")."""
         now = time.monotonic() if now is None else now
         if not self.seen:
             return None

@@ -34,6 +34,7 @@ ceilings only). :func:`judge` is pure over its inputs (the ranks' reports, the c
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 FACTOR = 3.0  # x the longest measured duration of a section in this run
@@ -96,6 +97,9 @@ class Sections:
     def __init__(self, policy):
         self.policy = policy
         self.longest: dict[str, float] = {}
+        # (rank, section, clock, start) of a section dated in the future -> ``now`` (monotonic)
+        # when first seen: its elapsed time counts from there
+        self._future: dict[tuple, float] = {}
 
     def observe(self, section: str, seconds) -> None:
         if section in LEARNED and _seconds(seconds) is not None:
@@ -133,10 +137,12 @@ class Sections:
             return Bound(section, floor, "floor", measured, option, factor)
         return Bound(section, learned, "learned", measured, option, factor)
 
-    def judge(self, progress: dict[int, dict], launched_t: float, now_t: float,
-              reported_before: bool) -> Timeout | None:
+    def judge(self, progress: dict[int, dict], launched: float, now: float, reported_before: bool,
+              now_t: float | None = None) -> Timeout | None:
         """The first section (of the ranks, lowest rank first) past its bound, else None.
-        ``launched_t``, ``now_t``: unix seconds (the ranks' clock: node-local files);
+        ``launched``, ``now``: ``time.monotonic()`` seconds (system-wide on Linux: the
+        ranks' progress files are node-local and carry ``section_mono`` on that clock);
+        ``now_t``: unix seconds, for files without ``section_mono`` (older ranks) only;
         ``reported_before``: an earlier attempt of this run reported (the startup is
         judged before any rank of this one has)."""
         self.observe_progress(progress)
@@ -145,13 +151,10 @@ class Sections:
             section = p.get("section")
             if section not in ("resume", "save") or p.get("state") not in ("loading", "saving"):
                 continue
-            began = _seconds(p.get("section_t"))
-            if began is None:
-                began = _seconds(p.get("t"))
-            if began is None:
+            elapsed = self._elapsed(rank, p, now, now_t)
+            if elapsed is None:
                 continue
             b = self.bound(section)
-            elapsed = now_t - began
             if elapsed > b.seconds:
                 return Timeout(section, rank, _step(p.get("step")), elapsed, b)
         # The startup: launch to the first step, the time of a resume excepted while one runs
@@ -161,11 +164,33 @@ class Sections:
         if started or loading or not (progress or reported_before):
             return None
         b = self.bound("startup")
-        elapsed = now_t - launched_t
+        elapsed = max(0.0, now - launched)
         if elapsed > b.seconds:
             steps = [s for s in (_step(p.get("step")) for p in progress.values()) if s is not None]
             return Timeout("startup", None, max(steps) if steps else None, elapsed, b)
         return None
+
+    def _elapsed(self, rank: int, p: dict, now: float, now_t: float | None) -> float | None:
+        """How long the rank has been in its section: by ``section_mono`` against ``now``,
+        else (an older file) by the wall clock, ``section_t`` (or ``t``) against ``now_t``.
+        A start in the future (a clock stepped back, a skewed writer) counts as starting
+        when first seen, remembered: judged from then on, never off for good."""
+        clock, began = "mono", _seconds(p.get("section_mono"))
+        if began is None:
+            clock, began = "wall", _seconds(p.get("section_t"))
+            if began is None:
+                began = _seconds(p.get("t"))
+        if began is None:
+            return None
+        ref = now if clock == "mono" else (now_t if now_t is not None else time.time())
+        if began <= ref:
+            return ref - began
+        key = (rank, p.get("section"), clock, began)
+        if key not in self._future:
+            if len(self._future) > 4096:  # a bound on hostile files; a forgotten one restarts its wait
+                self._future.clear()
+            self._future[key] = now
+        return max(0.0, now - self._future[key])
 
     def attempt_longest(self, progress: dict[int, dict], first_step_s: float | None) -> dict:
         """What this attempt measured (journaled as its ``sections`` event)."""
