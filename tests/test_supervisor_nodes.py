@@ -247,3 +247,158 @@ def test_a_running_attempt_stops_for_a_peers_end_but_not_for_a_finish():
     a.join(1), b.join(1)
     assert a.decree(1, "finish", 0, "finished", "the script finished").mine
     assert b.interrupted(1) is None  # its ranks finish too
+
+
+# ------------------------------------------------------------------ hostile or stale shared records (issue b35)
+def _mem(name: str):
+    return open_storage(f"memory://{name}-{random.getrandbits(32):08x}")
+
+
+class _CountingStorage:
+    """A storage that counts gets (reads) by leaf name."""
+
+    def __init__(self, inner):
+        self.inner, self.gets = inner, {}
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def read(self, key, *a, **k):
+        self.gets[key] = self.gets.get(key, 0) + 1
+        return self.inner.read(key, *a, **k)
+
+
+def _relaunches(storage, n: int):
+    from ckptstore.supervisor.classify import Verdict
+    from ckptstore.supervisor.decide import Policy
+
+    a = consensus.Shared(storage, RUN, "a-0", wait_s=0)
+    for k in range(n):
+        a.join(k)
+        a.report(k, Verdict("transient", f"rank 0 was killed by SIGKILL ({k})", signal="SIGKILL"), True, k)
+        assert a.settle(k, Policy(max_restarts_per_hour=None, max_restarts=10**6)).decision.code is None
+
+
+def test_a_far_future_attempt_directory_is_ignored_and_history_is_replayed_once():
+    from ckptstore.supervisor.classify import Verdict
+    from ckptstore.supervisor.decide import Policy
+
+    storage = _mem("future")
+    _relaunches(storage, 3)
+    ghost = f"{consensus.attempt_dir(RUN, 9999999000)}/member-ghost.json"
+    storage.put(ghost, json.dumps({"run": RUN, "attempt": 9999999000, "node": "ghost", "t": 1.0}).encode())
+    counting = _CountingStorage(storage)
+    b = consensus.Shared(counting, RUN, "b-1", wait_s=0, sleep=lambda s: None)
+    assert b.start() == (3, None) and b.latest() == 3  # the chain of verdicts, not the highest number
+    policy = Policy(max_restarts_per_hour=None, max_restarts=10**6)
+    for k in range(3, 6):  # every failure reads each earlier verdict at most once
+        b.join(k)
+        b.report(k, Verdict("transient", "rank 0 was killed by SIGKILL", signal="SIGKILL"), True, k)
+        assert b.settle(k, policy).decision.code is None
+    verdict_reads = {k: c for k, c in counting.gets.items() if k.endswith(consensus.VERDICT_LEAF)}
+    assert len(verdict_reads) == 6 and max(verdict_reads.values()) <= 4, verdict_reads  # (reads before written)
+    assert all(verdict_reads[f"{consensus.attempt_dir(RUN, k)}/verdict.json"] == 1 for k in range(3)), verdict_reads
+    stops = []
+    h = consensus.Shared(storage, RUN, "c-2").history(policy, 6, stopped=lambda: stops.append(1) or True)
+    assert h.failures == [] and stops  # a stop ends the replay
+
+
+def test_an_attempt_whose_nodes_are_gone_is_abandoned_after_a_bound():
+    clock = [1000.0]
+
+    def sleep(s):
+        clock[0] += s
+    storage = _mem("gone")
+    consensus.Shared(storage, RUN, "old-0", clock=lambda: clock[0]).join(0)  # SIGKILLed: no report, no verdict
+    clock[0] += 5000
+    new = consensus.Shared(storage, RUN, "new-0", clock=lambda: clock[0], sleep=sleep)
+    assert new.start(lambda n: 60, abandon_s=100) == (1, None)
+    assert 5100 <= clock[0] - 1000 <= 5110
+    v = new.verdict(0)
+    assert (v["action"], v["class"], v["node"]) == ("relaunch", "abandoned", "new-0")
+    other = consensus.Shared(storage, RUN, "new-1", clock=lambda: clock[0], sleep=sleep)
+    assert other.start(lambda n: 60, abandon_s=100) == (1, None)  # follows the written abandonment
+
+
+def test_a_garbage_verdict_is_superseded_and_a_finish_is_journaled_by_its_writer():
+    from ckptstore.supervisor.decide import Policy
+
+    clock = [1000.0]
+
+    def sleep(s):
+        clock[0] += s
+    storage = _mem("garbage")
+    a = consensus.Shared(storage, RUN, "a-0", clock=lambda: clock[0], sleep=sleep)
+    a.join(0)
+    storage.put(f"{consensus.attempt_dir(RUN, 0)}/verdict.json", b"{not json")
+    assert a.verdict(0) is None
+    settled = a.decree(0, "finish", 0, "finished", "the script finished")
+    assert settled.mine and settled.record["node"] == "a-0"  # so this node journals `finish`
+    assert a.verdict(0)["action"] == "finish"
+    storage2 = _mem("garbage2")
+    b = consensus.Shared(storage2, RUN, "b-0", clock=lambda: clock[0], sleep=sleep)
+    b.join(0)
+    storage2.put(f"{consensus.attempt_dir(RUN, 0)}/verdict.json", json.dumps(
+        {"action": "give_up", "code": "x", "class": "deterministic"}).encode())
+    assert b.start(lambda n: 60, abandon_s=50) == (1, None)  # an invalid verdict: waited for, then superseded
+    assert b.verdict(0)["class"] == "abandoned"
+    for bad in ({"action": "relaunch", "backoff_s": 1e400}, {"action": "give_up", "code": 143.5},
+                {"action": "give_up", "code": 99}, {"action": "explode"}, {"action": "finish", "code": 10}):
+        assert not consensus.valid_verdict(bad), bad
+    rec = {"action": "relaunch", "class": "transient", "reason": "x", "backoff_s": 1e300, "code": None}
+    assert consensus.valid_verdict(rec)
+    assert b.settled_from(rec, False).decision.backoff_s == Policy().backoff_max_s
+
+
+def test_a_verdict_of_a_thousand_nodes_fits_and_reports_are_read_once():
+    from ckptstore.supervisor.classify import Verdict
+    from ckptstore.supervisor.decide import Policy
+
+    storage = _mem("scale")
+    n = 1000
+    names = [f"gpu-node-{i:04d}.cluster.example.com-{i % 8}" for i in range(n)]
+    for i, node in enumerate(names):
+        s = consensus.Shared(storage, RUN, node, wait_s=0)
+        s.join(0)
+        v = Verdict("transient", "stopped: peer " + "x" * 400 if i else "rank 3 was killed by SIGKILL", signal=None if i
+                    else "SIGKILL")
+        v.evidence["peer"] = bool(i)
+        s.report(0, v, False, None)
+    s = consensus.Shared(storage, RUN, "extra-0", wait_s=0)
+    s.join(0)  # a member that never reports
+    counting = _CountingStorage(storage)
+    clock = [0.0]
+    first = consensus.Shared(counting, RUN, names[0], wait_s=2, poll_s=0.5, clock=lambda: clock[0],
+                             sleep=lambda t: clock.__setitem__(0, clock[0] + t))
+    settled = first.settle(0, Policy())
+    assert settled.mine and settled.record["nodes_reported"] == n
+    assert len(settled.record["nodes"]) == consensus.NODE_LINES and names[0] in settled.record["nodes"]
+    assert settled.record["node_classes"] == {"transient": n} and settled.record["unreported_count"] == 1
+    reads = {k: c for k, c in counting.gets.items() if "/report-" in k}
+    assert len(reads) == n and max(reads.values()) == 1  # four polls, each report read once
+
+
+def test_a_stray_report_file_interrupts_nobody():
+    from ckptstore.supervisor.classify import Verdict
+
+    storage = _mem("stray")
+    a, b = (consensus.Shared(storage, RUN, n) for n in ("a-0", "b-1"))
+    a.join(0), b.join(0)
+    storage.put(f"{consensus.attempt_dir(RUN, 0)}/report-x.json", b"junk")
+    storage.put(f"{consensus.attempt_dir(RUN, 0)}/report-ghost.json", json.dumps(
+        {"verdict": {"class": "transient"}}).encode())  # valid, but ghost launched nothing
+    assert a.interrupted(0) is None and b.interrupted(0) is None
+    a.report(0, Verdict("transient", "rank 0 was killed by SIGKILL", signal="SIGKILL"), False, None)
+    assert b.interrupted(0) == "attempt 0 ended on node a-0"
+
+
+def test_the_multi_node_defaults_live_in_the_policy():
+    from ckptstore.cli.run import _parser
+    from ckptstore.supervisor.decide import Policy
+
+    defaults = _parser().parse_args(["--store", "x"])
+    assert (defaults.join_timeout, defaults.decision_wait) == (Policy().join_timeout_s, Policy().decision_wait_s)
+    assert runner.JOIN_TIMEOUT_S == Policy().join_timeout_s and consensus.WAIT_S == Policy().decision_wait_s
+    sup = runner.Supervisor(f"memory://pol-{random.getrandbits(32):08x}", ["x.py"], Policy(join_timeout_s=7.0),
+                            run_id=RUN, nnodes=2, node_rank=0, decision_wait_s=3.0)
+    assert (sup.join_timeout_s, sup.shared.wait_s, sup.policy.decision_wait_s) == (7.0, 3.0, 3.0)

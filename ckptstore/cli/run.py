@@ -88,9 +88,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="give up after this many failures in a row without a newer checkpoint (0: off)")
     p.add_argument("--alert", default=None, help="shell command run on every failure and on giving up "
                    "(the event as JSON on stdin; in the background)")
-    p.add_argument("--join-timeout", type=_seconds(positive=True), default=120.0,
+    p.add_argument("--join-timeout", type=_seconds(positive=True), default=d.join_timeout_s,
                    help="several nodes: seconds a relaunch waits in torch's rendezvous for every node (then exit 16)")
-    p.add_argument("--decision-wait", type=_seconds(positive=True), default=30.0,
+    p.add_argument("--decision-wait", type=_seconds(positive=True), default=d.decision_wait_s,
                    help="several nodes: seconds a failed attempt waits for the other nodes' reports before its "
                    "verdict")
     p.add_argument("--staging-dir", action="append", default=[], help="a local directory to health-check")

@@ -23,6 +23,12 @@ wins, the others read what it wrote, and no node's loss takes the decisions with
   evidence within one node), replays the run's earlier verdicts through
   :func:`decide.decide` (pure: the same inputs give every node the same history) and
   writes ``verdict.json`` create-only; every node follows the verdict it reads back.
+- **Bounded waits.** A node that starts while an attempt without a valid verdict runs
+  without it waits at most hang timeout + decision wait + join timeout, then writes the
+  attempt's verdict as ``abandoned`` (a relaunch; ``verdict-2.json`` where
+  ``verdict.json`` is garbage) and joins the next attempt. Verdicts are validated on read
+  (:func:`valid_verdict`); the chain of relaunch verdicts from attempt 0, not the
+  highest directory name, says where the run is.
 - **One alert per event.** Only the verdict's writer journals the ``failure`` and
   ``give_up`` (or ``finish``) events, so only it alerts.
 - **A give-up stops every node.** A node that ends the run on its own (unhealthy before
@@ -34,7 +40,9 @@ wins, the others read what it wrote, and no node's loss takes the decisions with
 
 from __future__ import annotations
 
+import copy
 import json
+import math
 import re
 import socket
 import time
@@ -56,7 +64,12 @@ _NODE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _MEMBER_RE = re.compile(r"member-([A-Za-z0-9][A-Za-z0-9._-]{0,63})\.json")
 _REPORT_RE = re.compile(r"report-([A-Za-z0-9][A-Za-z0-9._-]{0,63})\.json")
 VERDICT_LEAF = "verdict.json"
-WAIT_S = 30.0  # the longest wait for the reports of the other nodes of an attempt
+VERDICT2_LEAF = "verdict-2.json"  # read only when verdict.json exists and is invalid (garbage): supersedes it
+WAIT_S = Policy.decision_wait_s  # the longest wait for the reports of the other nodes of an attempt
+NODE_LINES = 16  # a verdict's `nodes`: the first K node lines (strongest evidence first); the rest counted
+ACTIONS = ("relaunch", "give_up", "finish")
+# The exit codes a give-up verdict may carry (decide.py, gate.py, health.py, runner.py).
+EXIT_CODES = frozenset({10, 11, 12, 13, 14, 15, 16, 143})
 FIRST_JOIN_S = 600.0  # torch's own join timeout, which the first attempt keeps
 POLL_S = 0.5
 
@@ -144,13 +157,19 @@ class Settled:
 class Shared:
     """The shared records of run ``run`` for node ``node``."""
 
-    def __init__(self, storage: Storage, run: str, node: str, wait_s: float = WAIT_S, poll_s: float = POLL_S,
-                 clock=time.time, sleep=time.sleep):
+    def __init__(self, storage: Storage, run: str, node: str, wait_s: float | None = None, poll_s: float = POLL_S,
+                 clock=time.time, sleep=time.sleep, policy: Policy = Policy()):
         if not _NODE_RE.fullmatch(node):
             raise ValueError(f"node name {node!r} is not [A-Za-z0-9][A-Za-z0-9._-]{{0,63}}")
         self.storage, self.run, self.node = storage, check_run_id(run), node
-        self.wait_s, self.poll_s, self.clock, self.sleep = wait_s, poll_s, clock, sleep
+        self.policy = policy
+        self.wait_s = policy.decision_wait_s if wait_s is None else wait_s
+        self.poll_s, self.clock, self.sleep = poll_s, clock, sleep
         self.host = socket.gethostname()
+        # Records never change once written: what was read valid is kept.
+        self._verdicts: dict[int, dict] = {}
+        self._reports: dict[tuple[int, str], dict | None] = {}  # (attempt, leaf) -> the report (None: invalid)
+        self._history: tuple[Policy, int, History] | None = None  # (policy, attempts replayed, history)
 
     # ------------------------------------------------------------------ records
     def _put(self, key: str, record: dict) -> bool:
@@ -189,53 +208,118 @@ class Shared:
     def members(self, attempt: int) -> set[str]:
         return {m.group(1) for m in map(_MEMBER_RE.fullmatch, self._leaves(attempt)) if m}
 
-    def reports(self, attempt: int) -> dict[str, dict]:
+    def reports(self, attempt: int, leaves: list[str] | None = None) -> dict[str, dict]:
+        """The valid reports of ``attempt``; each is read once (records never change)."""
         out = {}
-        for m in map(_REPORT_RE.fullmatch, self._leaves(attempt)):
+        for m in map(_REPORT_RE.fullmatch, self._leaves(attempt) if leaves is None else leaves):
             if m:
-                rec = self._get(f"{attempt_dir(self.run, attempt)}/{m.group(0)}")
-                if rec is not None and isinstance(rec.get("verdict"), dict):
-                    out[m.group(1)] = rec
+                key = (attempt, m.group(0))
+                if key not in self._reports:
+                    rec = self._get(f"{attempt_dir(self.run, attempt)}/{m.group(0)}")
+                    ok = rec is not None and isinstance(rec.get("verdict"), dict)
+                    self._reports[key] = rec if ok else None
+                if self._reports[key] is not None:
+                    out[m.group(1)] = self._reports[key]
         return out
 
     def verdict(self, attempt: int) -> dict | None:
-        rec = self._get(f"{attempt_dir(self.run, attempt)}/{VERDICT_LEAF}")
-        return rec if rec is not None and rec.get("action") in ("relaunch", "give_up", "finish") else None
+        """The run's valid verdict on ``attempt``: ``verdict.json``, or, where that exists
+        but is invalid, ``verdict-2.json`` (which supersedes it); None while neither is."""
+        if attempt in self._verdicts:
+            return self._verdicts[attempt]
+        for leaf in (VERDICT_LEAF, VERDICT2_LEAF):
+            rec = self._get(f"{attempt_dir(self.run, attempt)}/{leaf}")
+            if rec is not None and valid_verdict(rec, self.policy):
+                self._verdicts[attempt] = rec
+                return rec
+        return None
+
+    def _verdict_exists(self, attempt: int) -> bool:
+        return VERDICT_LEAF in self._leaves(attempt)
+
+    def _write_verdict(self, attempt: int, rec: dict) -> tuple[dict | None, bool]:
+        """Write ``rec`` as the verdict on ``attempt``, create-only: (the verdict that
+        counts, whether it is ``rec``). A ``verdict.json`` that exists but is invalid is
+        superseded by ``verdict-2.json`` (create-only as well: whoever wins)."""
+        for leaf in (VERDICT_LEAF, VERDICT2_LEAF):
+            if self._put(f"{attempt_dir(self.run, attempt)}/{leaf}", rec):
+                self._verdicts[attempt] = rec
+                return rec, True
+            found = self.verdict(attempt)
+            if found is not None:
+                return found, False
+        return None, False
+
+    def chain(self, stopped=lambda: False) -> int:
+        """The attempt the run is at: attempt 0, followed through every ``relaunch``
+        verdict (attempt N+1 exists only through N's); an attempt directory no verdict
+        leads to is never looked at."""
+        n = 0
+        while n < MAX_ATTEMPT and not stopped():
+            v = self.verdict(n)
+            if v is None or v["action"] != "relaunch":
+                return n
+            n += 1
+        return n
 
     def latest(self) -> int | None:
-        """The newest attempt with any record."""
-        try:
-            names = self.storage.list(f"{SHARED_DIR}/{self.run}")
-        except (CkptStoreError, OSError):
-            return None
-        found = [int(m.group(1)) for m in map(_ATTEMPT_RE.fullmatch, names) if m]
-        return max(found) if found else None
+        """The attempt the run is at (:meth:`chain`); None when it has no record."""
+        n = self.chain()
+        return n if n > 0 or self._leaves(0) else None
 
     def start(self, window_s=lambda attempt: FIRST_JOIN_S, stopped=lambda: False, say=lambda line: None,
-              wait_poll_s: float = 5.0) -> tuple[int, dict | None]:
+              wait_poll_s: float = 5.0, abandon_s: float | None = None) -> tuple[int, dict | None]:
         """Where a node that starts (or restarts) joins the run: (the attempt to launch,
         None), or (the attempt, its verdict) when the run already ended there. The
         newest attempt without a verdict is joined while its rendezvous may still be
         open (its first member record younger than ``window_s(attempt)``, torch's join
         timeout); one that runs without this node is not disturbed: the node waits for
-        its verdict and joins the next attempt (or ends as the run did)."""
-        n = self.latest()
-        if n is None:
-            return 0, None
-        v = self.verdict(n)
-        if v is None:
-            first = self.first_member_t(n)
-            if first is None or self.clock() - first < window_s(n):
-                return n, None
-            say(f"attempt {n} runs without this node (since {self.clock() - first:.0f}s): it joins the next one")
-            while v is None and not stopped():
-                self.sleep(wait_poll_s)
-                v = self.verdict(n)
+        its verdict and joins the next attempt (or ends as the run did), at most
+        ``abandon_s`` (default: the policy's hang timeout + decision wait + join timeout:
+        the longest its nodes take to end an attempt that lost this node); then the
+        attempt is abandoned: this node writes its verdict (a relaunch of class
+        ``abandoned``, create-only: whoever wins) and joins the next one. The attempts
+        are found by following the verdicts from attempt 0 (:meth:`chain`)."""
+        if abandon_s is None:
+            p = self.policy
+            abandon_s = p.hang_timeout_s + p.decision_wait_s + p.join_timeout_s
+        while not stopped():
+            n = self.chain(stopped)
+            if n == 0 and not self._leaves(0):
+                return 0, None
+            v = self.verdict(n)
             if v is None:
-                return n, None
-        if v["action"] == "relaunch":
-            return n + 1, None
-        return n, v
+                first = self.first_member_t(n)
+                garbage = self._verdict_exists(n)
+                if not garbage and (first is None or self.clock() - first < window_s(n)):
+                    return n, None
+                say(f"attempt {n} runs without this node (since {self.clock() - (first or self.clock()):.0f}s)"
+                    + (" and its verdict.json is invalid" if garbage else "") + ": it joins the next one")
+                end = self.clock() + abandon_s
+                while v is None and not stopped() and self.clock() < end:
+                    self.sleep(wait_poll_s)
+                    v = self.verdict(n)
+                if v is None and stopped():
+                    return n, None
+                if v is None:
+                    say(f"attempt {n}: no valid verdict within {abandon_s:g}s: abandoned; the run goes on at "
+                        f"attempt {n + 1}")
+                    v, _ = self._write_verdict(n, self.abandoned(n, abandon_s, garbage))
+                    if v is None:
+                        raise CkptStoreError(f"the verdict on attempt {n} cannot be written or read")
+            if v["action"] == "relaunch":
+                return n + 1, None
+            return n, v
+        return 0, None
+
+    def abandoned(self, attempt: int, waited_s: float, garbage: bool = False) -> dict:
+        """The verdict on an attempt that produced none in time (its nodes are gone, or
+        its verdict.json is invalid): relaunch, no failure (it counts towards no limit)."""
+        why = "its verdict.json is invalid" if garbage else "its nodes are gone"
+        return {**self._base(attempt), "action": "relaunch", "class": "abandoned",
+                "reason": f"no valid verdict within {waited_s:g}s ({why})", "code": None, "give_up_class": None,
+                "give_up_reason": None, "backoff_s": 0.0, "next_attempt": attempt + 1,
+                "rdzv_id": rdzv_id(self.run, attempt + 1)}
 
     def first_member_t(self, attempt: int) -> float | None:
         times = []
@@ -255,7 +339,10 @@ class Shared:
         if v is not None:
             return f"the run's verdict on attempt {attempt} ({v['action']}, by {v.get('node')})"
         leaves = self._leaves(attempt)
-        peers = sorted(m.group(1) for m in map(_REPORT_RE.fullmatch, leaves) if m and m.group(1) != self.node)
+        if not any(m and m.group(1) != self.node for m in map(_REPORT_RE.fullmatch, leaves)):
+            return None
+        members = {m.group(1) for m in map(_MEMBER_RE.fullmatch, leaves) if m}
+        peers = sorted(n for n in self.reports(attempt, leaves) if n != self.node and n in members)
         if peers:
             return f"attempt {attempt} ended on node {peers[0]}"
         return None
@@ -274,22 +361,34 @@ class Shared:
             v = self.verdict(attempt)
             if v is not None:
                 return v, {}
-            reports = self.reports(attempt)
-            if self.members(attempt) <= set(reports) or self.clock() >= end or stopped():
+            leaves = self._leaves(attempt)  # one listing per poll; each report is read once
+            reports = self.reports(attempt, leaves)
+            members = {m.group(1) for m in map(_MEMBER_RE.fullmatch, leaves) if m}
+            if members <= set(reports) or self.clock() >= end or stopped():
                 return None, reports
             self.sleep(self.poll_s)
 
-    def history(self, policy: Policy, before: int) -> History:
+    def history(self, policy: Policy, before: int, stopped=lambda: False) -> History:
         """The run's history as the verdicts of attempts 0 .. before-1 made it: each is
-        replayed through decide() with the inputs it recorded."""
-        h = History()
-        for n in range(before):
+        replayed through decide() with the inputs it recorded, following the chain of
+        relaunch verdicts (it ends at the first attempt without one). The replay is kept:
+        each verdict is read and replayed once per node."""
+        if self._history is not None and self._history[0] == policy and self._history[1] <= before:
+            _, n, h = self._history
+        else:
+            n, h = 0, History()
+        while n < before and not stopped():
             rec = self.verdict(n)
-            if rec is None or not isinstance(rec.get("failure"), dict):
-                continue
-            decide(policy, h, verdict_from(rec["failure"]), bool(rec.get("advanced")), _num(rec.get("now")),
-                   checkpoint=_int(rec.get("checkpoint")))
-        return h
+            if rec is None:
+                break
+            if isinstance(rec.get("failure"), dict):
+                decide(policy, h, verdict_from(rec["failure"]), bool(rec.get("advanced")), _num(rec.get("now")),
+                       checkpoint=_int(rec.get("checkpoint")))
+            n += 1
+            if rec["action"] != "relaunch":
+                break
+        self._history = (policy, n, h)
+        return copy.deepcopy(h)
 
     def settle(self, attempt: int, policy: Policy, stopped=lambda: False) -> Settled:
         """The run's decision after ``attempt`` failed: gather the nodes' reports, merge
@@ -309,17 +408,23 @@ class Shared:
             ckpt = max(ckpts) if ckpts else None
             now = self.clock()
             failure_in = verdict_json(failure)
-            d = decide(policy, self.history(policy, attempt), failure, advanced, now, checkpoint=ckpt)
+            d = decide(policy, self.history(policy, attempt, stopped), failure, advanced, now, checkpoint=ckpt)
             missing = sorted(self.members(attempt) - set(reports))
+            lines = sorted(reports.items(), key=lambda kv: (weight(kv[1]["verdict"]), kv[0]))[:NODE_LINES]
+            classes: dict[str, int] = {}
+            for r in reports.values():
+                k = str(r["verdict"].get("class"))[:32]
+                classes[k] = classes.get(k, 0) + 1
             rec = {**self._base(attempt), "action": "relaunch" if d.code is None else "give_up",
                    "failure": failure_in, "failure_node": node, "class": d.klass, "reason": d.reason,
                    "backoff_s": d.backoff_s, "code": d.code, "give_up_class": d.give_up_class,
                    "give_up_reason": d.give_up_reason, "advanced": advanced, "checkpoint": ckpt, "now": now,
-                   "nodes": {n: _line(r["verdict"]) for n, r in sorted(reports.items())}, "unreported": missing}
+                   "nodes": {n: _line(r["verdict"]) for n, r in lines}, "nodes_reported": len(reports),
+                   "node_classes": dict(sorted(classes.items())[:NODE_LINES]),
+                   "unreported": missing[:NODE_LINES], "unreported_count": len(missing)}
             if d.code is None:
                 rec.update(next_attempt=attempt + 1, rdzv_id=rdzv_id(self.run, attempt + 1))
-            mine = self._put(f"{attempt_dir(self.run, attempt)}/{VERDICT_LEAF}", rec)
-            found = rec if mine else self.verdict(attempt)
+            found, mine = self._write_verdict(attempt, rec)
             if found is None:
                 raise CkptStoreError(f"the verdict on attempt {attempt} exists but cannot be read")
         else:
@@ -333,7 +438,8 @@ class Shared:
         code = _int(rec.get("code"))
         if rec["action"] == "finish":
             code = 0
-        d = Decision(failure.klass, failure.reason, backoff_s=_num(rec.get("backoff_s")), code=code,
+        backoff_s = min(max(_num(rec.get("backoff_s")), 0.0), self.policy.backoff_max_s)
+        d = Decision(failure.klass, failure.reason, backoff_s=backoff_s, code=code,
                      give_up_class=rec.get("give_up_class"), give_up_reason=rec.get("give_up_reason"))
         return Settled(rec, mine, failure, d)
 
@@ -343,9 +449,28 @@ class Shared:
         rec = {**self._base(attempt), "action": action, "class": klass, "reason": reason, "code": code,
                "give_up_class": klass if action == "give_up" else None,
                "give_up_reason": reason if action == "give_up" else None}
-        mine = self._put(f"{attempt_dir(self.run, attempt)}/{VERDICT_LEAF}", rec)
-        found = rec if mine else (self.verdict(attempt) or rec)
-        return self.settled_from(found, mine)
+        found, mine = self._write_verdict(attempt, rec)
+        return self.settled_from(found or rec, mine if found is not None else True)
+
+
+def valid_verdict(rec: dict, policy: Policy = Policy()) -> bool:
+    """A verdict every node can follow: a known ``action``; ``code`` null for a relaunch,
+    0 (or null) for a finish, one of the known exit codes for a give-up; ``backoff_s``
+    absent or a finite number (clamped on use to [0, backoff_max_s]); ``class`` a string;
+    ``failure`` absent or an object."""
+    action, code, backoff = rec.get("action"), rec.get("code"), rec.get("backoff_s", 0.0)
+    if action not in ACTIONS or not isinstance(rec.get("class", ""), str):
+        return False
+    if code is not None and _int(code) is None:
+        return False
+    if action == "relaunch" and code is not None or action == "finish" and code not in (None, 0):
+        return False
+    if action == "give_up" and code not in EXIT_CODES:
+        return False
+    if backoff is not None and (_int(backoff) is None and not isinstance(backoff, float) or
+                                not math.isfinite(float(backoff))):
+        return False
+    return rec.get("failure") is None or isinstance(rec.get("failure"), dict)
 
 
 def _line(v: dict) -> str:

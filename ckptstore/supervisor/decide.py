@@ -64,6 +64,10 @@ class Policy:
     # node and between two step-time reports; 0 turns either off.
     health_interval_s: float = 60.0
     straggler_report_s: float = 60.0
+    # Several nodes (consensus.py): a relaunch's wait in torch's rendezvous for every node,
+    # and the longest wait for the other nodes' reports of a failed attempt.
+    join_timeout_s: float = 120.0
+    decision_wait_s: float = 30.0
 
 
 @dataclass

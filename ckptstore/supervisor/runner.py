@@ -25,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from .. import format as fmt
 from .._jitter import jitter as _jitter
@@ -56,7 +56,7 @@ EXIT_STOPPED = 143  # the supervisor itself got SIGTERM (the whole job preempted
 
 POLL_S = 0.5  # how often the supervisor looks at the job (progress files, exit)
 PEER_POLL_S = 1.0  # several nodes: how often it looks for another node's end of the attempt (consensus.py)
-JOIN_TIMEOUT_S = 120.0  # several nodes: a relaunch's wait in torch's rendezvous for every node
+JOIN_TIMEOUT_S = Policy.join_timeout_s  # several nodes: a relaunch's wait in torch's rendezvous for every node
 STOP_GRACE_S = 30.0  # SIGTERM to SIGKILL, as torchrun gives its workers
 
 
@@ -69,9 +69,11 @@ class Supervisor:
     def __init__(self, store_url: str, launcher_args: list[str], policy: Policy = Policy(),
                  run_id: str | None = None, staging_dirs: tuple[str, ...] = (), world_size: int | None = None,
                  nnodes: int = 1, nnodes_max: int | None = None, node_rank=None,
-                 join_timeout_s: float = JOIN_TIMEOUT_S, decision_wait_s: float = consensus.WAIT_S):
+                 join_timeout_s: float | None = None, decision_wait_s: float | None = None):
         self.store_url = store_url
         self.launcher_args = list(launcher_args)
+        policy = replace(policy, join_timeout_s=policy.join_timeout_s if join_timeout_s is None else join_timeout_s,
+                         decision_wait_s=policy.decision_wait_s if decision_wait_s is None else decision_wait_s)
         self.policy = policy
         self.storage: Storage = open_storage(store_url)
         self.journal = Journal(self.storage, run_id or new_run_id())
@@ -89,11 +91,11 @@ class Supervisor:
         self.stragglers = Tracker()
         # Several nodes: one attempt number, one verdict per failure, one alert per event,
         # shared through the store (consensus.py); a single node decides alone, as before.
-        self.node_rank, self.join_timeout_s = node_rank, join_timeout_s
+        self.node_rank, self.join_timeout_s = node_rank, policy.join_timeout_s
         self.shared: consensus.Shared | None = None
         if (nnodes_max or nnodes) > 1:
             self.shared = consensus.Shared(self.storage, self.journal.run_id,
-                                           consensus.node_name(socket.gethostname(), node_rank), decision_wait_s)
+                                           consensus.node_name(socket.gethostname(), node_rank), policy=policy)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> int:
@@ -173,7 +175,9 @@ class Supervisor:
                 outcome.evidence = {**local.evidence, **{k: v for k, v in outcome.evidence.items() if v is not None}}
                 if settled.mine:
                     self._record_failure(attempt, outcome, ckpt, ckpt_t, nodes=settled.record.get("nodes"),
-                                         node=settled.record.get("failure_node"))
+                                         node=settled.record.get("failure_node"),
+                                         nodes_reported=settled.record.get("nodes_reported"),
+                                         node_classes=settled.record.get("node_classes"))
                 else:
                     say(f"attempt {attempt} failed here: {local.klass}: {' '.join(str(local.reason).split())[:300]}; "
                         f"the run's verdict, by node {settled.record.get('node')}, follows")
