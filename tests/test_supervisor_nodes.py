@@ -48,23 +48,39 @@ class Nodes:
         self.store, self.tmp = store, tmp
         self.final = tmp / f"final-{random.getrandbits(32):08x}.pt"
         self.alerts = [tmp / f"alerts-{k}.jsonl" for k in range(n)]
-        self.jobs = []
+        self.jobs, self.cmds, self.envs = [], [], []
         for k in range(n):
             fault = (faults or {}).get(k)
-            self.jobs.append(Job(
+            self.cmds.append(
                 [sys.executable, "-m", "ckptstore.cli", "run", "--nnodes", nnodes or str(n), "--node-rank", str(k),
                  "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
                  "--store", str(store), "--run-id", RUN, "--backoff", "0.05", "--decision-wait", "5",
                  "--join-timeout", "5", "--alert", f"cat >> {self.alerts[k]}; echo >> {self.alerts[k]}", *policy,
                  *(options or {}).get(k, []),
-                 str(SCRIPT), str(store), "--steps", str(STEPS), "--every", "5", "--final", str(self.final)],
-                env={"FAULT": fault or "none:-1", "FAULT_ANY_RANK": "1" if fault else ""}))
+                 str(SCRIPT), str(store), "--steps", str(STEPS), "--every", "5", "--final", str(self.final)])
+            self.envs.append({"FAULT": fault or "none:-1", "FAULT_ANY_RANK": "1" if fault else ""})
+            self.jobs.append(Job(self.cmds[k], env=self.envs[k]))
             if staggered and k == 0:  # the others start once node 0 launched (it waits in the rendezvous)
                 first = consensus.node_name(socket.gethostname(), 0)
                 deadline = time.monotonic() + HANG_GUARD_S
                 while first not in self.shared().members(0):
                     assert time.monotonic() < deadline and self.jobs[0].proc.poll() is None, "node 0 never launched"
                     time.sleep(0.05)  # (a bounded poll of the store, not a synchronisation by time)
+
+    def kill_node(self, k: int) -> None:
+        """SIGKILL node k's supervisor and every process below it at once (a node that dies)."""
+        job = self.jobs[k]
+        for p in [job.proc, *psutil.Process(job.proc.pid).children(recursive=True)]:
+            try:
+                os.kill(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def restart(self, k: int) -> Job:
+        """A new ``ckptstore run`` for node k (same options; the old one's output is kept)."""
+        self.old = getattr(self, "old", []) + [self.jobs[k]]
+        self.jobs[k] = Job(self.cmds[k], env=self.envs[k])
+        return self.jobs[k]
 
     def finish(self) -> list[int]:
         return [job.finish() for job in self.jobs]
@@ -190,6 +206,81 @@ def test_with_min_max_nodes_the_others_continue_without_a_lost_node(tmp_path):
     last = shared.latest()
     assert last >= 1 and shared.verdict(last)["action"] == "finish"
     assert shared.members(last) == {consensus.node_name(socket.gethostname(), 0)}
+
+
+def _recovered(nodes: Nodes, reference) -> list[dict]:
+    """Both nodes finished bit-identical; one failure record per attempt under one
+    numbering, each attempt started by both nodes, one finish; the failures, returned."""
+    assert nodes.finish() == [runner.EXIT_FINISHED] * 2, nodes.output()
+    assert_bit_identical(nodes.final, reference)
+    events = nodes.events()
+    failures = kinds(events, "failure")
+    assert [f["attempt"] for f in failures] == list(range(len(failures))), failures  # one per attempt, in order
+    assert len(kinds(events, "finish")) == 1 and len(kinds(events, "give_up")) == 0
+    shared = nodes.shared()
+    assert shared.latest() == len(failures) and shared.verdict(len(failures))["action"] == "finish"
+    assert all(shared.verdict(n)["action"] == "relaunch" for n in range(len(failures)))
+    assert [e["kind"] for e in nodes.alert_events()] == ["failure"] * len(failures)
+    return failures
+
+
+def _caused(failures: list[dict]) -> list[dict]:
+    return [f for f in failures if not (f["class"] == "transient" and f["step"] == STEPS - 1)]  # (teardown)
+
+
+def test_a_rank_killed_on_the_rendezvous_hosts_node_recovers_bit_identical(tmp_path, reference):
+    """Node 0 (whose address is the --rdzv-endpoint: its launcher hosts torch's c10d
+    store) has its rank SIGKILLed at step 12 once: node 0's launcher lives on, both nodes
+    relaunch as attempt 1 and end bit-identical, the failure recorded once."""
+    nodes = Nodes(tmp_path / "store", tmp_path, faults={0: f"kill:12:{tmp_path / 'killed-once'}"})
+    failures = _recovered(nodes, reference)
+    caused = _caused(failures)
+    assert len(caused) == 1 and caused[0]["attempt"] == 0 and caused[0]["signal"] == "SIGKILL", failures
+    started = sorted(e["attempt"] for e in kinds(nodes.events(), "attempt_start"))
+    assert started == sorted(list(range(len(failures) + 1)) * 2), started
+
+
+def test_a_rank_killed_on_each_node_at_once_recovers_with_one_failure_record(tmp_path, reference):
+    """Both nodes' ranks are SIGKILLed at step 12 (both nodes report a killed rank): one
+    verdict, one failure record for attempt 0, both relaunch and end bit-identical."""
+    nodes = Nodes(tmp_path / "store", tmp_path, faults={0: f"kill:12:{tmp_path / 'k0'}",
+                                                         1: f"kill:12:{tmp_path / 'k1'}"})
+    failures = _recovered(nodes, reference)
+    caused = _caused(failures)
+    assert len(caused) == 1 and caused[0]["attempt"] == 0 and caused[0]["signal"] == "SIGKILL", failures
+    assert len(caused[0]["nodes"]) == 2, caused[0]  # both nodes' views in the one record
+    started = sorted(e["attempt"] for e in kinds(nodes.events(), "attempt_start"))
+    assert started == sorted(list(range(len(failures) + 1)) * 2), started
+
+
+def test_a_hang_on_one_node_is_detected_once_and_recovers(tmp_path, reference):
+    """Node 1's rank blocks at step 12 (once): with --hang-timeout 4 the hang is detected,
+    the run's one verdict on attempt 0 is a hang, both nodes relaunch and end
+    bit-identical."""
+    nodes = Nodes(tmp_path / "store", tmp_path, "--hang-timeout", "4", faults={1: f"hang:12:{tmp_path / 'hung'}"})
+    failures = _recovered(nodes, reference)
+    caused = _caused(failures)
+    assert len(caused) == 1 and caused[0]["attempt"] == 0 and caused[0]["class"] == "hang", failures
+    assert "no rank reported progress" in caused[0]["reason"], caused[0]
+    started = sorted(e["attempt"] for e in kinds(nodes.events(), "attempt_start"))
+    assert started == sorted(list(range(len(failures) + 1)) * 2), started
+
+
+def test_a_whole_node_restarted_at_once_rejoins_and_the_run_finishes_bit_identical(tmp_path, reference):
+    """Node 1's supervisor and ranks are SIGKILLed at step 8 (a node that reboots) and a
+    new ``ckptstore run`` for node 1 starts at once: it finds the run at attempt 0 (or
+    later), joins, and both nodes finish bit-identical under one attempt numbering."""
+    nodes = Nodes(tmp_path / "store", tmp_path)
+    lost = nodes.jobs[1]
+    lost.expect(lambda l: l.startswith("rank ") and " step 8 " in l, "a step 8 on node 1")
+    nodes.kill_node(1)
+    nodes.restart(1)
+    assert lost.finish() == -signal.SIGKILL
+    failures = _recovered(nodes, reference)
+    assert failures and failures[0]["class"] == "transient", failures  # (a lost peer: the killed node never reported)
+    started = sorted(e["attempt"] for e in kinds(nodes.events(), "attempt_start") if e["attempt"] > 0)
+    assert started == sorted(list(range(1, len(failures) + 1)) * 2), started  # the new node 1 in every relaunch
+    assert any(line.startswith("rank ") and " step " in line for line in nodes.jobs[1].lines), nodes.output()
 
 
 # ------------------------------------------------------------------ the shared records, in process
