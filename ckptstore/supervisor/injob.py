@@ -47,6 +47,8 @@ ENV_NODE = "CKPTSTORE_INJOB_NODE"            # this worker's node rank
 ENV_TIMEOUT = "CKPTSTORE_INJOB_TIMEOUT"      # seconds: collectives' and re-form's bound
 ENV_ABORT_TIMEOUT = "CKPTSTORE_INJOB_ABORT_TIMEOUT"  # seconds a survivor may take to leave a round
 ENV_MEMORY_DIR = "CKPTSTORE_MEMORY_DIR"      # node-local tmpfs directory owned by the supervisor
+ENV_MEMORY_BUDGET = "CKPTSTORE_MEMORY_BUDGET"  # bytes the memory tier of this node may hold
+ENV_ROUND = "CKPTSTORE_INJOB_ROUND"          # set by inprocess.run for fn: the current round
 
 VERDICTS = ("continue", "stop", "cold")
 POLL_S = 0.005  # a wait's poll interval: store checks are ~0.1 ms round trips on loopback
