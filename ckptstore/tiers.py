@@ -98,6 +98,10 @@ def memory_place(memory, local, local_shared) -> str | None:
     ``local_shared`` (its commit records need a place every rank shares)."""
     if memory is None:
         return None
+    if local is not None:  # (refused under any launcher alike, "auto" too: the program must not change)
+        raise ValueError(f"memory= ({os.fspath(memory)}) and local= ({os.fspath(local)}) together would make three "
+                         "tiers, which are not built: give one of them (the memory tier takes the local tier's "
+                         "place, and promotes to the durable store itself)")
     if isinstance(memory, str) and memory == "auto":
         memory = os.environ.get(injob.ENV_MEMORY_DIR) or None
         if memory is None:
@@ -108,12 +112,7 @@ def memory_place(memory, local, local_shared) -> str | None:
                              f"{local_world}) needs local_shared=, a location every rank shares, for the memory "
                              "tier's commit records (each node's tmpfs holds only its own ranks' files); see "
                              "docs/tiers.md")
-    memory = os.fspath(memory) if not isinstance(memory, str) else memory
-    if local is not None:
-        raise ValueError(f"memory= ({memory}) and local= ({os.fspath(local)}) together would make three tiers, "
-                         "which are not built: give one of them (the memory tier takes the local tier's place, "
-                         "and promotes to the durable store itself)")
-    return memory
+    return os.fspath(memory) if not isinstance(memory, str) else memory
 
 
 def memory_budget_of(budget) -> int | None:
