@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -86,6 +87,33 @@ def test_restore_order_is_memory_then_durable_and_a_flipped_byte_falls_back(tmp_
     with pytest.warns(TierFallbackWarning, match="memory copy"):
         loaded, info = store.load(return_info=True)
     assert info.tier == "durable" and same(loaded, state(5))
+
+
+def test_while_the_durable_tier_cannot_be_listed_the_memory_tier_restores(tmp_path, in_job, monkeypatch):
+    from ckptstore.errors import TransientStorageError
+    from ckptstore.storage import LocalStorage
+
+    store = ckptstore.Store(tmp_path / "durable", memory="auto", durable_every=1)
+    store.save(1, state(1)).result()
+    store.save(2, state(2)).result()
+    ckptstore.wait()
+    real = LocalStorage.list
+    durable = str(tmp_path / "durable")
+
+    def outage(self, prefix=""):
+        if self.describe().startswith(durable):
+            raise TransientStorageError(f"{self.describe()}: EndpointConnectionError (the outage)")
+        return real(self, prefix)
+
+    monkeypatch.setattr(LocalStorage, "list", outage)
+    with pytest.warns(RuntimeWarning, match="cannot be listed"):
+        assert store.steps() == [2]
+    with pytest.warns(RuntimeWarning, match="cannot be listed"):
+        loaded, info = store.resume()
+    assert info.tier == "memory" and info.step == 2 and same(loaded, state(2))
+    shutil.rmtree(in_job / "step-000000000002")  # the memory tier empty too: the outage is the error
+    with pytest.raises(TransientStorageError):
+        store.steps()
 
 
 def test_a_save_over_the_budget_goes_to_the_durable_tier_with_one_warning(tmp_path, in_job, monkeypatch):
