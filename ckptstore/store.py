@@ -97,7 +97,7 @@ class Store:
                  local_shared=None, incremental: bool = True, memory=None,
                  memory_keep: Retention | None = None, memory_budget: int | None = None):
         url = os.fspath(url) if not isinstance(url, str) else url
-        memory = memory_place(memory, local, local_shared)
+        memory, local_shared = memory_place(memory, local, local_shared)
         upper = memory if memory is not None else local
         self._open(url, open_storage(url, **(storage_options or {})), process_group,
                    save_options(compression, commit_timeout, chunk_bytes, 2), keep, parse_duration(grace),

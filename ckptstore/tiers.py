@@ -28,6 +28,7 @@ tries again.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import functools
 import itertools
@@ -38,6 +39,7 @@ import socket
 import threading
 import time
 import warnings
+import weakref
 from collections import deque
 from typing import Callable
 
@@ -90,14 +92,15 @@ class MemoryFullWarning(RuntimeWarning):
     """A save would pass the memory tier's budget: it went to the durable tier instead."""
 
 
-def memory_place(memory, local, local_shared) -> str | None:
-    """Where a Store's memory tier lies: ``memory="auto"`` is ``$CKPTSTORE_MEMORY_DIR``
-    when ``ckptstore run --in-job`` set it, else none (the same program under torchrun);
-    a path is itself; None is none. Refused: a memory tier together with ``local=`` (a
-    chain of three tiers is not built), and ``"auto"`` on several nodes without
-    ``local_shared`` (its commit records need a place every rank shares)."""
+def memory_place(memory, local, local_shared) -> tuple[str | None, object]:
+    """Where a Store's memory tier lies, and its ``local_shared``: ``memory="auto"`` is
+    ``$CKPTSTORE_MEMORY_DIR`` when ``ckptstore run --in-job`` set it, else none (the same
+    program under torchrun); a path is itself; None is none. ``"auto"`` on several nodes
+    without ``local_shared`` keeps its commit records in the in-job store
+    (:func:`in_job_records`). Refused: a memory tier together with ``local=`` (a chain
+    of three tiers is not built)."""
     if memory is None:
-        return None
+        return None, local_shared
     if local is not None:  # (refused under any launcher alike, "auto" too: the program must not change)
         raise ValueError(f"memory= ({os.fspath(memory)}) and local= ({os.fspath(local)}) together would make three "
                          "tiers, which are not built: give one of them (the memory tier takes the local tier's "
@@ -105,14 +108,31 @@ def memory_place(memory, local, local_shared) -> str | None:
     if isinstance(memory, str) and memory == "auto":
         memory = os.environ.get(injob.ENV_MEMORY_DIR) or None
         if memory is None:
-            return None
+            return None, local_shared
         world, local_world = os.environ.get("WORLD_SIZE"), os.environ.get("LOCAL_WORLD_SIZE")
         if local_shared is None and world and local_world and world != local_world:
-            raise ValueError(f"memory=\"auto\" on several nodes (WORLD_SIZE={world}, LOCAL_WORLD_SIZE="
-                             f"{local_world}) needs local_shared=, a location every rank shares, for the memory "
-                             "tier's commit records (each node's tmpfs holds only its own ranks' files); see "
-                             "docs/tiers.md")
-    return os.fspath(memory) if not isinstance(memory, str) else memory
+            local_shared = in_job_records(world, local_world)
+    return (os.fspath(memory) if not isinstance(memory, str) else memory), local_shared
+
+
+def in_job_records(world: str, local_world: str) -> Storage:
+    """Where a memory tier on several nodes keeps its commit records when the program
+    named no ``local_shared``: the in-job store (storage/c10d.py), which every rank of
+    the attempt reaches. ValueError outside in-job mode."""
+    address, prefix = os.environ.get(injob.ENV_STORE), os.environ.get(injob.ENV_PREFIX)
+    if not (address and prefix):
+        raise ValueError(f"memory=\"auto\" on several nodes (WORLD_SIZE={world}, LOCAL_WORLD_SIZE={local_world}) "
+                         f"without the in-job store ({injob.ENV_STORE}) needs local_shared=, a location every "
+                         "rank shares, for the memory tier's commit records (each node's tmpfs holds only its "
+                         "own ranks' files); see docs/tiers.md")
+    from .storage.c10d import C10dStorage
+
+    try:
+        client = injob.attempt_store(injob.connect(address, RoundFence.CONNECT_TIMEOUT_S), prefix)
+    except Exception as e:
+        raise StorageError(f"the in-job store at {address}, where a memory tier on several nodes keeps its commit "
+                           f"records, cannot be reached ({type(e).__name__}: {e})") from e
+    return C10dStorage(client, "mem/", f"{address}/{prefix}")
 
 
 def memory_budget_of(budget) -> int | None:
@@ -257,7 +277,9 @@ class Tiers:
             os.makedirs(url, mode=0o700, exist_ok=True)  # (the agent made it; an explicit path may not exist)
         tier = f"the {name} tier"
         places = {tier: open_storage(url), "the durable store": durable.storage}
-        if local_shared is not None:
+        if isinstance(local_shared, Storage):  # (a memory tier's records in the in-job store)
+            places["local_shared"] = local_shared
+        elif local_shared is not None:
             s3 = parse_location(local_shared)[0] == "s3"  # storage_options are S3's (the URL rule: urls.py)
             places["local_shared"] = open_storage(local_shared, **((storage_options or {}) if s3 else {}))
         check_places(places, durable.process_group)  # no two overlap; each local place bound to this durable store
@@ -392,7 +414,13 @@ class Tiers:
             return  # only after a commit: a failed save's files are gc's rule (grace) to judge
         self._committed_here.add(future.attempt)
         if self._sweeping.acquire(blocking=False):
-            threading.Thread(target=self._sweep, args=(rank,), name="ckptstore-sweep", daemon=True).start()
+            with _SWEEPS_LOCK:
+                if _EXITING:  # (the interpreter is ending: the next start sweeps)
+                    self._sweeping.release()
+                    return
+                sweeper = threading.Thread(target=self._sweep, args=(rank,), name="ckptstore-sweep", daemon=True)
+                sweeper.start()
+                _SWEEPS.add(sweeper)
 
     def _sweep(self, rank: int) -> None:
         try:
@@ -404,6 +432,28 @@ class Tiers:
                           stacklevel=1)
         finally:
             self._sweeping.release()
+
+
+# The sweeps running now. At exit each is given a moment to end: a daemon thread still
+# inside a call to a TCPStore (a memory tier's records in the in-job store) when the
+# interpreter ends aborts the process (std::terminate), and the supervisor would take
+# a finished worker for a crashed one.
+# No sweep starts once the exit has begun.
+_SWEEPS: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
+_SWEEPS_LOCK = threading.Lock()
+_EXITING = False
+SWEEP_EXIT_WAIT_S = 10.0
+
+
+@atexit.register
+def _let_sweeps_end() -> None:
+    global _EXITING
+    with _SWEEPS_LOCK:
+        _EXITING = True
+        sweeps = list(_SWEEPS)
+    deadline = time.monotonic() + SWEEP_EXIT_WAIT_S
+    for sweeper in sweeps:
+        sweeper.join(max(0.0, deadline - time.monotonic()))
 
 
 def load_first(holders: list, step: int, reading, load_copy):

@@ -164,16 +164,54 @@ def test_memory_with_local_and_auto_on_several_nodes_are_refused(tmp_path, in_jo
         ckptstore.Store(tmp_path / "durable", memory="auto")
 
 
-def test_the_round_fence_refuses_a_memory_commit_of_an_older_round(tmp_path, in_job, monkeypatch):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=30))
+def _in_job_store(monkeypatch, round_: int = 0):
+    """An in-job TCPStore (the agent's side) and a worker's environment naming it."""
+    server = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30))
     prefix = injob.attempt_prefix("run", 0)
-    agent = injob.attempt_store(server, prefix)
-    monkeypatch.setenv(injob.ENV_STORE, f"127.0.0.1:{port}")
+    monkeypatch.setenv(injob.ENV_STORE, f"127.0.0.1:{server.port}")
     monkeypatch.setenv(injob.ENV_PREFIX, prefix)
-    monkeypatch.setenv(injob.ENV_ROUND, "1")
+    monkeypatch.setenv(injob.ENV_ROUND, str(round_))
+    return server, injob.attempt_store(server, prefix)
+
+
+def test_on_several_nodes_the_commit_records_go_to_the_in_job_store(tmp_path, in_job, monkeypatch):
+    from ckptstore.storage.c10d import C10dStorage
+
+    server, agent = _in_job_store(monkeypatch)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    store = ckptstore.Store(tmp_path / "durable", memory="auto", durable_every=2)
+    for step in (1, 2):
+        store.save(step, state(step)).result()
+    ckptstore.wait()
+    records = C10dStorage(agent, "mem/")
+    assert "step-000000000002/" in records.list("")  # the manifest and votes: in the in-job store
+    assert not list((in_job / "step-000000000002").glob("manifest*"))  # the data files: in tmpfs
+    assert list((in_job / "step-000000000002").rglob("*.data")) or any(
+        p.is_file() for p in (in_job / "step-000000000002").rglob("*"))
+    loaded, info = store.load(return_info=True)
+    assert info.tier == "memory" and same(loaded, state(2))
+    assert store.tiers_of(2)[0][0] == "memory" and store.committed_steps() == [2]
+
+
+def test_a_worker_whose_records_are_in_the_in_job_store_exits_cleanly_after_a_save(tmp_path, monkeypatch):
+    """A node's sweep after each commit reads the in-job store on a daemon thread; one
+    still in a TCPStore call when the interpreter ended aborted the process (rc 134)."""
+    server, _ = _in_job_store(monkeypatch)
+    code = ("import torch, ckptstore\n"
+            f"store = ckptstore.Store({str(tmp_path / 'durable')!r}, memory='auto', durable_every=5)\n"
+            "store.save(1, {'w': torch.zeros(100)}).result()\n"
+            "ckptstore.wait()\n")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), WORLD_SIZE="4", LOCAL_WORLD_SIZE="2",
+               **{injob.ENV_MEMORY_DIR: str(tmp_path / "shm")})
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                              timeout=HANG_GUARD_S)
+        assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_the_round_fence_refuses_a_memory_commit_of_an_older_round(tmp_path, in_job, monkeypatch):
+    server, agent = _in_job_store(monkeypatch, round_=1)
     store = ckptstore.Store(tmp_path / "durable", memory="auto", durable_every=1000)
     injob.set_fence(agent, 2)  # the job moved on to round 2: this process is a zombie of round 1
     with pytest.raises(FencedError, match="round 1"):
