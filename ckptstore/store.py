@@ -329,8 +329,9 @@ class Store:
 
     def _copies(self, step: int) -> list[tuple[str | None, "Store"]]:
         """Where a load of ``step`` looks, in order: with one tier, this store (no
-        listing: the load lists the location itself); with more, ``tiers_of``."""
-        return self._tiers.holders(step) if self._tiers is not None else [(None, self)]
+        listing: the load lists the location itself); with more, the upper tiers that
+        hold it, then the durable tier unlisted (Tiers.load_order)."""
+        return self._tiers.load_order(step) if self._tiers is not None else [(None, self)]
 
     def committed_steps(self) -> list[int]:
         """The steps committed in this store's own storage, ascending (with two tiers:

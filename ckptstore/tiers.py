@@ -338,6 +338,21 @@ class Tiers:
             raise error
         return found
 
+    def load_order(self, step: int) -> list[tuple[str, object]]:
+        """Where a load of ``step`` looks, in order: the upper tiers holding it
+        committed, then the durable tier without listing it (its load lists the location
+        itself, as a one-tier store's does). So a load that an upper tier serves never
+        touches the durable store: an in-job recovery restores from memory without a
+        request to S3."""
+        found = []
+        for name, tier in self.chain[:-1]:
+            try:
+                if generations(tier.location(step)):
+                    found.append((name, tier))
+            except CkptStoreError:
+                pass  # (that tier cannot be listed: the next one is tried)
+        return found + [self.chain[-1]]
+
     def save(self, step: int, state, metrics, replicated, durable: bool, stream) -> SaveFuture:
         """``Store.save`` of a store with tiers: the local tier's save (its future), and
         a promotion of it when one is due."""
@@ -463,16 +478,24 @@ def load_first(holders: list, step: int, reading, load_copy):
     with a warning; one whose manifest was retired under the load (``reading``, a
     checkpoint.load.Reading) is not a bad copy: its error is raised, and the load
     starts again from the listing (checkpoint.load.with_reloads)."""
+    first_fault = None
     for i, (tier, store) in enumerate(holders):
         try:
             obj, info = load_copy(store.location(step))
         except _NOT_COPY_FAULTS:
             raise
         except _COPY_FAULTS as e:
-            if i == len(holders) - 1 or reading.retired():
+            last = i == len(holders) - 1
+            if (last and first_fault is not None and isinstance(e, (CheckpointNotFoundError, NotCommittedError))
+                    and not reading.retired()):
+                # The durable tier is tried unlisted (Tiers.load_order): when it holds no
+                # copy, the bad upper copy's fault is the one to report.
+                raise first_fault from None
+            if last or reading.retired():
                 raise
+            first_fault = first_fault or e
             warnings.warn(f"{store.location(step).describe()}: the {tier} copy of step {step} cannot be "
-                          f"loaded ({type(e).__name__}: {e}); loading the {holders[i + 1][0]} copy",
+                          f"loaded ({type(e).__name__}: {e}); trying the {holders[i + 1][0]} copy",
                           TierFallbackWarning, stacklevel=5)
             continue
         return obj, dataclasses.replace(info, tier=tier)

@@ -100,12 +100,17 @@ def test_while_the_durable_tier_cannot_be_listed_the_memory_tier_restores(tmp_pa
     real = LocalStorage.list
     durable = str(tmp_path / "durable")
 
+    touched = []
+
     def outage(self, prefix=""):
         if self.describe().startswith(durable):
+            touched.append(self.describe(prefix))
             raise TransientStorageError(f"{self.describe()}: EndpointConnectionError (the outage)")
         return real(self, prefix)
 
     monkeypatch.setattr(LocalStorage, "list", outage)
+    loaded, info = store.load(2, return_info=True)  # a step the memory tier serves: no durable request
+    assert info.tier == "memory" and same(loaded, state(2)) and touched == []
     with pytest.warns(RuntimeWarning, match="cannot be listed"):
         assert store.steps() == [2]
     with pytest.warns(RuntimeWarning, match="cannot be listed"):
@@ -114,6 +119,19 @@ def test_while_the_durable_tier_cannot_be_listed_the_memory_tier_restores(tmp_pa
     shutil.rmtree(in_job / "step-000000000002")  # the memory tier empty too: the outage is the error
     with pytest.raises(TransientStorageError):
         store.steps()
+
+
+def test_a_bad_memory_copy_of_a_step_never_promoted_reports_its_own_fault(tmp_path, in_job):
+    from ckptstore.errors import IntegrityError
+
+    store = ckptstore.Store(tmp_path / "durable", memory="auto", durable_every=1000)
+    store.save(1, state(1)).result()
+    data = max((p for p in (in_job / "step-000000000001").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    data.write_bytes(bytes(raw))
+    with pytest.warns(TierFallbackWarning), pytest.raises(IntegrityError):
+        store.load(1)  # (the durable tier, tried unlisted, holds no copy: the memory copy's fault is raised)
 
 
 def test_a_save_over_the_budget_goes_to_the_durable_tier_with_one_warning(tmp_path, in_job, monkeypatch):
