@@ -282,7 +282,10 @@ class Tiers:
         elif local_shared is not None:
             s3 = parse_location(local_shared)[0] == "s3"  # storage_options are S3's (the URL rule: urls.py)
             places["local_shared"] = open_storage(local_shared, **((storage_options or {}) if s3 else {}))
-        check_places(places, durable.process_group)  # no two overlap; each local place bound to this durable store
+        if name == "memory" and RoundFence.current_round() > 0 and bound_before(places, durable.storage):
+            refuse_overlaps(places)  # (round 0 bound them: no durable-store read on a recovery's path)
+        else:
+            check_places(places, durable.process_group)  # no two overlap; each local place bound to this durable store
         storage = places[tier]
         self.data_root = url  # (the memory tier's budget counts this node's directory)
         if local_shared is not None:
@@ -665,6 +668,23 @@ def check_places(places: dict[str, Storage], group=None) -> None:
     for what, place in places.items():
         if place is not durable:
             bind_local_tier(place, durable, what, create=create)
+
+
+def bound_before(places: dict[str, Storage], durable: Storage) -> bool:
+    """Whether every place but ``durable`` holds a binding that names ``durable`` (by
+    its location; the ids were compared when it was made). An in-job round after the
+    first opens the memory tier its round 0 bound, and need not read the durable
+    store's id again on the way to its restore."""
+    for place in places.values():
+        if place is durable:
+            continue
+        try:
+            found = _create_or_read(place, names.TIER_BINDING_NAME, None, "tier binding")
+        except (CkptStoreError, OSError):
+            return False
+        if not found or found.get("durable") != durable.describe():
+            return False
+    return True
 
 
 def refuse_overlaps(places: dict[str, Storage]) -> None:

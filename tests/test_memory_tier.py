@@ -121,6 +121,23 @@ def test_while_the_durable_tier_cannot_be_listed_the_memory_tier_restores(tmp_pa
         store.steps()
 
 
+def test_a_round_after_the_first_opens_its_memory_tier_without_reading_the_durable_store(tmp_path, in_job,
+                                                                                         monkeypatch):
+    durable = tmp_path / "durable"
+    ckptstore.Store(durable, memory="auto").save(1, state(1)).result()  # round 0 binds the memory tier
+    durable.rename(tmp_path / "gone")
+    durable.write_text("not a store")  # reads find nothing, writes fail
+    with pytest.warns(RuntimeWarning, match="durable store cannot be read"):
+        ckptstore.Store(durable, memory="auto")  # round 0 reads the durable store's id
+    monkeypatch.setenv(injob.ENV_ROUND, "1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        store = ckptstore.Store(durable, memory="auto")
+    assert same(store.load(1), state(1))
+    with pytest.raises(ValueError, match="overlap"):  # the overlap check still runs
+        ckptstore.Store(in_job / "inside", memory="auto")
+
+
 def test_a_bad_memory_copy_of_a_step_never_promoted_reports_its_own_fault(tmp_path, in_job):
     from ckptstore.errors import IntegrityError
 
