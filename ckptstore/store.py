@@ -270,6 +270,8 @@ class Store:
                     return  # (a local tier's: its run cannot be checked now; retention can wait)
             except FencedError:
                 return  # a newer run owns the store now, and its retention with it
+            except CommitError:
+                return  # (a memory tier's round fence cannot be read: the job is ending)
         gc.collect(self.storage, self.keep, self.grace, protect=protect, immediate=True)
 
     def _fence(self) -> bool:

@@ -244,7 +244,12 @@ class UpperTier:
         """FencedError when a newer run claimed the store. An upper tier's runs are
         claimed on the durable tier: when that cannot be read (an S3 outage) the tier's
         commit goes on, with a warning (False), since the tier is what keeps training
-        checkpointed through the outage; its promotion checks again on the durable tier."""
+        checkpointed through the outage; its promotion checks again on the durable tier.
+        A memory tier under in-job recovery checks its round instead (no durable-store
+        request after every memory commit)."""
+        if self.rounds is not None:
+            self.rounds.check(self.rounds.current_round())
+            return True
         try:
             check_fence(self.durable, epoch)
         except FencedError:
