@@ -310,15 +310,20 @@ def child(phase: str, rank: int, durable: str) -> None:
     os._exit(0)
 
 
-def _ranks(phase: str, durable: Path, mem: Path, port: int, round_: int) -> list[subprocess.Popen]:
+def _ranks(phase: str, durable: Path, mem: Path, port: int, round_: int, nodes: int = 1,
+           **extra: str) -> list[subprocess.Popen]:
+    """Two ranks on one node (one memory directory), or each on a node of its own
+    (``nodes=2``: a memory directory each, LOCAL_WORLD_SIZE=1)."""
     procs = []
     for rank in range(2):
         env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-                   RANK=str(rank), LOCAL_RANK=str(rank),
-                   **{injob.ENV_MEMORY_DIR: str(mem), injob.ENV_ROUND: str(round_)})
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2",
+                   LOCAL_WORLD_SIZE=str(2 // nodes), RANK=str(rank), LOCAL_RANK=str(rank % (2 // nodes)),
+                   **{injob.ENV_MEMORY_DIR: str(mem / f"node{rank}") if nodes == 2 else str(mem),
+                      injob.ENV_ROUND: str(round_)})
         for name in (injob.ENV_MEMORY_BUDGET, injob.ENV_STORE, injob.ENV_PREFIX, "CKPTSTORE_PROGRESS_DIR"):
             env.pop(name, None)
+        env.update(extra)
         procs.append(subprocess.Popen([sys.executable, "-W", "ignore", __file__, phase, str(rank), str(durable)],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       text=True, env=env))
@@ -362,6 +367,45 @@ def test_a_rank_sigkilled_after_a_memory_commit_restores_from_memory_without_the
     durable.rename(tmp_path / "durable-gone")
     durable.write_text("not a store")
     procs = _ranks("resume", durable, mem, _free_port(), 1)  # round 1: no durable epoch claimed
+    try:
+        for rank, proc in enumerate(procs):
+            line = _line(proc, "restored")
+            assert line == f"rank {rank}: restored 3 {saved[rank]} tier=memory", line
+        for proc in procs:
+            assert proc.wait(HANG_GUARD_S) == 0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
+def test_on_two_nodes_the_ranks_commit_through_the_in_job_store_and_restore_from_memory(tmp_path):
+    """Each rank on a node of its own: its data files in its node's directory, the votes
+    and manifests in the in-job TCPStore (storage/c10d.py), written and polled by two
+    processes; a new incarnation of both (round 1) restores from memory."""
+    server = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=60))
+    prefix = injob.attempt_prefix("run", 0)
+    injob.set_fence(injob.attempt_store(server, prefix), 0)
+    job = {injob.ENV_STORE: f"127.0.0.1:{server.port}", injob.ENV_PREFIX: prefix}
+    durable, mem = tmp_path / "durable", tmp_path / "shm"
+    procs = _ranks("save", durable, mem, _free_port(), 0, nodes=2, **job)
+    try:
+        saved = {}
+        for rank, proc in enumerate(procs):
+            for step in (1, 2, 3):
+                line = _line(proc, f"committed {step}")
+            saved[rank] = line.split()[-1]
+        for proc in procs:
+            proc.communicate("\n", timeout=HANG_GUARD_S)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for rank in range(2):  # each node holds its own rank's files only
+        files = [p.name for p in (mem / f"node{rank}").rglob("data-*")]
+        assert files and all(f"-r{rank:05d}-" in name for name in files), files
+    injob.set_fence(injob.attempt_store(server, prefix), 1)
+    procs = _ranks("resume", durable, mem, _free_port(), 1, nodes=2, **job)
     try:
         for rank, proc in enumerate(procs):
             line = _line(proc, "restored")
