@@ -278,7 +278,7 @@ class Tiers:
         if isinstance(durable_every, bool) or not isinstance(durable_every, int) or durable_every < 1:
             raise ValueError(f"durable_every must be an int >= 1, got {durable_every!r}")
         url = os.fspath(local) if not isinstance(local, str) else local
-        if name == "memory":
+        if name == "memory" and parse_location(url)[0] is None:
             os.makedirs(url, mode=0o700, exist_ok=True)  # (the agent made it; an explicit path may not exist)
         tier = f"the {name} tier"
         places = {tier: open_storage(url), "the durable store": durable.storage}
@@ -396,7 +396,9 @@ class Tiers:
     def _fits(self, state, group, world: int) -> bool:
         """Whether this save fits the memory tier's budget on every rank: the node
         directory's usage plus this rank's save (any rank over it: all skip alike, as
-        the tier's commit needs every rank's vote). A collective when world > 1."""
+        the tier's commit needs every rank's vote). A collective when world > 1. (The
+        ranks of one node check at about the same time, each counting only its own
+        save: the budget is approximate by up to the other ranks' saves in flight.)"""
         try:
             over = directory_usage(self.data_root) + state_bytes(state) > self.budget
         except Exception:  # (judging the budget must never fail the step)
