@@ -395,12 +395,13 @@ class Tiers:
 
     def _fits(self, state, group, world: int) -> bool:
         """Whether this save fits the memory tier's budget on every rank: the node
-        directory's usage plus this rank's save (any rank over it: all skip alike, as
-        the tier's commit needs every rank's vote). A collective when world > 1. (The
-        ranks of one node check at about the same time, each counting only its own
-        save: the budget is approximate by up to the other ranks' saves in flight.)"""
+        directory's usage plus the node's saves, about (this rank's times the ranks on
+        the node, ``LOCAL_WORLD_SIZE``: they check at once, before any of them writes);
+        any rank over it: all skip alike, as the tier's commit needs every rank's vote.
+        A collective when world > 1."""
         try:
-            over = directory_usage(self.data_root) + state_bytes(state) > self.budget
+            on_node = max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
+            over = directory_usage(self.data_root) + on_node * state_bytes(state) > self.budget
         except Exception:  # (judging the budget must never fail the step)
             over = False
         return not (any(gather(over, group)) if world > 1 else over)
