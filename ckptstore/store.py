@@ -46,7 +46,7 @@ from .resume import resume as collective_resume
 from .runtime import runtime
 from .staging.cuda import check_stream
 from .storage import Storage, open_storage
-from .tiers import Tiers, UpperTier, load_first
+from .tiers import MEMORY_DURABLE_EVERY, Tiers, UpperTier, load_first, memory_budget_of, memory_place
 
 
 def _if_present(location: Storage, generation: int, references: dict) -> dict:
@@ -75,24 +75,45 @@ class Store:
     on several nodes also names ``local_shared``, a location every rank shares (a path
     or URL of its own, not inside ``url``), where the local tier's commit records go
     while its data files stay on each node.
+
+    ``memory`` (docs/tiers.md, "The memory tier"): ``"auto"`` is the node's memory
+    directory that ``ckptstore run --in-job`` exports (``CKPTSTORE_MEMORY_DIR``: a tmpfs
+    directory the node's supervisor owns, which outlives the rank processes), and no
+    memory tier elsewhere, so one program runs unchanged under torchrun; a path is a
+    memory tier there. The memory tier takes the local tier's place (``local=`` with it
+    is refused): every save commits to memory, every ``durable_every``-th (default
+    :data:`~ckptstore.tiers.MEMORY_DURABLE_EVERY` with a memory tier, 1 with a local
+    one) is promoted; ``memory_keep`` its retention (default the last step, besides
+    the one in flight and those waiting for promotion); ``memory_budget`` the bytes it
+    may hold on the node (default ``CKPTSTORE_MEMORY_BUDGET``; None: no limit): a save
+    that would pass it goes to the durable tier instead, with one RuntimeWarning.
     """
 
     def __init__(self, url, *, process_group=None, compression: str | CompressionPolicy = "auto",
                  commit_timeout: float = 600.0, chunk_bytes: int | None = None,
                  keep: Retention | None = None, grace: float | str = gc.DEFAULT_GRACE,
-                 storage_options: dict | None = None, local=None, durable_every: int = 1,
+                 storage_options: dict | None = None, local=None, durable_every: int | None = None,
                  local_keep: Retention | None = None, promote_bandwidth: float | None = None,
-                 local_shared=None, incremental: bool = True):
+                 local_shared=None, incremental: bool = True, memory=None,
+                 memory_keep: Retention | None = None, memory_budget: int | None = None):
         url = os.fspath(url) if not isinstance(url, str) else url
+        memory, local_shared = memory_place(memory, local, local_shared)
+        upper = memory if memory is not None else local
         self._open(url, open_storage(url, **(storage_options or {})), process_group,
                    save_options(compression, commit_timeout, chunk_bytes, 2), keep, parse_duration(grace),
-                   incremental=bool(incremental) and local is None)  # (a tiered store promotes whole files)
-        if local is not None:
-            self._tiers = Tiers(self, local, durable_every=durable_every, local_keep=local_keep,
+                   incremental=bool(incremental) and upper is None)  # (a tiered store promotes whole files)
+        if upper is not None:
+            name = "memory" if memory is not None else "local"
+            if durable_every is None:
+                durable_every = MEMORY_DURABLE_EVERY if memory is not None else 1
+            keep_upper = memory_keep if memory is not None else local_keep
+            self._tiers = Tiers(self, upper, durable_every=durable_every, local_keep=keep_upper,
                                 promote_bandwidth=promote_bandwidth, commit_timeout=float(commit_timeout),
-                                local_shared=local_shared, storage_options=storage_options)
+                                local_shared=local_shared, storage_options=storage_options, name=name,
+                                budget=memory_budget_of(memory_budget) if memory is not None else None)
         elif local_shared is not None:
-            raise ValueError("local_shared names where a local tier's commit records go: it needs local=")
+            raise ValueError("local_shared names where a local tier's commit records go: it needs local= "
+                             "(or memory=)")
 
     def _open(self, url: str, storage: Storage, process_group, options: SaveOptions, keep: Retention | None,
               grace: float, incremental: bool, role: UpperTier | None = None) -> None:
@@ -120,8 +141,18 @@ class Store:
 
     @property
     def local(self) -> "Store | None":
-        """The local tier, a store of its own (None: one tier)."""
-        return self._tiers.local if self._tiers is not None else None
+        """The local tier, a store of its own (None: none)."""
+        return self._tiers.upper if self._tiers is not None and self._tiers.name == "local" else None
+
+    @property
+    def memory(self) -> "Store | None":
+        """The memory tier, a store of its own (None: none)."""
+        return self._tiers.upper if self._tiers is not None and self._tiers.name == "memory" else None
+
+    @property
+    def memory_full(self) -> bool:
+        """Whether this process's last save skipped the memory tier, over its budget."""
+        return self._tiers is not None and self._tiers.full
 
     @property
     def durable_every(self) -> int | None:
@@ -155,6 +186,12 @@ class Store:
         stream = check_stream(stream, "Store.save")
         if self._tiers is not None:
             return self._tiers.save(step, state, metrics, replicated, durable, stream)
+        return self.save_here(step, state, metrics, replicated=replicated, stream=stream)
+
+    def save_here(self, step: int, state: Any, metrics: dict | None = None, *,
+                  replicated: list[str] | tuple[str, ...] = (), stream=None) -> SaveFuture:
+        """``save`` to this store's own storage, whatever tiers it has above it (Tiers
+        calls it for a save that skips a full memory tier)."""
         lifecycle.raise_earlier_failure()
         where = self.location(step)
         attempt, step0 = agree_on_attempt(step, self.process_group)
@@ -164,7 +201,10 @@ class Store:
             # Tell rank 0 where it waits for votes, so it fails now, not at its timeout.
             write_failure_vote(self.location(step0), attempt, step0, world, rank, error)
             raise error
-        fence = None if self.epoch is None else self._fence
+        if self._role is not None:  # an upper tier's: the durable tier's epochs, or the in-job round's
+            fence = self._role.commit_fence(self.url, self.epoch)
+        else:
+            fence = None if self.epoch is None else self._fence
         with self._base_lock:  # (one step with the retention's look at the bases: apply_retention)
             refs, base = None, self._reference_base if self.incremental and self._references else None
             if self.incremental:
@@ -230,6 +270,8 @@ class Store:
                     return  # (a local tier's: its run cannot be checked now; retention can wait)
             except FencedError:
                 return  # a newer run owns the store now, and its retention with it
+            except CommitError:
+                return  # (a memory tier's round fence cannot be read: the job is ending)
         gc.collect(self.storage, self.keep, self.grace, protect=protect, immediate=True)
 
     def _fence(self) -> bool:
@@ -276,20 +318,22 @@ class Store:
     def steps(self) -> list[int]:
         """Committed steps, ascending (with two tiers: those either tier holds)."""
         if self._tiers is not None:
-            return sorted(set(self.committed_steps()) | self._tiers.upper_steps())
+            return self._tiers.steps()
         return self.committed_steps()
 
     def tiers_of(self, step: int) -> list[tuple[str | None, "Store"]]:
         """The tiers holding ``step`` committed, in the order a load tries them:
-        ``("local", store)`` before ``("durable", store)``; one tier: ``(None, self)``."""
+        ``("memory", store)`` or ``("local", store)`` before ``("durable", store)``; one
+        tier: ``(None, self)``."""
         if self._tiers is None:
             return [(None, self)] if generations(self.location(step)) else []
         return self._tiers.holders(step)
 
     def _copies(self, step: int) -> list[tuple[str | None, "Store"]]:
         """Where a load of ``step`` looks, in order: with one tier, this store (no
-        listing: the load lists the location itself); with more, ``tiers_of``."""
-        return self._tiers.holders(step) if self._tiers is not None else [(None, self)]
+        listing: the load lists the location itself); with more, the upper tiers that
+        hold it, then the durable tier unlisted (Tiers.load_order)."""
+        return self._tiers.load_order(step) if self._tiers is not None else [(None, self)]
 
     def committed_steps(self) -> list[int]:
         """The steps committed in this store's own storage, ascending (with two tiers:

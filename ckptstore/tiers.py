@@ -14,8 +14,9 @@ asks its ``UpperTier`` role (when it is a tier) ``fence`` and ``kept``. Of a Sto
 this module uses ``url``, ``storage``, ``keep``, ``grace``, ``epoch``,
 ``process_group``, ``location``, ``save``, ``steps``, ``committed_steps``,
 ``apply_retention`` and ``upper_tier`` (which builds a Store serving as a tier), and
-nothing private. A third tier (the memory tier, docs/design/in-job-restart.md) is one
-more ``upper_tier`` with its own ``UpperTier`` and one more entry of ``Tiers.chain``.
+nothing private. The memory tier (docs/tiers.md, "The memory tier") is the same chain
+with a tmpfs directory in the local tier's place, a budget, and the in-job round as its
+fence (:class:`RoundFence`); a chain of three (memory, local, durable) is not built.
 
 A promotion is a :class:`~ckptstore.SaveFuture` of the durable location, tracked like
 a save: ``ckptstore.wait()`` waits for it and raises its error, the exit drain waits
@@ -27,6 +28,7 @@ tries again.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import functools
 import itertools
@@ -37,12 +39,15 @@ import socket
 import threading
 import time
 import warnings
+import weakref
 from collections import deque
 from typing import Callable
 
 from . import format as fmt
 from . import lifecycle, names
-from .checkpoint.fencing import check_fence
+from .checkpoint.fencing import check_fence, check_round_fence
+from .checkpoint.flatten import _is_dtensor
+from .checkpoint.walk import tensors_in
 from .checkpoint.gc import attempts_named
 from .checkpoint.group import gather, rank_and_world
 from .checkpoint.manifests import generations, read_capped, read_manifest
@@ -53,6 +58,7 @@ from .errors import (
     AlreadyExistsError,
     CheckpointNotFoundError,
     CkptStoreError,
+    CommitError,
     FencedError,
     FormatError,
     IntegrityError,
@@ -66,6 +72,12 @@ from .errors import (
 from .storage import LocalStorage, Storage, open_storage
 from .storage.split import SplitStorage
 from .storage.urls import parse_location
+from .supervisor import injob  # (the in-job protocol's names; it imports nothing of the package)
+
+# A memory tier may take a save every step: promoting each to the durable store would
+# put the durable tier's cost back on every step. Every 10th is promoted by default;
+# memory is lost with the node, so a cold restart loses at most this many saves.
+MEMORY_DURABLE_EVERY = 10
 
 
 class PromotionWarning(RuntimeWarning):
@@ -73,7 +85,130 @@ class PromotionWarning(RuntimeWarning):
 
 
 class TierFallbackWarning(UserWarning):
-    """A step's local copy could not be loaded; its durable copy was."""
+    """A step's copy in one tier (memory, local) could not be loaded; the next tier's was."""
+
+
+class MemoryFullWarning(RuntimeWarning):
+    """A save would pass the memory tier's budget: it went to the durable tier instead."""
+
+
+def memory_place(memory, local, local_shared) -> tuple[str | None, object]:
+    """Where a Store's memory tier lies, and its ``local_shared``: ``memory="auto"`` is
+    ``$CKPTSTORE_MEMORY_DIR`` when ``ckptstore run --in-job`` set it, else none (the same
+    program under torchrun); a path is itself; None is none. ``"auto"`` on several nodes
+    without ``local_shared`` keeps its commit records in the in-job store
+    (:func:`in_job_records`). Refused: a memory tier together with ``local=`` (a chain
+    of three tiers is not built)."""
+    if memory is None:
+        return None, local_shared
+    if local is not None:  # (refused under any launcher alike, "auto" too: the program must not change)
+        raise ValueError(f"memory= ({os.fspath(memory)}) and local= ({os.fspath(local)}) together would make three "
+                         "tiers, which are not built: give one of them (the memory tier takes the local tier's "
+                         "place, and promotes to the durable store itself)")
+    if isinstance(memory, str) and memory == "auto":
+        memory = os.environ.get(injob.ENV_MEMORY_DIR) or None
+        if memory is None:
+            return None, local_shared
+        world, local_world = os.environ.get("WORLD_SIZE"), os.environ.get("LOCAL_WORLD_SIZE")
+        if local_shared is None and world and local_world and world != local_world:
+            local_shared = in_job_records(world, local_world)
+    return (os.fspath(memory) if not isinstance(memory, str) else memory), local_shared
+
+
+def in_job_records(world: str, local_world: str) -> Storage:
+    """Where a memory tier on several nodes keeps its commit records when the program
+    named no ``local_shared``: the in-job store (storage/c10d.py), which every rank of
+    the attempt reaches. ValueError outside in-job mode."""
+    address, prefix = os.environ.get(injob.ENV_STORE), os.environ.get(injob.ENV_PREFIX)
+    if not (address and prefix):
+        raise ValueError(f"memory=\"auto\" on several nodes (WORLD_SIZE={world}, LOCAL_WORLD_SIZE={local_world}) "
+                         f"without the in-job store ({injob.ENV_STORE}) needs local_shared=, a location every "
+                         "rank shares, for the memory tier's commit records (each node's tmpfs holds only its "
+                         "own ranks' files); see docs/tiers.md")
+    from .storage.c10d import C10dStorage
+
+    try:
+        client = injob.attempt_store(injob.connect(address, RoundFence.CONNECT_TIMEOUT_S), prefix)
+    except Exception as e:
+        raise StorageError(f"the in-job store at {address}, where a memory tier on several nodes keeps its commit "
+                           f"records, cannot be reached ({type(e).__name__}: {e})") from e
+    return C10dStorage(client, "mem/", f"{address}/{prefix}")
+
+
+def memory_budget_of(budget) -> int | None:
+    """The memory tier's byte budget: ``budget``, else ``$CKPTSTORE_MEMORY_BUDGET``, else none."""
+    if budget is None:
+        text = os.environ.get(injob.ENV_MEMORY_BUDGET, "").strip()
+        if not text:
+            return None
+        try:
+            budget = int(text)
+        except ValueError:
+            raise ValueError(f"{injob.ENV_MEMORY_BUDGET}={text!r} is not a number of bytes") from None
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+        raise ValueError(f"memory_budget must be an int of bytes >= 0, got {budget!r}")
+    return budget
+
+
+def directory_usage(root: str) -> int:
+    """The bytes the files under ``root`` hold (allocated blocks: tmpfs's own measure)."""
+    total = 0
+    for base, _, files in os.walk(root):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(base, name)).st_blocks * 512
+            except OSError:
+                pass  # (a file retired meanwhile)
+    return total
+
+
+def state_bytes(state) -> int:
+    """What a save of ``state`` writes on this rank, about: its tensors' bytes (a
+    DTensor's local shard), before compression."""
+    total = 0
+    for t in tensors_in(state):
+        t = t._local_tensor if _is_dtensor(t) else t
+        total += t.numel() * t.element_size()
+    return total
+
+
+class RoundFence:
+    """The in-job round fence of a memory tier (docs/design/in-job-restart.md 7.3): its
+    committer checks that the in-job store's ``fence`` is the round its save began in.
+    The client of the in-job store is connected on first use, one per process."""
+
+    CONNECT_TIMEOUT_S = 30.0
+
+    def __init__(self, address: str, prefix: str):
+        self.address, self.prefix = address, prefix
+        self._store = None
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_env(cls) -> "RoundFence | None":
+        address, prefix = os.environ.get(injob.ENV_STORE), os.environ.get(injob.ENV_PREFIX)
+        return cls(address, prefix) if address and prefix else None
+
+    @staticmethod
+    def current_round() -> int:
+        try:
+            return int(os.environ.get(injob.ENV_ROUND) or 0)
+        except ValueError:
+            return 0
+
+    def check(self, round_: int) -> None:
+        with self._lock:  # (one client serialises its requests anyway)
+            try:
+                if self._store is None:
+                    self._store = injob.attempt_store(injob.connect(self.address, self.CONNECT_TIMEOUT_S),
+                                                      self.prefix)
+                check_round_fence(self._store, round_)
+            except CommitError:
+                raise
+            except Exception as e:  # (torch's DistStoreError, a refused connection)
+                raise CommitError(f"the in-job store at {self.address}, which holds the round fence, cannot be "
+                                  f"read ({type(e).__name__}: {e}): the job is ending or its agent is gone; this "
+                                  "memory-tier save was not committed") from e
 
 
 # What makes one tier's copy of a step unusable while another's may be sound: its bytes
@@ -87,18 +222,34 @@ class UpperTier:
     """The role of a Store serving as a tier above the durable one: the Store asks it
     for the fence of its commits and retention, and for the steps its retention must
     keep for the tiers below it. ``name``: the tier's name in ``LoadInfo.tier`` and
-    ``Store.tiers_of`` ("local")."""
+    ``Store.tiers_of`` ("memory", "local"). ``rounds``: a memory tier's in-job round
+    fence, which its commits check instead of the durable tier's epochs."""
 
-    def __init__(self, name: str, durable: Storage, kept: Callable[[], set[int]]):
+    def __init__(self, name: str, durable: Storage, kept: Callable[[], set[int]],
+                 rounds: RoundFence | None = None):
         self.name = name
         self.durable = durable  # where the run's epochs are claimed
         self._kept = kept
+        self.rounds = rounds
+
+    def commit_fence(self, url: str, epoch: int | None):
+        """What a save's committer calls before the manifest (None: nothing): under
+        in-job recovery the round fence of the round the save begins in (no durable-store
+        read on every memory commit), else the durable tier's epochs."""
+        if self.rounds is not None:
+            return functools.partial(self.rounds.check, self.rounds.current_round())
+        return None if epoch is None else functools.partial(self.fence, url, epoch)
 
     def fence(self, url: str, epoch: int) -> bool:
         """FencedError when a newer run claimed the store. An upper tier's runs are
         claimed on the durable tier: when that cannot be read (an S3 outage) the tier's
         commit goes on, with a warning (False), since the tier is what keeps training
-        checkpointed through the outage; its promotion checks again on the durable tier."""
+        checkpointed through the outage; its promotion checks again on the durable tier.
+        A memory tier under in-job recovery checks its round instead (no durable-store
+        request after every memory commit)."""
+        if self.rounds is not None:
+            self.rounds.check(self.rounds.current_round())
+            return True
         try:
             check_fence(self.durable, epoch)
         except FencedError:
@@ -123,24 +274,37 @@ class Tiers:
 
     def __init__(self, durable, local, *, durable_every: int, local_keep: Retention | None,
                  promote_bandwidth: float | None, commit_timeout: float, local_shared=None,
-                 storage_options: dict | None = None):
+                 storage_options: dict | None = None, name: str = "local", budget: int | None = None):
         if isinstance(durable_every, bool) or not isinstance(durable_every, int) or durable_every < 1:
             raise ValueError(f"durable_every must be an int >= 1, got {durable_every!r}")
         url = os.fspath(local) if not isinstance(local, str) else local
-        places = {"the local tier": open_storage(url), "the durable store": durable.storage}
-        if local_shared is not None:
+        if name == "memory" and parse_location(url)[0] is None:
+            os.makedirs(url, mode=0o700, exist_ok=True)  # (the agent made it; an explicit path may not exist)
+        tier = f"the {name} tier"
+        places = {tier: open_storage(url), "the durable store": durable.storage}
+        if isinstance(local_shared, Storage):  # (a memory tier's records in the in-job store)
+            places["local_shared"] = local_shared
+        elif local_shared is not None:
             s3 = parse_location(local_shared)[0] == "s3"  # storage_options are S3's (the URL rule: urls.py)
             places["local_shared"] = open_storage(local_shared, **((storage_options or {}) if s3 else {}))
-        check_places(places, durable.process_group)  # no two overlap; each local place bound to this durable store
-        storage = places["the local tier"]
+        if name == "memory" and RoundFence.current_round() > 0 and bound_before(places, durable.storage):
+            refuse_overlaps(places)  # (round 0 bound them: no durable-store read on a recovery's path)
+        else:
+            check_places(places, durable.process_group)  # no two overlap; each local place bound to this durable store
+        storage = places[tier]
+        self.data_root = url  # (the memory tier's budget counts this node's directory)
         if local_shared is not None:
             storage = SplitStorage(places["local_shared"], storage)
-        self.durable, self.durable_every = durable, durable_every
-        role = UpperTier("local", durable.storage, self._promoting)
-        self.local = durable.upper_tier(url, storage, role,
-                                        keep=local_keep if local_keep is not None else Retention(last=2))
+        self.durable, self.durable_every, self.name, self.budget = durable, durable_every, name, budget
+        role = UpperTier(name, durable.storage, self._promoting,
+                         rounds=RoundFence.from_env() if name == "memory" else None)
+        default_keep = Retention(last=1) if name == "memory" else Retention(last=2)
+        self.upper = durable.upper_tier(url, storage, role, keep=local_keep if local_keep is not None else default_keep)
+        self.local = self.upper  # (the name this module's code uses for the tier above the durable one)
         self.promoter = Promoter(self.local, durable, promote_bandwidth, commit_timeout)
-        self.chain = [("local", self.local), ("durable", durable)]
+        self.chain = [(name, self.local), ("durable", durable)]
+        self.full = False  # the last save skipped the memory tier (over its budget)
+        self._warned_full = False
         self._saves = 0  # this process's saves, counted on from the run's (saves_since_durable)
         self._committed_here: set[str] = set()  # local attempts this process saw commit (sweep_own_data)
         self._sweeping = threading.Lock()
@@ -153,9 +317,49 @@ class Tiers:
         """The steps committed in the tiers above the durable one."""
         return {step for _, tier in self.chain[:-1] for step in tier.steps()}
 
+    def steps(self) -> list[int]:
+        """The steps any tier holds committed. While the durable tier cannot be listed
+        (an outage, a store made unreadable) the upper tier's steps are those, with a
+        warning: the upper tier is what restores without the durable store."""
+        upper = self.upper_steps()
+        try:
+            durable = self.durable.committed_steps()
+        except CkptStoreError as e:
+            if not upper:
+                raise
+            warnings.warn(f"{self.durable.url}: the durable tier cannot be listed ({e}); the steps of the "
+                          f"{self.name} tier alone are listed", RuntimeWarning, stacklevel=3)
+            durable = []
+        return sorted(set(durable) | upper)
+
     def holders(self, step: int) -> list[tuple[str, object]]:
-        """``(name, Store)`` of the tiers holding ``step`` committed, in load order."""
-        return [(name, tier) for name, tier in self.chain if generations(tier.location(step))]
+        """``(name, Store)`` of the tiers holding ``step`` committed, in load order (a
+        tier that cannot be listed is left out when another holds the step)."""
+        found, error = [], None
+        for name, tier in self.chain:
+            try:
+                if generations(tier.location(step)):
+                    found.append((name, tier))
+            except CkptStoreError as e:
+                error = e
+        if error is not None and not found:
+            raise error
+        return found
+
+    def load_order(self, step: int) -> list[tuple[str, object]]:
+        """Where a load of ``step`` looks, in order: the upper tiers holding it
+        committed, then the durable tier without listing it (its load lists the location
+        itself, as a one-tier store's does). So a load that an upper tier serves never
+        touches the durable store: an in-job recovery restores from memory without a
+        request to S3."""
+        found = []
+        for name, tier in self.chain[:-1]:
+            try:
+                if generations(tier.location(step)):
+                    found.append((name, tier))
+            except CkptStoreError:
+                pass  # (that tier cannot be listed: the next one is tried)
+        return found + [self.chain[-1]]
 
     def save(self, step: int, state, metrics, replicated, durable: bool, stream) -> SaveFuture:
         """``Store.save`` of a store with tiers: the local tier's save (its future), and
@@ -173,6 +377,9 @@ class Tiers:
                                  f"{', ...' if len(hosts) > 4 else ''}) needs local_shared=, a location every "
                                  "rank shares; see docs/tiers.md")
             self._one_node = True
+        if self.budget is not None and not self._fits(state, group, world):
+            return self._skip_upper(step, state, metrics, replicated, stream)
+        self.full = False
         epoch = self.durable.epoch
         self.local.epoch = epoch
         if self._saves == 0:  # this process's first: count on from the saves since the newest durable step
@@ -185,6 +392,31 @@ class Tiers:
             fence = None if epoch is None else functools.partial(check_fence, self.durable.storage, epoch)
             self.promoter.schedule(future, rank, world, fence, first=durable)
         return future
+
+    def _fits(self, state, group, world: int) -> bool:
+        """Whether this save fits the memory tier's budget on every rank: the node
+        directory's usage plus the node's saves, about (this rank's times the ranks on
+        the node, ``LOCAL_WORLD_SIZE``: they check at once, before any of them writes);
+        any rank over it: all skip alike, as the tier's commit needs every rank's vote.
+        A collective when world > 1."""
+        try:
+            on_node = max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
+            over = directory_usage(self.data_root) + on_node * state_bytes(state) > self.budget
+        except Exception:  # (judging the budget must never fail the step)
+            over = False
+        return not (any(gather(over, group)) if world > 1 else over)
+
+    def _skip_upper(self, step: int, state, metrics, replicated, stream) -> SaveFuture:
+        """A save over the memory tier's budget: to the durable tier directly (the
+        training step goes on), one warning per process."""
+        self.full = True
+        if not self._warned_full:
+            self._warned_full = True
+            warnings.warn(f"{self.local.url}: the memory tier's budget ({self.budget} bytes) would be passed by the "
+                          f"save of step {step}; it goes to the durable tier ({self.durable.url}) instead, as do "
+                          "later saves while the budget is passed (raise CKPTSTORE_MEMORY_BUDGET or memory_budget=, "
+                          "or make the state smaller)", MemoryFullWarning, stacklevel=4)
+        return self.durable.save_here(step, state, metrics, replicated=replicated, stream=stream)
 
     def saves_since_durable(self) -> int:
         """Local steps newer than the durable tier's newest, at most ``durable_every`` - 1:
@@ -208,7 +440,13 @@ class Tiers:
             return  # only after a commit: a failed save's files are gc's rule (grace) to judge
         self._committed_here.add(future.attempt)
         if self._sweeping.acquire(blocking=False):
-            threading.Thread(target=self._sweep, args=(rank,), name="ckptstore-sweep", daemon=True).start()
+            with _SWEEPS_LOCK:
+                if _EXITING:  # (the interpreter is ending: the next start sweeps)
+                    self._sweeping.release()
+                    return
+                sweeper = threading.Thread(target=self._sweep, args=(rank,), name="ckptstore-sweep", daemon=True)
+                sweeper.start()
+                _SWEEPS.add(sweeper)
 
     def _sweep(self, rank: int) -> None:
         try:
@@ -222,6 +460,28 @@ class Tiers:
             self._sweeping.release()
 
 
+# The sweeps running now. At exit each is given a moment to end: a daemon thread still
+# inside a call to a TCPStore (a memory tier's records in the in-job store) when the
+# interpreter ends aborts the process (std::terminate), and the supervisor would take
+# a finished worker for a crashed one.
+# No sweep starts once the exit has begun.
+_SWEEPS: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
+_SWEEPS_LOCK = threading.Lock()
+_EXITING = False
+SWEEP_EXIT_WAIT_S = 10.0
+
+
+@atexit.register
+def _let_sweeps_end() -> None:
+    global _EXITING
+    with _SWEEPS_LOCK:
+        _EXITING = True
+        sweeps = list(_SWEEPS)
+    deadline = time.monotonic() + SWEEP_EXIT_WAIT_S
+    for sweeper in sweeps:
+        sweeper.join(max(0.0, deadline - time.monotonic()))
+
+
 def load_first(holders: list, step: int, reading, load_copy):
     """(object, LoadInfo) of ``step`` from the first of ``holders`` (``(tier name,
     Store)`` in load order) whose copy ``load_copy(location)`` loads, with the tier
@@ -229,16 +489,24 @@ def load_first(holders: list, step: int, reading, load_copy):
     with a warning; one whose manifest was retired under the load (``reading``, a
     checkpoint.load.Reading) is not a bad copy: its error is raised, and the load
     starts again from the listing (checkpoint.load.with_reloads)."""
+    first_fault = None
     for i, (tier, store) in enumerate(holders):
         try:
             obj, info = load_copy(store.location(step))
         except _NOT_COPY_FAULTS:
             raise
         except _COPY_FAULTS as e:
-            if i == len(holders) - 1 or reading.retired():
+            last = i == len(holders) - 1
+            if (last and first_fault is not None and isinstance(e, (CheckpointNotFoundError, NotCommittedError))
+                    and not reading.retired()):
+                # The durable tier is tried unlisted (Tiers.load_order): when it holds no
+                # copy, the bad upper copy's fault is the one to report.
+                raise first_fault from None
+            if last or reading.retired():
                 raise
+            first_fault = first_fault or e
             warnings.warn(f"{store.location(step).describe()}: the {tier} copy of step {step} cannot be "
-                          f"loaded ({type(e).__name__}: {e}); loading the {holders[i + 1][0]} copy",
+                          f"loaded ({type(e).__name__}: {e}); trying the {holders[i + 1][0]} copy",
                           TierFallbackWarning, stacklevel=5)
             continue
         return obj, dataclasses.replace(info, tier=tier)
@@ -408,6 +676,23 @@ def check_places(places: dict[str, Storage], group=None) -> None:
     for what, place in places.items():
         if place is not durable:
             bind_local_tier(place, durable, what, create=create)
+
+
+def bound_before(places: dict[str, Storage], durable: Storage) -> bool:
+    """Whether every place but ``durable`` holds a binding that names ``durable`` (by
+    its location; the ids were compared when it was made). An in-job round after the
+    first opens the memory tier its round 0 bound, and need not read the durable
+    store's id again on the way to its restore."""
+    for place in places.values():
+        if place is durable:
+            continue
+        try:
+            found = _create_or_read(place, names.TIER_BINDING_NAME, None, "tier binding")
+        except (CkptStoreError, OSError):
+            return False
+        if not found or found.get("durable") != durable.describe():
+            return False
+    return True
 
 
 def refuse_overlaps(places: dict[str, Storage]) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import signal
 import statistics
 from collections import deque
@@ -36,6 +37,7 @@ from .rng import rng_state, set_rng_state
 from .storage import Storage
 from .supervisor.progress import STEP_WINDOW, ProgressReporter, guard_worker
 from .supervisor.status import PRIOR_MTBF_S, status, young_daly
+from .supervisor.injob import ENV_ROUND
 
 PROGRESS_EVERY = 10.0  # seconds between progress records (each is one small PUT)
 
@@ -128,8 +130,10 @@ class Checkpointer:
             self._mtbf_s = _journal_mtbf(self.store.storage)
         template = self._state_dict()
         sharded = any(_is_dtensor(t) for t in tensors_in(template))
+        # An in-job recovery's round (> 0) claims no durable epoch: the memory tier's
+        # commits are fenced by the round instead (docs/design/in-job-restart.md 7.3).
         state, info = self.store.resume(template if sharded else None, map_location=self.map_location,
-                                        validate=self.validate, claim=True)
+                                        validate=self.validate, claim=_injob_round() == 0)
         self.info = info
         if self._reporter is not None:
             self._reporter.note_longest("resume", time.monotonic() - began)
@@ -210,7 +214,7 @@ class Checkpointer:
         self._save_blocking_s = time.monotonic() - began
         if self._reporter is not None:
             self._reporter.note_longest("save", self._save_blocking_s)
-        self._report("train", step, section="step")
+        self._report("train", step, section="step", memory_full=self.store.memory_full)
         if self._reporter is not None:  # where the next attempt resumes (a local tier's commit too)
             reporter = self._reporter
 
@@ -376,6 +380,14 @@ def write_progress(storage: Storage, step: int) -> None:
         storage.put(names.PROGRESS_NAME, json.dumps(record).encode())
     except Exception:
         pass
+
+
+def _injob_round() -> int:
+    """The in-job recovery round this process runs in (0 outside ``ckptstore run --in-job``)."""
+    try:
+        return int(os.environ.get(ENV_ROUND) or 0)
+    except ValueError:
+        return 0
 
 
 def _journal_mtbf(storage: Storage) -> float:

@@ -22,6 +22,29 @@ from ckptstore.storage import LocalStorage, ObjectInfo, ReadHints, Storage
 N_THREADS = 8
 
 
+@pytest.fixture(params=sorted(__import__("conftest").STORAGE_BACKENDS) + ["c10d-hash", "c10d-tcp"])
+def storage(request, tmp_path):
+    """conftest's backends, and the storage over a torch.distributed store that holds a
+    memory tier's commit records (storage/c10d.py; objects of at most 1 MiB, so not a
+    backend of whole checkpoints: tests/test_backends_checkpoint.py leaves it out)."""
+    if not request.param.startswith("c10d"):
+        yield __import__("conftest").STORAGE_BACKENDS[request.param](request, tmp_path)
+        return
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from ckptstore.storage.c10d import C10dStorage
+
+    if request.param == "c10d-hash":
+        yield C10dStorage(dist.HashStore(), "mem/", "hash")
+        return
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30))
+    client = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=30))
+    yield C10dStorage(dist.PrefixStore("ckptstore/run/0", client), "mem/", f"127.0.0.1:{server.port}")
+    del client, server
+
+
 def run_threads(n: int, target) -> list:
     """Run target(i) on n threads released together; returns results (or exceptions)."""
     barrier = threading.Barrier(n)

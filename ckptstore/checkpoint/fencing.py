@@ -58,3 +58,23 @@ def check_fence(storage: Storage, epoch: int | None) -> None:
         raise FencedError(f"{storage.describe()}: a newer run (epoch {claimed[-1]}) has claimed this store; "
                           f"this run (epoch {epoch}) may no longer commit (an orphaned worker of an older "
                           "launch?); nothing was committed")
+
+
+def check_round_fence(store, round_: int) -> None:
+    """Raise :class:`FencedError` unless the in-job store's ``fence`` (the current round
+    of in-job recovery, set by the leader agent: supervisor/injob.py) is ``round_``.
+
+    The memory tier's committer calls it just before the manifest instead of claiming a
+    durable epoch per round (docs/design/in-job-restart.md, section 7.3): a hung rank of
+    an older round that wakes up cannot commit to the memory tier the survivors of a
+    newer round restore from. Before the leader first sets it (round 0 only) there is
+    nothing to be fenced off."""
+    from ..supervisor import injob  # (imports nothing of the package)
+
+    current = injob.fence(store)
+    if current is None and round_ == 0:
+        return
+    if current != round_:
+        raise FencedError(f"in-job round {round_} may no longer commit to the memory tier: the job is in round "
+                          f"{current if current is not None else '(none: the fence is unset)'} now (a rank of a "
+                          "failed round that kept running?); nothing was committed")

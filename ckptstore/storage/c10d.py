@@ -1,0 +1,225 @@
+"""A storage of small objects over a ``torch.distributed.Store`` (the in-job TCPStore,
+or a ``HashStore`` in one process): where a memory tier on several nodes keeps its
+commit records (votes, heartbeats, abort markers, manifests), the data files staying in
+each node's tmpfs (storage/split.py). Design: docs/design/in-job-restart.md, 5.2.
+
+Layout under the root ``<prefix>``: ``<prefix>o/<key>`` holds an object (a header of
+magic, nonce and mtime, then its bytes); ``<prefix>i/<dir>`` is the index of a
+directory, its children's names appended one by one, each ended by a NUL (a byte no key
+may hold: storage/base.check_key). Reads never block: a key is read with
+``compare_set(key, PROBE, PROBE)``, which returns PROBE for a missing key and the value
+unchanged for any other (``get`` would wait for a missing key until the store's
+timeout). Create-only puts are ``compare_set(key, "", value)``: won iff the value
+returned is ours (every value carries a random nonce, so no two writers' are equal).
+Objects are capped at :data:`MAX_OBJECT_BYTES`; an index only grows (a deleted object's
+name stays in it, and listings leave it out), which suits the few hundred records of a
+job's memory tier.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import threading
+import time
+from typing import Iterator
+
+from ..errors import AlreadyExistsError, ObjectNotFoundError, ObjectTooLargeError, StorageError, TruncatedObjectError
+from .base import AppendWriter, ObjectInfo, ReadHints, Storage
+
+MAX_OBJECT_BYTES = 1 << 20
+_MAGIC = b"CK1"
+_HEADER = struct.Struct("<3s8sd")  # magic, nonce, mtime
+PROBE = b"\x00probe"  # never a value of ours: every one starts with _MAGIC
+SEP = "\0"
+
+
+class C10dStorage(Storage):
+    """Objects in ``store`` (a ``torch.distributed.Store``) under ``prefix``."""
+
+    # A read is one request for the whole object (at most 1 MiB): coalesce as memory does.
+    read_hints = ReadHints(256 << 10, 0, MAX_OBJECT_BYTES)
+
+    def __init__(self, store, prefix: str = "", name: str = "store", _root: str = "", _lock=None):
+        self._store = store
+        self._prefix = prefix  # the store's key prefix of this storage's objects and indexes
+        self._root = _root  # this view's root below it ("" or "a/b")
+        self._name = name
+        self._lock = _lock if _lock is not None else threading.Lock()  # (one client serialises anyway)
+        self.url = f"c10d://{name}/{prefix}{_root}".rstrip("/")
+
+    # ------------------------------------------------------------------ keys
+    def _full(self, key: str) -> str:
+        return f"{self._root}/{key}" if self._root and key else (self._root or key)
+
+    def _obj(self, full: str) -> str:
+        return f"{self._prefix}o/{full}"
+
+    def _idx(self, full_dir: str) -> str:
+        return f"{self._prefix}i/{full_dir}"
+
+    def _view(self, root: str) -> "C10dStorage":
+        return C10dStorage(self._store, self._prefix, self._name, root, self._lock)
+
+    def child(self, prefix: str) -> "C10dStorage":
+        return self._view(self._full(self._check(prefix, prefix=True)))
+
+    def sibling(self, name: str) -> "C10dStorage":
+        if not self._root:
+            return super().sibling(name)
+        parent = self._root.rsplit("/", 1)[0] if "/" in self._root else ""
+        return self._view(parent).child(name)
+
+    # ------------------------------------------------------------------ raw access
+    def _raw(self, full: str) -> bytes | None:
+        """The stored value of ``full``, or None: a non-blocking read."""
+        try:
+            with self._lock:
+                value = self._store.compare_set(self._obj(full), PROBE, PROBE)
+        except Exception as e:  # (torch's DistStoreError: the store is gone)
+            raise StorageError(f"{self.describe()}: the store cannot be read ({type(e).__name__}: {e})") from e
+        return None if value == PROBE else bytes(value)
+
+    def _value(self, data: bytes) -> bytes:
+        if len(data) > MAX_OBJECT_BYTES:
+            raise ObjectTooLargeError(f"{self.url}: an object of {len(data)} bytes; this store holds at most "
+                                      f"{MAX_OBJECT_BYTES} (commit records only: data files go elsewhere)")
+        return _HEADER.pack(_MAGIC, os.urandom(8), time.time()) + data
+
+    def _index(self, full: str) -> None:
+        """Name ``full`` in its directory's index, and each directory above it in its
+        parent's, until one was indexed already (its index key existed)."""
+        parts = full.split("/")
+        for depth in range(len(parts) - 1, -1, -1):
+            directory, name = "/".join(parts[:depth]), parts[depth] + ("/" if depth < len(parts) - 1 else "")
+            key = self._idx(directory)
+            with self._lock:
+                existed = self._store.check([key])
+                self._store.append(key, name + SEP)
+            if existed:
+                return
+
+    def _names(self, full_dir: str) -> list[str]:
+        try:
+            with self._lock:
+                value = self._store.compare_set(self._idx(full_dir), PROBE, PROBE)
+        except Exception as e:
+            raise StorageError(f"{self.describe()}: the store cannot be read ({type(e).__name__}: {e})") from e
+        if value == PROBE:
+            return []
+        return sorted({n for n in bytes(value).decode().split(SEP) if n})
+
+    # ------------------------------------------------------------------ the contract
+    def put(self, key: str, data, *, if_absent: bool = False) -> None:
+        full = self._full(self._check(key))
+        value = self._value(bytes(memoryview(data).cast("B")) if not isinstance(data, bytes) else data)
+        try:
+            with self._lock:
+                if if_absent:
+                    held = self._store.compare_set(self._obj(full), b"", value)
+                else:
+                    self._store.set(self._obj(full), value)
+                    held = value
+        except Exception as e:
+            raise StorageError(f"{self.describe(key)}: the store cannot be written ({type(e).__name__}: {e})") from e
+        if bytes(held) != value:
+            raise AlreadyExistsError(f"{self.describe(key)}: already exists")
+        self._index(full)
+
+    def open_append(self, key: str, *, size_hint: int | None = None, writers: int = 1) -> AppendWriter:
+        self.put(key, b"", if_absent=True)  # (never an existing key; empty while it is written)
+        return _AppendWriter(self, key)
+
+    def _get(self, key: str) -> bytes:
+        self._check(key)
+        raw = self._raw(self._full(key))
+        if raw is None:
+            raise ObjectNotFoundError(f"{self.describe(key)}: not found")
+        return raw
+
+    def readinto(self, key: str, offset: int, out: memoryview, on_piece=None) -> None:
+        data = memoryview(self._get(key))[_HEADER.size:]
+        if offset + len(out) > len(data):
+            raise TruncatedObjectError(f"{self.describe(key)}: short read, wanted {len(out)} bytes at offset "
+                                       f"{offset}, object holds {len(data)}")
+        out[:] = data[offset:offset + len(out)]
+        if on_piece is not None:
+            on_piece(out)
+
+    def stat(self, key: str) -> ObjectInfo:
+        raw = self._get(key)
+        _, _, mtime = _HEADER.unpack_from(raw)
+        return ObjectInfo(key, len(raw) - _HEADER.size, mtime)
+
+    def delete(self, key: str) -> None:
+        full = self._full(self._check(key))
+        try:
+            with self._lock:
+                self._store.delete_key(self._obj(full))
+        except Exception as e:
+            raise StorageError(f"{self.describe(key)}: the store cannot be written ({type(e).__name__}: {e})") from e
+
+    def list(self, prefix: str = "") -> list[str]:
+        base = self._full(self._check(prefix, prefix=True))
+        out = []
+        for name in self._names(base):
+            full = f"{base}/{name}" if base else name
+            if name.endswith("/"):
+                if self._holds_any(full.rstrip("/")):
+                    out.append(name)
+            elif self._raw(full) is not None:
+                out.append(name)
+        return out
+
+    def _holds_any(self, full_dir: str) -> bool:
+        for name in self._names(full_dir):
+            full = f"{full_dir}/{name}"
+            if self._holds_any(full.rstrip("/")) if name.endswith("/") else self._raw(full) is not None:
+                return True
+        return False
+
+    def walk(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        base = self._full(self._check(prefix, prefix=True))  # checked now, not at the first next()
+        found = []
+        mine = f"{self._root}/" if self._root else ""
+        stack = [base]
+        while stack:
+            directory = stack.pop()
+            for name in self._names(directory):
+                full = f"{directory}/{name}" if directory else name
+                if name.endswith("/"):
+                    stack.append(full.rstrip("/"))
+                    continue
+                raw = self._raw(full)
+                if raw is not None:
+                    found.append(ObjectInfo(full[len(mine):], len(raw) - _HEADER.size,
+                                            _HEADER.unpack_from(raw)[2]))
+        return iter(sorted(found, key=lambda info: info.key))
+
+
+class _AppendWriter(AppendWriter):
+    def __init__(self, storage: C10dStorage, key: str):
+        self.key = key
+        self._storage = storage
+        self._buf = bytearray()
+        self._lock = threading.Lock()
+
+    def append(self, data) -> int:
+        with self._lock:
+            offset = len(self._buf)
+            self._buf += memoryview(data).cast("B")
+            if len(self._buf) > MAX_OBJECT_BYTES:
+                raise ObjectTooLargeError(f"{self._storage.describe(self.key)}: more than {MAX_OBJECT_BYTES} bytes "
+                                          "appended (commit records only: data files go elsewhere)")
+            return offset
+
+    def close(self) -> int:
+        with self._lock:
+            self._storage.put(self.key, bytes(self._buf))
+            return len(self._buf)
+
+    def abort(self) -> None:
+        try:
+            self._storage.delete(self.key)
+        except Exception:
+            pass
