@@ -1,0 +1,153 @@
+"""bench/bench_goodput.py's pure parts, so that the bench cannot rot between the runs
+that take minutes: the progress-line parsing, the seeded fault schedule, the per-fault
+loss, the goodput arithmetic, the summary table, the detection of a mode this branch
+cannot run, and the commands each mode launches. No job is run here."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "bench"))
+import bench_goodput as bg  # noqa: E402
+
+
+def test_progress_lines_give_rank_step_and_pid_and_nothing_else_does():
+    assert bg.parse_step("rank 1: step 42 pid 31337\n") == (1, 42, 31337)
+    for other in ("rank 1: committed step 40", "rank 0: first step 3.10s after start", "rank 1: step 4 pid",
+                  "[1] rank 1: step 4 pid 9", "rank 1: step 4 pid 9 extra", "rank x: step 4 pid 9"):
+        assert bg.parse_step(other) is None, other
+
+
+def test_the_schedule_is_a_fixed_grid_from_the_first_step_with_the_same_targets_for_every_mode():
+    a, b = bg.Schedule("kill", 7, 12.0), bg.Schedule("kill", 7, 12.0)
+    assert a.due(1e9) is None and a.next_t() is None  # nothing before the first step
+    a.start(100.0)
+    a.start(105.0)  # the first step's time is kept
+    assert a.next_t() == 112.0 and a.due(111.9) is None
+    targets = []
+    for now in (112.0, 124.5, 136.0, 148.0, 160.0, 172.0, 184.0, 196.0):
+        t = a.due(now)
+        assert t in (0, 1)
+        targets.append(t)
+    assert a.next_t() == 100.0 + 9 * 12.0  # a late poll does not shift the grid
+    b.start(0.0)  # another mode, another start time: the same targets in the same order
+    assert [b.due(12.0 * (k + 1)) for k in range(8)] == targets
+    assert len(set(targets)) == 2  # both ranks are hit (seed 7)
+    c = bg.Schedule("kill", 8, 12.0)
+    c.start(0.0)
+    assert [c.due(12.0 * (k + 1)) for k in range(8)] != targets  # the seed matters
+
+
+def test_a_hang_is_one_tick_and_a_node_fault_takes_node_1():
+    h = bg.Schedule("hang", 0, 4.0)
+    h.start(0.0)
+    assert h.due(4.0) in (0, 1)
+    assert h.next_t() is None and h.due(1e9) is None
+    n = bg.Schedule("node", 0, 4.0)
+    n.start(0.0)
+    assert [n.due(4.0 * (k + 1)) for k in range(3)] == [1, 1, 1]
+    for bad in (("nope", 0, 1.0), ("kill", 0, 0.0)):
+        with pytest.raises(ValueError):
+            bg.Schedule(*bad)
+
+
+def test_each_faults_loss_is_the_delay_of_the_next_step_cut_at_the_next_fault():
+    # steps every 0.1 s up to step 9 at t=1.0; fault at 1.05; the job is back with step 10 at 4.1
+    steps = [(0.1 * (s + 1), s) for s in range(10)]
+    steps += [(3.0, 5), (3.5, 9), (4.1, 10), (4.2, 11)]  # redone 5..9 from the checkpoint, then new
+    out = bg.fault_losses([{"t": 1.05, "target": 1}], steps, 0.1)
+    assert out[0]["step_before"] == 9 and out[0]["recovered_t"] == 4.1 and not out[0]["cut"]
+    assert out[0]["lost_s"] == pytest.approx(4.1 - (1.0 + 0.1))
+    assert out[0]["target"] == 1  # the fault's own fields are kept
+    # a second fault at 3.2, before the job got past step 9: the first one's loss ends there
+    two = bg.fault_losses([{"t": 1.05}, {"t": 3.2}], steps, 0.1)
+    assert two[0]["cut"] and two[0]["lost_s"] == pytest.approx(3.2 - 1.1)
+    assert two[1]["step_before"] == 9 and two[1]["recovered_t"] == 4.1
+    # never back: no loss figure
+    assert bg.fault_losses([{"t": 1.05}], steps[:10], 0.1)[0]["lost_s"] is None
+
+
+def test_the_step_interval_is_the_median_gap_between_consecutive_steps():
+    assert bg.step_interval([(0.0, 0), (0.1, 1), (0.3, 2), (5.0, 0), (5.1, 1)]) == pytest.approx(0.1)
+    assert bg.step_interval([(0.0, 3)]) is None
+
+
+def test_goodput_and_loss_per_failure_follow_the_issues_definitions():
+    # issue 36's figures: 55 s without faults, 166 s with 8, 400 steps
+    base, ref = {"wall_s": 55.0, "steps": 400, "finished": True}, {"wall_s": 50.0, "steps": 400, "finished": True}
+    s = bg.scores({"wall_s": 166.0, "steps": 400, "finished": True, "failures": 8}, base, ref)
+    assert s["goodput"] == pytest.approx(55.0 / 166.0)
+    assert s["goodput_vs_torchrun"] == pytest.approx(50.0 / 166.0)
+    assert s["lost_per_failure_s"] == pytest.approx((166.0 - 55.0) / 8)
+    hung = bg.scores({"wall_s": 600.0, "steps": 120, "finished": False, "failures": 1}, base, ref)
+    assert hung == {"goodput": 0.0, "goodput_vs_torchrun": 0.0, "lost_per_failure_s": None}
+    none = bg.scores({"wall_s": 60.0, "steps": 400, "finished": True, "failures": 0}, None, None)
+    assert none == {"goodput": None, "goodput_vs_torchrun": None, "lost_per_failure_s": None}
+    assert bg.scores({"wall_s": 60.0, "steps": 400, "finished": True, "failures": 0}, base, None)[
+        "lost_per_failure_s"] is None  # no failure: no loss per failure
+
+
+def test_the_summary_takes_medians_over_repeats_and_the_table_says_what_failed():
+    runs = [
+        {"mode": "relaunch", "schedule": "baseline", "wall_s": 50.0},
+        {"mode": "relaunch", "schedule": "kill", "goodput": 0.3, "goodput_vs_torchrun": 0.28,
+         "lost_per_failure_s": 14.0, "failures": 8, "bit_identical": True,
+         "faults": [{"lost_s": 12.0}, {"lost_s": 16.0}, {"lost_s": None}]},
+        {"mode": "relaunch", "schedule": "kill", "goodput": 0.4, "goodput_vs_torchrun": 0.38,
+         "lost_per_failure_s": 12.0, "failures": 6, "bit_identical": True, "faults": [{"lost_s": 11.0}]},
+        {"mode": "torchrun", "schedule": "kill", "goodput": 0.0, "goodput_vs_torchrun": 0.0, "failures": 1,
+         "bit_identical": None, "note": "hung (killed after 600 s)", "faults": [{"lost_s": None}]},
+        {"mode": "in-job", "schedule": "kill", "unavailable": "ckptstore run has no --in-job"},
+    ]
+    rows = {(r["mode"], r["schedule"]): r for r in bg.summarize(runs)}
+    assert set(rows) == {("relaunch", "kill"), ("torchrun", "kill"), ("in-job", "kill")}  # no baseline row
+    rel = rows["relaunch", "kill"]
+    assert (rel["runs"], rel["goodput"], rel["lost_per_failure_s"], rel["failures"]) == (2, 0.35, 13.0, 7)
+    assert (rel["fault_lost_median_s"], rel["fault_lost_max_s"], rel["bit_identical"]) == (12.0, 16.0, True)
+    assert rows["torchrun", "kill"]["bit_identical"] is None
+    runs[2]["bit_identical"] = False
+    assert bg.summarize(runs)[0]["bit_identical"] is False  # one run off is "no"
+    text = bg.table(bg.summarize(runs)).splitlines()
+    assert len(text) == 2 + 3 and all(line.count("|") == text[0].count("|") for line in text)
+    assert "| relaunch | kill | 0.35 | 0.33 | 13.00 s | 12.00 / 16.00 s | 7 | **no** |" in text[2]
+    assert "hung (killed after 600 s)" in text[3] and text[3].split("|")[3].strip() == "0.00"
+    assert "unavailable: ckptstore run has no --in-job" in text[4]
+
+
+def test_an_option_or_value_the_launcher_does_not_know_is_recognised():
+    assert bg.unknown_option("x\n__main__.py: error: unrecognized arguments: --in-job --spares\n") \
+        == "__main__.py: error: unrecognized arguments: --in-job --spares"
+    assert bg.unknown_option("train.py: error: argument --every: invalid int value: 'auto'")
+    assert bg.unknown_option("rank 0: step 3 pid 9\nrank 0: done") is None
+
+
+def test_each_mode_is_one_command_with_its_options_and_every():
+    class A:
+        steps, step_delay, hidden, hang_timeout, ckptstore_args = 60, 0.1, 64, 5.0, "--backoff 0.01"
+    tr = bg.command(bg.MODES["torchrun"], A, "S", "F.pt", "kill")
+    assert tr[1:3] == ["-m", "torch.distributed.run"] and "--max-restarts" in tr and "--store" not in tr
+    assert tr[tr.index("--every") + 1] == "10" and tr[tr.index("--step-delay") + 1] == "0.1"
+    inj = bg.command(bg.MODES["in-job-auto"], A, "S", "F.pt", "hang")
+    i = inj.index(bg.EXAMPLE)
+    assert inj[1:4] == ["-m", "ckptstore.cli", "run"] and {"--in-job", "--spares", "--backoff"} <= set(inj[:i])
+    assert inj[inj.index("--hang-timeout") + 1] == "5" and inj[inj.index("--every") + 1] == "auto"
+    assert "--hang-timeout" not in bg.command(bg.MODES["relaunch"], A, "S", "F.pt", "kill")
+    node = bg.command(bg.MODES["relaunch"], A, "S", "F.pt", "node", node_rank=1, port=29999, run_id="r")
+    assert node[node.index("--node-rank") + 1] == "1" and "127.0.0.1:29999" in node and "--standalone" not in node
+    assert node[node.index("--run-id") + 1] == "r"
+
+
+def test_the_arguments_default_to_the_issues_workload_and_quick_shrinks_it():
+    full = bg.parse([])
+    assert (full.steps, full.kill_every, full.timeout, full.repeat) == (400, 12.0, 600.0, 1)
+    assert full.modes == list(bg.MODES) and full.schedule == ["kill"]
+    quick = bg.parse(["--quick", "--modes", "torchrun,relaunch", "--schedule", "kill,hang"])
+    assert (quick.steps, quick.kill_every, quick.timeout) == (60, 4.0, 180.0)
+    assert bg.parse(["--quick", "--steps", "30"]).steps == 30  # an explicit value wins
+    for bad in (["--modes", "nope"], ["--schedule", "flood"], ["--repeat", "0"]):
+        with pytest.raises(SystemExit):
+            bg.parse(bad)
