@@ -154,29 +154,34 @@ class Schedule:
         return self.rng.randrange(self.nranks)
 
 
-def fault_losses(faults: list[dict], steps: list[tuple[float, int]], interval: float) -> list[dict]:
-    """Each fault's cost as the bench sees it: ``faults`` ({"t"}, in time order), ``steps``
-    ((t, step) of every step line, in time order). For a fault at t with S the highest
-    step reported before it (at t_S): recovered at the first line after t with a step
-    above S; lost = recovered - (t_S + interval), the delay of step S+1 against an
-    uninterrupted run; cut at the next fault (``cut``: the job was hit again before it
-    got back; ``recovered`` None when it never did)."""
+def fault_losses(faults: list[dict], steps: list[tuple[float, int, int, int]], interval: float) -> list[dict]:
+    """Each fault's cost as the bench sees it. ``faults``: {"t", "hit": {rank: (pid, step,
+    t_step)}} in time order, ``hit`` the ranks the fault took down with the pid and the
+    newest step line each had then; ``steps``: (t, rank, step, pid) of every step line
+    in time order (a finished run adds one line per rank, step = the run's steps, pid -1,
+    at its end: a fault after the last step is over when the run is). A hit rank is back
+    at its first line after the fault from another pid (its replacement: a relaunched
+    process, a spare) with a step above the one it had reported; lost = the last hit
+    rank's return - (its step line + ``interval``), the delay of the step that would have
+    come next in an uninterrupted run (up to one step more when the rank had finished a
+    step it had not printed yet); cut at the next fault (``cut``: the job was hit again
+    before it was back; ``recovered_t`` None when it never was)."""
     out = []
     for i, f in enumerate(faults):
-        before = [(t, s) for t, s in steps if t <= f["t"]]
-        top = max((s for _, s in before), default=-1)
-        t_top = max((t for t, s in before if s == top), default=f["t"])
-        rec = next((t for t, s in steps if t > f["t"] and s > top), None)
+        back, due = [], []
+        for rank, (pid, step, t_step) in f["hit"].items():
+            back.append(next((t for t, r, s, p in steps if t > f["t"] and r == rank and p != pid and s > step), None))
+            due.append(t_step + interval)
+        rec = None if not back or None in back else max(back)
         nxt = faults[i + 1]["t"] if i + 1 < len(faults) else None
         cut = nxt is not None and (rec is None or rec > nxt)
         end = nxt if cut else rec
-        out.append({**f, "step_before": top, "recovered_t": rec, "cut": cut,
-                    "lost_s": None if end is None else max(0.0, end - (t_top + interval))})
+        out.append({**f, "recovered_t": rec, "cut": cut, "lost_s": None if end is None else max(0.0, end - min(due))})
     return out
 
 
 def step_interval(steps: list[tuple[float, int]]) -> float | None:
-    """The median time between consecutive steps (n, n+1) of one rank's lines."""
+    """The median time between consecutive steps (n, n+1) of one rank's lines ((t, step))."""
     gaps = [t1 - t0 for (t0, s0), (t1, s1) in zip(steps, steps[1:]) if s1 == s0 + 1]
     return statistics.median(gaps) if gaps else None
 
@@ -358,8 +363,8 @@ class Watch:
     def __init__(self):
         self.lock = threading.Lock()
         self.lines: list[tuple[float, int, str]] = []
-        self.newest: dict[int, tuple[int, int]] = {}  # rank -> (pid, launcher node)
-        self.steps: list[tuple[float, int]] = []
+        self.newest: dict[int, tuple[int, int, float, int]] = {}  # rank -> (pid, step, t, launcher node)
+        self.steps: list[tuple[float, int, int, int]] = []  # (t, rank, step, pid)
         self.rank0: list[tuple[float, int]] = []
         self.first_step_t: float | None = None
         self.seen: dict[int, float] = {}  # pid -> create_time
@@ -371,8 +376,8 @@ class Watch:
             self.lines.append((now, launch.node, line))
             if parsed:
                 rank, step, pid = parsed
-                self.newest[rank] = (pid, launch.node)
-                self.steps.append((now, step))
+                self.newest[rank] = (pid, step, now, launch.node)
+                self.steps.append((now, rank, step, pid))
                 if rank == 0:
                     self.rank0.append((now, step))
                 launch.stepped = True
@@ -389,7 +394,7 @@ class Watch:
 
     def max_step(self) -> int:
         with self.lock:
-            return max((s for _, s in self.steps), default=-1)
+            return max((s for _, _, s, _ in self.steps), default=-1)
 
     def text(self, last: int = 40) -> list[str]:
         with self.lock:
@@ -493,12 +498,13 @@ def run_one(mode: Mode, schedule: str, args, work: str, tag: str, faulted: bool)
     output = "\n".join(line for _, _, line in watch.lines)
     steps = watch.max_step() + 1
     finished = not timed_out and all(rc == 0 for rc in rcs)
-    losses = fault_losses(faults, watch.steps, args._interval.get(mode.name, args.step_delay))
+    ends = [(end, rank, args.steps, -1) for rank in range(NRANKS)] if finished else []
+    losses = fault_losses(faults, watch.steps + ends, args._interval.get(mode.name, args.step_delay))
     rec = {"mode": mode.name, "schedule": schedule if faulted else "baseline", "layout": "nodes" if nodes else "standalone",
            "cmd": cmds[0], "wall_s": end - t0, "rcs": rcs, "timed_out": timed_out, "finished": finished,
            "steps": steps, "failures": len(faults),
-           "faults": [{**f, "t": f["t"] - t0, "recovered_t": None if f["recovered_t"] is None else f["recovered_t"] - t0}
-                      for f in losses],
+           "faults": [{**f, "t": f["t"] - t0, "hit": {r: [p, st, ts - t0] for r, (p, st, ts) in f["hit"].items()},
+                       "recovered_t": None if f["recovered_t"] is None else f["recovered_t"] - t0} for f in losses],
            "skipped_ticks": skipped, "step_interval_s": step_interval(watch.rank0),
            "first_step_s": None if watch.first_step_t is None else watch.first_step_t - t0,
            "loadavg_start": load0, "loadavg_end": os.getloadavg(), "final": final if os.path.exists(final) else None,
@@ -524,10 +530,12 @@ def _deliver(schedule: str, target: int, watch: Watch, current: list[Launch], hi
         la = current[target]
         if la.proc.poll() is not None or not la.stepped:
             return None
+        with watch.lock:
+            ranks = {r: v[:3] for r, v in watch.newest.items() if v[3] == target}
         kill_tree(la)
-        return {"t": time.time(), "kind": "node", "target": target, "pid": la.proc.pid}
+        return {"t": time.time(), "kind": "node", "target": target, "pid": la.proc.pid, "hit": ranks}
     with watch.lock:
-        pid, _node = watch.newest.get(target, (None, None))
+        pid, step, t_step, _node = watch.newest.get(target, (None, None, None, None))
     if pid is None or pid in hit or not _live(pid, current):
         return None
     sig = signal.SIGSTOP if schedule == "hang" else signal.SIGKILL
@@ -536,7 +544,8 @@ def _deliver(schedule: str, target: int, watch: Watch, current: list[Launch], hi
     except ProcessLookupError:
         return None
     hit.add(pid)
-    return {"t": time.time(), "kind": "SIGSTOP" if schedule == "hang" else "SIGKILL", "target": target, "pid": pid}
+    return {"t": time.time(), "kind": "SIGSTOP" if schedule == "hang" else "SIGKILL", "target": target, "pid": pid,
+            "hit": {target: (pid, step, t_step)}}
 
 
 REC_FIELDS = ("round", "ranks", "class", "step", "restored_step", "lost_steps", "lost_s", "detect_s", "teardown_s",

@@ -55,20 +55,29 @@ def test_a_hang_is_one_tick_and_a_node_fault_takes_node_1():
             bg.Schedule(*bad)
 
 
-def test_each_faults_loss_is_the_delay_of_the_next_step_cut_at_the_next_fault():
-    # steps every 0.1 s up to step 9 at t=1.0; fault at 1.05; the job is back with step 10 at 4.1
-    steps = [(0.1 * (s + 1), s) for s in range(10)]
-    steps += [(3.0, 5), (3.5, 9), (4.1, 10), (4.2, 11)]  # redone 5..9 from the checkpoint, then new
-    out = bg.fault_losses([{"t": 1.05, "target": 1}], steps, 0.1)
-    assert out[0]["step_before"] == 9 and out[0]["recovered_t"] == 4.1 and not out[0]["cut"]
+def test_each_faults_loss_runs_until_the_hit_rank_is_back_from_another_pid_past_its_step():
+    # both ranks step every 0.1 s up to step 9 (t=1.0); rank 1 (pid 11) is killed at 1.05
+    # while rank 0 (pid 10) still prints step 10, which it had finished: not a recovery
+    steps = [(0.1 * (s + 1), r, s, 10 + r) for s in range(10) for r in (0, 1)]
+    steps += [(1.06, 0, 10, 10),
+              (3.0, 1, 5, 21), (3.5, 1, 9, 21), (3.6, 0, 9, 20),  # relaunched: steps 5..9 redone
+              (4.1, 0, 10, 20), (4.1, 1, 10, 21), (4.2, 1, 11, 21)]
+    out = bg.fault_losses([{"t": 1.05, "target": 1, "hit": {1: (11, 9, 1.0)}}], steps, 0.1)
+    assert out[0]["recovered_t"] == 4.1 and not out[0]["cut"] and out[0]["target"] == 1
     assert out[0]["lost_s"] == pytest.approx(4.1 - (1.0 + 0.1))
-    assert out[0]["target"] == 1  # the fault's own fields are kept
-    # a second fault at 3.2, before the job got past step 9: the first one's loss ends there
-    two = bg.fault_losses([{"t": 1.05}, {"t": 3.2}], steps, 0.1)
+    # in-job: the survivor keeps its pid, the spare (pid 30) takes rank 1 and goes on
+    injob = steps[:21] + [(1.4, 1, 10, 30), (1.4, 0, 11, 10)]
+    assert bg.fault_losses([{"t": 1.05, "hit": {1: (11, 9, 1.0)}}], injob, 0.1)[0]["recovered_t"] == 1.4
+    # a second fault at 3.2, before rank 1 was past step 9: the first one's loss ends there
+    two = bg.fault_losses([{"t": 1.05, "hit": {1: (11, 9, 1.0)}}, {"t": 3.2, "hit": {1: (21, 5, 3.0)}}], steps, 0.1)
     assert two[0]["cut"] and two[0]["lost_s"] == pytest.approx(3.2 - 1.1)
-    assert two[1]["step_before"] == 9 and two[1]["recovered_t"] == 4.1
-    # never back: no loss figure
-    assert bg.fault_losses([{"t": 1.05}], steps[:10], 0.1)[0]["lost_s"] is None
+    assert two[1]["recovered_t"] is None and two[1]["lost_s"] is None  # pid 21 was the one hit: never back
+    # a node: every rank it held must be back
+    node = bg.fault_losses([{"t": 1.05, "hit": {0: (10, 10, 1.06), 1: (11, 9, 1.0)}}], steps + [(4.2, 0, 11, 20)], 0.1)
+    assert node[0]["recovered_t"] == 4.2 and node[0]["lost_s"] == pytest.approx(4.2 - 1.1)
+    # after the last step: over when the run is (its end marker, pid -1)
+    last = bg.fault_losses([{"t": 1.05, "hit": {1: (11, 9, 1.0)}}], steps[:20] + [(7.0, 1, 10, -1)], 0.1)
+    assert last[0]["recovered_t"] == 7.0
 
 
 def test_the_step_interval_is_the_median_gap_between_consecutive_steps():
