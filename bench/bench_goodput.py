@@ -36,6 +36,10 @@ Fault schedules (``--schedule``, a comma list):
   ``--node-restart`` (default) a new launcher for node 1 starts at once (a replacement
   node). The baseline of this schedule is the mode's own two-node run without faults.
 
+No fault is delivered once a rank has reported the last step: a fault then tests the exit
+path (the final gather and save, the teardown), not a recovery, and a replacement node
+started then waits for a job that is over.
+
 Per run: wall time (the command's start to the exit of every launcher), steps, faults
 delivered (``failures``); ``goodput = steps x baseline s/step / wall`` (= the
 baseline's wall / this wall when the run finishes), and against the torchrun baseline
@@ -367,6 +371,7 @@ class Watch:
         self.steps: list[tuple[float, int, int, int]] = []  # (t, rank, step, pid)
         self.rank0: list[tuple[float, int]] = []
         self.first_step_t: float | None = None
+        self.top = -1  # the highest step any rank reported
         self.seen: dict[int, float] = {}  # pid -> create_time
 
     def line(self, launch: Launch, line: str) -> None:
@@ -378,6 +383,7 @@ class Watch:
                 rank, step, pid = parsed
                 self.newest[rank] = (pid, step, now, launch.node)
                 self.steps.append((now, rank, step, pid))
+                self.top = max(self.top, step)
                 if rank == 0:
                     self.rank0.append((now, step))
                 launch.stepped = True
@@ -391,10 +397,6 @@ class Watch:
                     self.seen.setdefault(p.pid, p.create_time())
                 except Exception:
                     pass
-
-    def max_step(self) -> int:
-        with self.lock:
-            return max((s for _, _, s, _ in self.steps), default=-1)
 
     def text(self, last: int = 40) -> list[str]:
         with self.lock:
@@ -477,7 +479,9 @@ def run_one(mode: Mode, schedule: str, args, work: str, tag: str, faulted: bool)
         if now >= next_scan:  # the processes below the launchers, for the cleanup
             watch.remember(current)
             next_scan = now + 1.0
-        if sched is not None and watch.first_step_t is not None:
+        # no fault once the last step was reported: one then tests the exit path (the final
+        # gather and save, the teardown), and a replacement node would wait for a job that is over
+        if sched is not None and watch.first_step_t is not None and watch.top < args.steps - 1:
             sched.start(watch.first_step_t)
             target = sched.due(now)
             if target is not None:
@@ -490,17 +494,19 @@ def run_one(mode: Mode, schedule: str, args, work: str, tag: str, faulted: bool)
                         current[target] = Launch(cmds[target], watch, target)
                         launches.append(current[target])
         time.sleep(POLL_S)
+    end = time.time()  # the last launcher's exit (or the timeout), before the cleanup's own time
     cleanup(watch, launches)
-    end = time.time()
     for la in launches:
         la.thread.join(timeout=5)
     rcs = [la.proc.returncode for la in current]
     output = "\n".join(line for _, _, line in watch.lines)
-    steps = watch.max_step() + 1
+    steps = watch.top + 1
     finished = not timed_out and all(rc == 0 for rc in rcs)
     ends = [(end, rank, args.steps, -1) for rank in range(NRANKS)] if finished else []
-    losses = fault_losses(faults, watch.steps + ends, args._interval.get(mode.name, args.step_delay))
-    rec = {"mode": mode.name, "schedule": schedule if faulted else "baseline", "layout": "nodes" if nodes else "standalone",
+    interval = args._interval.get((mode.name, nodes)) or args.step_delay
+    losses = fault_losses(faults, watch.steps + ends, interval)
+    rec = {"mode": mode.name, "schedule": schedule if faulted else "baseline",
+           "layout": "nodes" if nodes else "standalone",
            "cmd": cmds[0], "wall_s": end - t0, "rcs": rcs, "timed_out": timed_out, "finished": finished,
            "steps": steps, "failures": len(faults),
            "faults": [{**f, "t": f["t"] - t0, "hit": {r: [p, st, ts - t0] for r, (p, st, ts) in f["hit"].items()},
@@ -648,7 +654,7 @@ def main(argv=None) -> None:
         args.out = os.path.join(REPO, "bench", "results", f"goodput-{stamp}.json")
     work = tempfile.mkdtemp(prefix="bench-goodput-", dir=args.dir)
     contention = Contention()
-    args._interval = {}  # mode -> its baseline's step interval (for the per-fault figure)
+    args._interval = {}  # (mode, two nodes) -> its first baseline's step interval (for the per-fault figure)
     result = {"machine": machine_info(work, loadavg_start=os.getloadavg()),
               "args": {k: v for k, v in vars(args).items() if not k.startswith("_")}, "script": EXAMPLE, "runs": []}
     unavailable = {}
@@ -673,7 +679,7 @@ def main(argv=None) -> None:
                     rec["layout"] = "nodes" if layout == "node" else "standalone"
                     runs.append(rec)
                     if rec.get("step_interval_s"):
-                        args._interval.setdefault(name, rec["step_interval_s"])
+                        args._interval.setdefault((name, layout == "node"), rec["step_interval_s"])
                     print(f"[{rep}] {name} baseline ({rec['layout']}): {rec['wall_s']:.1f} s, {rec['steps']} steps, "
                           f"finished {rec['finished']}{', ' + rec['note'] if rec.get('note') else ''}", flush=True)
                     if rec.get("unavailable"):
@@ -711,9 +717,11 @@ def main(argv=None) -> None:
           f"{args.seed}), {args.repeat} repeat(s)\n")
     for r in runs:
         if r.get("schedule") == "baseline":
+            gap = "-" if r["step_interval_s"] is None else format(r["step_interval_s"], ".3f")
+            same = r.get("bit_identical_to_torchrun")
             print(f"baseline {r['mode']} ({r['layout']}): {r['wall_s']:.1f} s for {r['steps']} steps "
-                  f"({r['wall_s'] / max(1, r['steps']):.3f} s/step, step interval "
-                  f"{'-' if r['step_interval_s'] is None else format(r['step_interval_s'], '.3f')} s)")
+                  f"({r['wall_s'] / max(1, r['steps']):.3f} s/step, step interval {gap} s"
+                  f"{'' if same is None else f', final weights = the torchrun baseline: {same}'})")
     print()
     print(result["table"])
     write_json(args.out, result)
@@ -731,6 +739,13 @@ def _score(runs: list[dict]) -> None:
         return bs[len(bs) // 2]
 
     for r in runs:
+        if r.get("schedule") == "baseline" and r["mode"] != "torchrun":  # the launchers agree without faults?
+            ref = median_base("torchrun", r["layout"])
+            try:
+                r["bit_identical_to_torchrun"] = bit_identical(r.get("final"),
+                                                               None if ref is None else ref.get("final"))
+            except Exception as e:
+                r["bit_identical_to_torchrun"], r["bit_error"] = False, f"{type(e).__name__}: {e}"
         if r.get("schedule") in (None, "baseline") or r.get("unavailable"):
             continue
         base = median_base(r["mode"], r["layout"])
