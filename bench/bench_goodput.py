@@ -272,6 +272,17 @@ def unknown_option(output: str) -> str | None:
     return next((line.strip() for line in output.splitlines() if UNKNOWN.search(line)), None)
 
 
+def refusal(output: str, rcs: list, top: int) -> str | None:
+    """Why a run that failed could not run at all in this branch: an option or value not
+    understood, or a usage refusal (exit 2 before any step, e.g. ``--in-job`` with two
+    nodes): its line, else None (a real failure)."""
+    why = unknown_option(output)
+    if why or top >= 0 or 2 not in rcs:
+        return why
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    return lines[-1][:300] if lines else "exit 2 before any step"
+
+
 # ------------------------------------------------------------------ commands
 def free_port() -> int:
     with socket.socket() as s:
@@ -518,7 +529,7 @@ def run_one(mode: Mode, schedule: str, args, work: str, tag: str, faulted: bool)
     if timed_out:
         rec["note"] = f"hung (killed after {args.timeout:g} s)"
     elif not finished:
-        why = unknown_option(output)
+        why = refusal(output, rcs, watch.top)
         if why:
             rec["unavailable"] = why
         rec["note"] = f"exit {rcs}"
@@ -673,21 +684,25 @@ def main(argv=None) -> None:
                 if name in unavailable:
                     continue
                 for layout in layouts:  # the baseline of each layout first: the per-fault figure uses its interval
+                    if (name, layout) in unavailable:
+                        continue
                     n += 1
                     rec = run_one(mode, "node" if layout == "node" else "kill", args, work, f"{n:03d}", faulted=False)
                     rec["repeat"] = rep
-                    rec["layout"] = "nodes" if layout == "node" else "standalone"
                     runs.append(rec)
                     if rec.get("step_interval_s"):
                         args._interval.setdefault((name, layout == "node"), rec["step_interval_s"])
                     print(f"[{rep}] {name} baseline ({rec['layout']}): {rec['wall_s']:.1f} s, {rec['steps']} steps, "
                           f"finished {rec['finished']}{', ' + rec['note'] if rec.get('note') else ''}", flush=True)
-                    if rec.get("unavailable"):
-                        unavailable[name] = rec["unavailable"]
-                        break
-                if name in unavailable:
-                    continue
+                    if rec.get("unavailable"):  # this layout only: --in-job may refuse two nodes and run on one
+                        unavailable[(name, layout)] = rec["unavailable"]
+                        print(f"{name} ({rec['layout']}): unavailable: {rec['unavailable']}", flush=True)
                 for sched in args.schedule:
+                    why = unavailable.get((name, "node" if sched == "node" else "standalone"))
+                    if why:
+                        if rep == 0:
+                            runs.append({"mode": name, "schedule": sched, "unavailable": why})
+                        continue
                     n += 1
                     rec = run_one(mode, sched, args, work, f"{n:03d}", faulted=True)
                     rec["repeat"] = rep
@@ -700,10 +715,10 @@ def main(argv=None) -> None:
         result["loadavg_end"] = os.getloadavg()
         _score(runs)
         for name, why in unavailable.items():
-            if not any(r["mode"] == name and r["schedule"] != "baseline" for r in runs):
+            if isinstance(name, str) and not any(r["mode"] == name and r["schedule"] != "baseline" for r in runs):
                 runs.extend({"mode": name, "schedule": s, "unavailable": why} for s in args.schedule)
         result["summary"] = summarize(runs)
-        result["unavailable"] = unavailable
+        result["unavailable"] = {k if isinstance(k, str) else f"{k[0]} ({k[1]})": v for k, v in unavailable.items()}
         result["table"] = table(result["summary"])
         for r in runs:
             r.pop("store", None)

@@ -132,6 +132,13 @@ def test_an_option_or_value_the_launcher_does_not_know_is_recognised():
         == "__main__.py: error: unrecognized arguments: --in-job --spares"
     assert bg.unknown_option("train.py: error: argument --every: invalid int value: 'auto'")
     assert bg.unknown_option("rank 0: step 3 pid 9\nrank 0: done") is None
+    # a usage refusal before any step (exit 2) makes the mode unavailable in that layout ...
+    refused = "ckptstore run: --in-job runs on one node for now (--nnodes 2); run without --in-job, or on one node"
+    assert bg.refusal(f"W1207 some warning\n{refused}\n", [2, 2], -1) == refused
+    # ... a failure after steps, or another exit, is a failure of the mode, not a refusal
+    assert bg.refusal(f"{refused}\n", [2], 12) is None
+    assert bg.refusal("Traceback ...\nRuntimeError: boom\n", [1], -1) is None
+    assert bg.refusal("x: error: unrecognized arguments: --spares\n", [1], 5).endswith("--spares")
 
 
 def test_each_mode_is_one_command_with_its_options_and_every():
