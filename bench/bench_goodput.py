@@ -12,7 +12,8 @@ Modes (``--modes``, a comma list; each mode's command is one entry of ``MODES``)
 
 A mode whose launcher does not know its options (``--help`` does not name them), or
 whose example does not accept its ``--every``, is reported "unavailable" and skipped;
-so is one whose run dies of "unrecognized arguments" or "invalid ... value".
+so is one whose run dies of "unrecognized arguments" or "invalid ... value", and, in that
+layout only, one refused before any step (exit 2: ``--in-job`` on two nodes).
 
 Each mode also runs once per repeat without faults (its baseline, same command): the
 baseline's wall time / steps is the mode's seconds per step, the steady interval
@@ -229,7 +230,7 @@ def summarize(runs: list[dict]) -> list[dict]:
     for (mode, sched), rs in rows.items():
         done = [r for r in rs if not r.get("unavailable")]
         per_fault = [f["lost_s"] for r in done for f in r.get("faults", []) if f.get("lost_s") is not None]
-        bits = [r.get("bit_identical") for r in done]
+        bits = [r["bit_identical"] for r in done if r.get("bit_identical") is not None]  # (finished runs)
         notes = sorted({r["note"] for r in rs if r.get("note")})
         out.append({
             "mode": mode, "schedule": sched, "runs": len(done),
@@ -239,12 +240,52 @@ def summarize(runs: list[dict]) -> list[dict]:
             "fault_lost_median_s": med(per_fault),
             "fault_lost_max_s": max(per_fault) if per_fault else None,
             "failures": med(r.get("failures") for r in done),
-            "bit_identical": (None if not bits or all(b is None for b in bits)
-                              else all(b is True for b in bits)),
+            "bit_identical": all(bits) if bits else None,
             "unavailable": rs[0].get("unavailable") if not done else None,
             "note": "; ".join(notes) or None,
+            "journal": _journal_row([r["journal"] for r in done if isinstance(r.get("journal"), dict)
+                                     and "error" not in r["journal"]]),
         })
     return out
+
+
+def _journal_row(journals: list[dict]) -> dict | None:
+    """The journals' figures over the repeats: failures and lost steps (medians), each
+    in-job recovery duration (median of the runs' medians) and where restores came from
+    (summed)."""
+    if not journals:
+        return None
+    out = {"failures": statistics.median(len(j.get("failures") or []) for j in journals),
+           "lost_steps": statistics.median(j.get("lost_steps") or 0 for j in journals)}
+    keys = ("detect_s", "teardown_s", "reform_s", "restore_s", "first_step_s")
+    meds = {k: [j["recovery_medians_s"][k] for j in journals if k in j.get("recovery_medians_s", {})] for k in keys}
+    out["recovery_medians_s"] = {k: statistics.median(v) for k, v in meds.items() if v}
+    totals: dict[str, int] = {}
+    for j in journals:
+        for src, n in (j.get("restore_from_totals") or {}).items():
+            totals[src] = totals.get(src, 0) + n
+    out["restore_from"] = totals
+    out["recoveries"] = sum(len(j.get("recovery_events") or []) for j in journals)
+    return out
+
+
+def breakdown(rows: list[dict]) -> str:
+    """The journal's view of the ``ckptstore run`` modes as a markdown table."""
+    def num(x):
+        return "-" if x is None else f"{x:.2f}"
+
+    lines = ["| mode | schedule | journal failures | lost steps | in-job recoveries | detect | teardown | re-form "
+             "| restore | first step | restored from |", "|---" * 11 + "|"]
+    for r in rows:
+        j = r.get("journal")
+        if not j:
+            continue
+        m = j["recovery_medians_s"]
+        src = ", ".join(f"{k} {v}" for k, v in sorted(j["restore_from"].items())) or "-"
+        lines.append(f"| {r['mode']} | {r['schedule']} | {j['failures']:g} | {j['lost_steps']:g} | {j['recoveries']} | "
+                     + " | ".join(num(m.get(k)) for k in ("detect_s", "teardown_s", "reform_s", "restore_s",
+                                                          "first_step_s")) + f" | {src} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
 
 
 def table(rows: list[dict]) -> str:
@@ -720,6 +761,7 @@ def main(argv=None) -> None:
         result["summary"] = summarize(runs)
         result["unavailable"] = {k if isinstance(k, str) else f"{k[0]} ({k[1]})": v for k, v in unavailable.items()}
         result["table"] = table(result["summary"])
+        result["breakdown"] = breakdown(result["summary"])
         for r in runs:
             r.pop("store", None)
         shutil.rmtree(work, ignore_errors=True)
@@ -739,6 +781,9 @@ def main(argv=None) -> None:
                   f"{'' if same is None else f', final weights = the torchrun baseline: {same}'})")
     print()
     print(result["table"])
+    if result["breakdown"]:
+        print("\nThe journal (ckptstore status --json), medians over the repeats; in-job durations in seconds:\n")
+        print(result["breakdown"])
     write_json(args.out, result)
 
 

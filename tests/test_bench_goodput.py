@@ -118,8 +118,11 @@ def test_the_summary_takes_medians_over_repeats_and_the_table_says_what_failed()
     assert (rel["runs"], rel["goodput"], rel["lost_per_failure_s"], rel["failures"]) == (2, 0.35, 13.0, 7)
     assert (rel["fault_lost_median_s"], rel["fault_lost_max_s"], rel["bit_identical"]) == (12.0, 16.0, True)
     assert rows["torchrun", "kill"]["bit_identical"] is None
+    runs.append({"mode": "relaunch", "schedule": "kill", "goodput": 0.0, "bit_identical": None, "note": "hung"})
+    assert bg.summarize(runs)[0]["bit_identical"] is True  # a run that did not finish has no verdict
     runs[2]["bit_identical"] = False
     assert bg.summarize(runs)[0]["bit_identical"] is False  # one run off is "no"
+    runs.pop()
     text = bg.table(bg.summarize(runs)).splitlines()
     assert len(text) == 2 + 3 and all(line.count("|") == text[0].count("|") for line in text)
     assert "| relaunch | kill | 0.35 | 0.33 | 13.00 s | 12.00 / 16.00 s | 7 | **no** |" in text[2]
@@ -167,3 +170,24 @@ def test_the_arguments_default_to_the_issues_workload_and_quick_shrinks_it():
     for bad in (["--modes", "nope"], ["--schedule", "flood"], ["--repeat", "0"]):
         with pytest.raises(SystemExit):
             bg.parse(bad)
+
+
+def test_the_journal_breakdown_pools_the_in_job_recoveries_of_the_repeats():
+    def journal(detect, sources):
+        return {"failures": [{"class": "transient"}] * 2, "lost_steps": 3,
+                "recovery_events": [{}, {}], "recovery_medians_s": {"detect_s": detect, "first_step_s": 0.4},
+                "restore_from_totals": sources}
+    runs = [{"mode": "in-job", "schedule": "kill", "faults": [], "journal": journal(0.1, {"memory": 2})},
+            {"mode": "in-job", "schedule": "kill", "faults": [], "journal": journal(0.3, {"memory": 1, "peer": 1})},
+            {"mode": "torchrun", "schedule": "kill", "faults": []},  # no journal: no row
+            {"mode": "relaunch", "schedule": "kill", "faults": [], "journal": {"error": "OSError: gone"}}]
+    rows = bg.summarize(runs)
+    j = rows[0]["journal"]
+    assert (j["failures"], j["lost_steps"], j["recoveries"]) == (2, 3, 4)
+    assert j["recovery_medians_s"] == {"detect_s": pytest.approx(0.2), "first_step_s": 0.4}
+    assert j["restore_from"] == {"memory": 3, "peer": 1}
+    assert rows[1]["journal"] is None and rows[2]["journal"] is None
+    text = bg.breakdown(rows).splitlines()
+    assert len(text) == 3 and text[2].startswith("| in-job | kill | 2 | 3 | 4 | 0.20 | - | - | - | 0.40 |")
+    assert text[2].endswith("| memory 3, peer 1 |")
+    assert bg.breakdown(rows[1:]) == ""  # nothing journaled: no table
