@@ -24,9 +24,11 @@ Fault schedules (``--schedule``, a comma list):
 - ``kill``: from the first step on, every ``--kill-every`` seconds (a fixed grid from
   the first step), SIGKILL one rank drawn by ``random.Random(--seed)``: the pid is the
   one on that rank's newest ``rank R: step N pid P`` line (a spare prints none, so a
-  spare is never hit). A tick whose rank has no live pid that was not already hit (the
-  job is still down from the previous fault) is skipped, not deferred: a deferred kill
-  lands at the first step after every cold relaunch and the job never advances.
+  spare is never hit). A tick that comes while the job is still down from the previous
+  fault (a rank it hit has not yet reported, from a new pid, a step past its last one;
+  a survivor of a failed attempt may still be alive, and hitting it counts the same
+  outage twice) is skipped, not deferred: a deferred kill lands at the first step after
+  every cold relaunch and the job never advances.
 - ``hang``: at the first tick, SIGSTOP the drawn rank, once; the mode's hang detection
   must act (``ckptstore run --hang-timeout`` ``--hang-timeout``; torchrun has none).
 - ``node``: two launchers as two simulated nodes on this machine (``--nnodes 2
@@ -183,6 +185,20 @@ def fault_losses(faults: list[dict], steps: list[tuple[float, int, int, int]], i
         end = nxt if cut else rec
         out.append({**f, "recovered_t": rec, "cut": cut, "lost_s": None if end is None else max(0.0, end - min(due))})
     return out
+
+
+def is_back(fault: dict | None, newest: dict) -> bool:
+    """The job is up again after ``fault`` ({"hit": {rank: (pid, step, t)}}): every rank it
+    hit has reported, from another pid, a step above the one it had reported (``newest``:
+    rank -> (pid, step, ...)). A survivor's line proves nothing: it may be the step it had
+    finished before the fault, or a rank of an attempt that is being torn down."""
+    if fault is None:
+        return True
+    for rank, (pid, step, _t) in fault["hit"].items():
+        now = newest.get(rank)
+        if now is None or now[0] == pid or now[1] <= step:
+            return False
+    return True
 
 
 def step_interval(steps: list[tuple[float, int]]) -> float | None:
@@ -537,7 +553,9 @@ def run_one(mode: Mode, schedule: str, args, work: str, tag: str, faulted: bool)
             sched.start(watch.first_step_t)
             target = sched.due(now)
             if target is not None:
-                fault = _deliver(schedule, target, watch, current, hit, args)
+                with watch.lock:
+                    up = is_back(faults[-1] if faults else None, watch.newest)
+                fault = _deliver(schedule, target, watch, current, hit, args) if up else None
                 if fault is None:
                     skipped.append({"t": now - t0, "target": target})
                 else:

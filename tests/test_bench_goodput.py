@@ -80,6 +80,17 @@ def test_each_faults_loss_runs_until_the_hit_rank_is_back_from_another_pid_past_
     assert last[0]["recovered_t"] == 7.0
 
 
+def test_the_job_is_back_only_when_every_hit_rank_reported_a_newer_step_from_a_new_pid():
+    fault = {"hit": {1: (11, 47, 60.5)}}
+    assert bg.is_back(None, {})  # no fault yet
+    assert not bg.is_back(fault, {0: (10, 48, 60.7, 0), 1: (11, 47, 60.5, 0)})  # a survivor's line
+    assert not bg.is_back(fault, {1: (21, 40, 70.0, 0)})  # relaunched, redoing steps from the checkpoint
+    assert bg.is_back(fault, {1: (21, 48, 75.0, 0)})
+    node = {"hit": {0: (10, 48, 1.0), 1: (11, 47, 1.0)}}
+    assert not bg.is_back(node, {0: (20, 49, 2.0, 1), 1: (11, 47, 1.0, 1)})
+    assert bg.is_back(node, {0: (20, 49, 2.0, 1), 1: (21, 49, 2.0, 1)})
+
+
 def test_the_step_interval_is_the_median_gap_between_consecutive_steps():
     assert bg.step_interval([(0.0, 0), (0.1, 1), (0.3, 2), (5.0, 0), (5.1, 1)]) == pytest.approx(0.1)
     assert bg.step_interval([(0.0, 3)]) is None
