@@ -30,7 +30,8 @@ Fault schedules (``--schedule``, a comma list):
   outage twice) is skipped, not deferred: a deferred kill lands at the first step after
   every cold relaunch and the job never advances.
 - ``hang``: at the first tick, SIGSTOP the drawn rank, once; the mode's hang detection
-  must act (``ckptstore run --hang-timeout`` ``--hang-timeout``; torchrun has none).
+  must act (``ckptstore run --hang-timeout`` gets the bench's ``--hang-timeout``, default
+  5 s; torchrun has no hang detection and is expected to run into ``--timeout``).
 - ``node``: two launchers as two simulated nodes on this machine (``--nnodes 2
   --node-rank K --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint
   127.0.0.1:PORT``, one store, one ``--run-id``), as tests/test_supervisor_nodes.py
@@ -47,9 +48,9 @@ Per run: wall time (the command's start to the exit of every launcher), steps, f
 delivered (``failures``); ``goodput = steps x baseline s/step / wall`` (= the
 baseline's wall / this wall when the run finishes), and against the torchrun baseline
 too; ``lost per failure = (wall - steps x baseline s/step) / failures``; per fault, the
-bench's own figure: the time step S+1 came (S the highest step reported before the
-fault) minus when it was due (step S's line plus one step interval), cut at the next
-fault; for ``ckptstore run`` modes the journal's summary (``ckptstore status --json``:
+bench's own figure: when the hit rank, from a new pid, reported a step above S (its
+newest step before the fault) minus when step S+1 was due (step S's line plus the
+baseline's step interval), cut at the next fault; for ``ckptstore run`` modes the journal's summary (``ckptstore status --json``:
 failures, lost steps, in-job ``recovery`` events' detect_s, teardown_s, reform_s,
 restore_s, first_step_s, restore_from where present); whether ``--final`` equals the
 mode's baseline bit for bit; load average at start and end. A run that does not end
