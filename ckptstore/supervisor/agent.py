@@ -330,7 +330,7 @@ class InJobAgent:
         event = {"attempt": self.conf.attempt, "round": nxt, "ranks": sorted(failed), "class": verdict.klass,
                  "reason": verdict.reason, "signal": record.get("signal"), "exit_code": record.get("exitcode"),
                  "traceback": (record.get("traceback") or None) and record["traceback"][-4000:],
-                 "detected_by": detected_by, "node": 0, "step": step,
+                 "detected_by": detected_by, "node": 0, "step": step, "step_s": self._step_s(),
                  "detect_s": max(0.0, notice_t - first_fault), "teardown_s": max(0.0, teardown_end - notice_t),
                  "verdict_t": _num(verdict_rec.get("t")) or time.time(),
                  "abandoned_steps": sorted({s for rec in left.values() for s in (rec.get("abandoned") or [])
@@ -389,6 +389,12 @@ class InJobAgent:
         steps = [s for s in steps if isinstance(s, int) and not isinstance(s, bool)]
         return max(steps) if steps else None
 
+    def _step_s(self) -> float | None:
+        """The ranks' latest reported step time (progress files), for ``lost_s``."""
+        times = [p.get("step_s") for p in read_progress(self.progress_dir).values()] if self.progress_dir else []
+        times = [t for t in times if _num(t) is not None and t > 0]
+        return max(times) if times else None
+
     def _check_pending(self) -> None:
         """Journal the recovery once every member of its round has trained a step."""
         p = self.pending
@@ -408,6 +414,7 @@ class InJobAgent:
         e["restored_step"] = min(steps) if steps else None
         e["lost_steps"] = None if (e["step"] is None or e["restored_step"] is None) else \
             max(0, e["step"] - e["restored_step"])
+        e["lost_s"] = None if (e["lost_steps"] is None or e["step_s"] is None) else e["lost_steps"] * e["step_s"]
         tiers: dict[str, list[int]] = {}
         for k, m in sorted(restored.items()):
             tiers.setdefault(str(m.get("tier") or "none"), []).append(k)
