@@ -282,7 +282,8 @@ class InJobAgent:
         notice_t = time.time()
         if self.pending is not None and self.pending.round == r:  # the recovery into round r failed
             self._emit("recovery_failed", attempt=self.conf.attempt, round=r,
-                       reason=f"rank {dead.rank} failed before every rank trained in round {r}: {_how(record)}")
+                       reason=f"rank {dead.rank} failed before every rank trained in round {r}: "
+                       f"{(record.get('error') or _how(record))[:1000]}")
             self.pending = None
         failed = {dead.rank: record}
         if unaware or finished:
