@@ -107,6 +107,18 @@ def test_sigterm_to_the_supervisor_stops_the_job_with_143(tmp_path):
     assert job.events("recovery") == []
 
 
+def test_a_round_failed_with_every_process_alive_re_forms_with_the_same_members(tmp_path):
+    """A rank's collective failed (its notice, ``rank:collective``) and no process died:
+    every member leaves and the same members re-form in round 1; no spare is used."""
+    job = InJob(tmp_path, "--spares", "0", fault="notice:8")
+    assert job.finish() == runner.EXIT_FINISHED, job.output()[-3000:]
+    assert job.total() == TOTAL
+    [rec] = job.events("recovery")
+    assert (rec["round"], rec["ranks"], rec["spares"], rec["detected_by"]) == (1, [], {}, "rank:collective")
+    assert "simulated collective error at step 8" in rec["reason"]
+    assert len(job.events("attempt_start")) == 1 and job.events("in_job_gave_up") == []
+
+
 def test_without_a_spare_the_attempt_goes_cold_and_is_relaunched(tmp_path):
     job = InJob(tmp_path, "--spares", "0")
     job.at_step(1, 8)

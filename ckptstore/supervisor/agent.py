@@ -56,7 +56,7 @@ import time
 from dataclasses import dataclass, field
 
 from . import injob
-from .classify import classify_one
+from .classify import Verdict, classify_one
 from .launch import ENV_SUPERVISOR, through_bootstrap
 from .progress import ENV_DIR, die_with_parent, read_progress
 from .progress_watch import ProgressWatch
@@ -222,8 +222,8 @@ class InJobAgent:
             self._replenish()
             self._check_pending()
             dead = [w for w in self.members.values() if w.returncode not in (None, 0)]
-            if dead:
-                code = self._recover(min(dead, key=lambda w: (w.exit_t or 0, w.rank)))
+            if dead or self.store.check([injob.round_key(self.round, "fault")]):
+                code = self._recover(min(dead, key=lambda w: (w.exit_t or 0, w.rank)) if dead else None)
                 if code is not None:
                     return code
                 continue
@@ -268,51 +268,67 @@ class InJobAgent:
                                                 for r, w in sorted(self.members.items())})
 
     # ------------------------------------------------------------------ a failed round
-    def _recover(self, dead: Worker) -> int | None:
-        """The leader's side of a failed round (module docstring). None: the next round
-        runs; else the agent's exit status (the attempt is over)."""
+    def _recover(self, dead: Worker | None) -> int | None:
+        """The leader's side of a failed round (module docstring): ``dead`` the member
+        whose death ended it, or None when a rank posted the notice (its collective
+        failed) and no process has died (yet). None: the next round runs; else the
+        agent's exit status (the attempt is over)."""
         r = self.round
-        detected_by = "agent:hang" if dead.killed_for == "hang" else "agent:exit"
-        record = exited(dead.rank, dead.proc.pid, _status(dead.returncode), dead.error_file)
-        fault_t = dead.exit_t or time.time()
         unaware = [w for w in self.members.values() if w.hello is None and w.returncode is None]
         finished = [w for w in self.members.values() if w.returncode == 0]
-        injob.post_fault(self.store, r, ranks=[dead.rank], cause=(record.get("error") or _how(record)),
-                         detected_by=detected_by, t=fault_t)
+        if dead is not None:
+            detected_by = "agent:hang" if dead.killed_for == "hang" else "agent:exit"
+            record = exited(dead.rank, dead.proc.pid, _status(dead.returncode), dead.error_file)
+            fault_t = dead.exit_t or time.time()
+            what = record.get("error") or _how(record)
+            injob.post_fault(self.store, r, ranks=[dead.rank], cause=what, detected_by=detected_by, t=fault_t)
+            failed = {dead.rank: record}
+        else:
+            notice = injob.get(self.store, injob.round_key(r, "fault")) or {}
+            detected_by = str(notice.get("detected_by") or "rank")[:64]
+            fault_t = _num(notice.get("t")) or time.time()
+            what = str(notice.get("cause") or "a rank said the round failed")
+            failed = {}
         notice_t = time.time()
-        if self.pending is not None and self.pending.round == r:  # the recovery into round r failed
-            self._emit("recovery_failed", attempt=self.conf.attempt, round=r,
-                       reason=f"rank {dead.rank} failed before every rank trained in round {r}: "
-                       f"{(record.get('error') or _how(record))[:1000]}")
-            self.pending = None
-        failed = {dead.rank: record}
         if unaware or finished:
             why = ("a rank of the script never joined the in-job protocol (no inprocess.run): "
                    "in-job recovery is unsupported by the script") if unaware else \
                 "some ranks had already finished"
-            return self._cold(r, failed, dead.rank, why)
+            return self._cold(r, failed, why)
         survivors = [k for k, w in self.members.items() if w.returncode is None]
         left = self._wait_left(r, survivors, failed)
         if self.stop_signal is not None:
             injob.post_verdict(self.store, r, "cold", "the agent was stopped")
             return self._preempted()
         step = self._step(left)
-        verdict = classify_one(record, dead.rank, step, self.previous_signature)
+        if failed:
+            primary = dead.rank if dead is not None else min(failed)
+            record = failed[primary]
+            verdict = classify_one(record, primary, step, self.previous_signature)
+        else:  # every member left: the same members re-form
+            primary, record = None, {}
+            verdict = Verdict("transient", f"round {r} failed with no process lost: {what[:1000]}")
         self.previous_signature = verdict.signature or self.previous_signature
+        if self.pending is not None and self.pending.round == r:  # the recovery into round r failed
+            who = f"rank {primary}" if failed else "a rank"
+            why = (record.get("error") or _how(record)) if record else what
+            self._emit("recovery_failed", attempt=self.conf.attempt, round=r,
+                       reason=f"{who} failed before every rank trained in round {r}: {why[:1000]}")
+            self.pending = None
         if verdict.klass == "deterministic":
-            return self._stop(r, failed, dead.rank, verdict)
+            return self._stop(r, failed, primary, verdict)
         progressed = self.last_fault_step is None or (step is not None and step > self.last_fault_step)
         self.stalled = 0 if progressed else self.stalled + 1
         self.last_fault_step = step if step is not None else self.last_fault_step
         if self.stalled >= self.conf.max_rounds_in_a_row:
-            return self._cold(r, failed, dead.rank, f"{self.stalled} in-job recoveries in a row without a new step "
+            return self._cold(r, failed, f"{self.stalled} in-job recoveries in a row without a new step "
                               f"(--max-rounds-in-a-row {self.conf.max_rounds_in_a_row})")
         spares = self._take_spares(sorted(failed))
         if spares is None:
             if self.stop_signal is not None:
                 injob.post_verdict(self.store, r, "cold", "the agent was stopped")
                 return self._preempted()
-            return self._cold(r, failed, dead.rank, f"no warm spare for rank(s) {sorted(failed)} within "
+            return self._cold(r, failed, f"no warm spare for rank(s) {sorted(failed)} within "
                               f"{self.conf.reform_timeout_s:g}s (--spares {self.conf.spares})")
         nxt = r + 1
         for rank, w in spares.items():
@@ -456,7 +472,7 @@ class InJobAgent:
                                  "stop_reason": verdict.reason, "stop_rank": rank})
         return 1
 
-    def _cold(self, r: int, failed: dict, rank: int, reason: str) -> int:
+    def _cold(self, r: int, failed: dict, reason: str) -> int:
         injob.post_verdict(self.store, r, "cold", reason)
         self._emit("in_job_gave_up", attempt=self.conf.attempt, round=r, reason=reason)
         self._end_workers("cold", kill=True)
@@ -487,8 +503,8 @@ class InJobAgent:
         except Exception:  # noqa: BLE001 - the store is ours; if it fails, the kills below still end them
             pass
         live = [w for w in self.workers.values() if w.returncode is None]
-        if kill:
-            for w in live:
+        for w in live:  # a spare still starting (no hello yet) would read ``end`` only once warm
+            if kill or (w.rank is None and w.hello is None):
                 _kill(w)
         deadline = time.monotonic() + END_GRACE_S
         for w in live:

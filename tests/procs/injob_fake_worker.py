@@ -12,6 +12,8 @@ or lost shows there. Prints ``rank R: step S pid P`` (tests/jobutil.py).
 FAULT (environment) = KIND:STEP on rank 1 when it is about to train STEP:
   raise          ValueError with the same message every time (the program's own error)
   deterministic  a DeterministicError
+  notice         (round 0 only) leaves the round as on a collective error, alive: the
+                 round fails with no process lost
 """
 
 from __future__ import annotations
@@ -83,6 +85,8 @@ def main() -> int:
                         raise ValueError(f"bad data shard at step {step}")  # (not caught below)
                     if kind == "deterministic":
                         raise DeterministicError(f"non-finite loss at step {step}")
+                    if kind == "notice" and round_ == 0:  # a collective error with every process alive
+                        raise RoundFailed(f"simulated collective error at step {step}")
                 t = torch.tensor([float(step + 1)])
                 dist.all_reduce(t)
                 total += t.item()
