@@ -119,6 +119,16 @@ def test_a_round_failed_with_every_process_alive_re_forms_with_the_same_members(
     assert len(job.events("attempt_start")) == 1 and job.events("in_job_gave_up") == []
 
 
+def test_a_hang_fails_the_round_and_the_ranks_that_leave_it_re_form(tmp_path):
+    job = InJob(tmp_path, "--spares", "0", "--hang-timeout", "2", fault="hang:8")
+    assert job.finish() == runner.EXIT_FINISHED, job.output()[-3000:]
+    assert job.total() == TOTAL
+    [rec] = job.events("recovery")
+    assert (rec["round"], rec["ranks"], rec["detected_by"]) == (1, [], "agent:hang")
+    assert "no rank reported progress for 2s" in rec["reason"]
+    assert len(job.events("attempt_start")) == 1 and job.events("failure") == []
+
+
 def test_without_a_spare_the_attempt_goes_cold_and_is_relaunched(tmp_path):
     job = InJob(tmp_path, "--spares", "0")
     job.at_step(1, 8)

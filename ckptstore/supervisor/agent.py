@@ -30,16 +30,19 @@ for a hang):
    10); more than ``max_rounds_in_a_row`` recoveries without a new step, no warm spare
    within the reform timeout, a finished or in-job-unaware member (no ``hello``) ->
    ``cold`` (every worker killed; the runner relaunches as today);
-4. otherwise a warm spare per failed rank: ``assign``, ``round/<r+1>/members``,
+4. otherwise a warm spare per failed rank (none when every member left: a rank's
+   collective failed with every process alive; the same members re-form): ``assign``, ``round/<r+1>/members``,
    ``fence``, then verdict ``continue``; a replacement spare starts at once;
 5. once every member's ``first`` mark of round r+1 is in, one ``recovery`` event with
    the durations measured from the keys' times.
 
-Hangs (progress_watch.py over the ranks' progress files): the member with the lowest
-step, the oldest report among those, is taken for the culprit and killed (then it is a
-death, recovered in-job). A wrong guess costs a round: the next hang kills another
-rank, and ``max_rounds_in_a_row`` bounds it (the stack-dump culprit rule of the design's
-section 8 is later work). Before the first step, a hang ends the attempt (cold).
+Hangs (progress_watch.py over the ranks' progress files, ``--hang-timeout``): the agent
+posts the round's fault notice (``agent:hang``); the ranks it wakes leave the round (a
+rank blocked in a peer's collective, or hung in Python code, which the rank side
+aborts), and those that do not leave within the abort timeout are killed and replaced
+by spares. No culprit is guessed: the ranks that cannot leave are the hung ones (the
+stack-dump rule of the design's section 8 is later work). Before the first step, a hang
+ends the attempt (cold).
 
 SIGTERM to the agent (a preemption): forwarded to the members (they save and stop),
 spares told to end; no in-job recovery.
@@ -277,7 +280,7 @@ class InJobAgent:
         unaware = [w for w in self.members.values() if w.hello is None and w.returncode is None]
         finished = [w for w in self.members.values() if w.returncode == 0]
         if dead is not None:
-            detected_by = "agent:hang" if dead.killed_for == "hang" else "agent:exit"
+            detected_by = "agent:exit"
             record = exited(dead.rank, dead.proc.pid, _status(dead.returncode), dead.error_file)
             fault_t = dead.exit_t or time.time()
             what = record.get("error") or _how(record)
@@ -296,7 +299,9 @@ class InJobAgent:
                 "some ranks had already finished"
             return self._cold(r, failed, why)
         survivors = [k for k, w in self.members.items() if w.returncode is None]
-        left = self._wait_left(r, survivors, failed)
+        hang = detected_by == "agent:hang"  # the ranks must leave within the abort timeout, or are killed
+        bound = self.conf.abort_timeout_s if hang else self.conf.reform_timeout_s
+        left = self._wait_left(r, survivors, failed, bound)
         if self.stop_signal is not None:
             injob.post_verdict(self.store, r, "cold", "the agent was stopped")
             return self._preempted()
@@ -305,6 +310,8 @@ class InJobAgent:
             primary = dead.rank if dead is not None else min(failed)
             record = failed[primary]
             verdict = classify_one(record, primary, step, self.previous_signature)
+            if self.members[primary].killed_for == "not left":
+                verdict.reason = f"rank {primary} did not leave round {r} within {bound:g}s ({what[:500]}): killed"
         else:  # every member left: the same members re-form
             primary, record = None, {}
             verdict = Verdict("transient", f"round {r} failed with no process lost: {what[:1000]}")
@@ -357,10 +364,10 @@ class InJobAgent:
         self.pending = Pending(nxt, event, first_fault, sorted(self.members))
         return None
 
-    def _wait_left(self, r: int, survivors: list[int], failed: dict) -> dict[int, dict]:
-        """The survivors' ``left`` records, bounded by the reform timeout; a survivor that
-        dies or does not leave in time is failed (killed: R3, never in two rounds)."""
-        deadline = time.monotonic() + self.conf.reform_timeout_s
+    def _wait_left(self, r: int, survivors: list[int], failed: dict, bound_s: float) -> dict[int, dict]:
+        """The survivors' ``left`` records, bounded by ``bound_s``; a survivor that dies or
+        does not leave in time is failed (killed: R3, never in two rounds)."""
+        deadline = time.monotonic() + bound_s
         pending, got = set(survivors), {}
         while pending and self.stop_signal is None:
             self._poll_all()
@@ -440,7 +447,7 @@ class InJobAgent:
         self.pending = None
 
     def _hang(self) -> int | None:
-        """Kill the hung member (module docstring); before any step: the attempt ends."""
+        """A hang fails the round (module docstring); before any step: the attempt ends."""
         if not self.progress_dir:
             return None
         progress = read_progress(self.progress_dir)
@@ -455,11 +462,9 @@ class InJobAgent:
             self._end_workers("hang")
             write(self.result_path, {"ok": False, "failures": {}, "hang_reason": why})
             return 1
-        live = {k: progress.get(k, {}) for k, w in self.members.items() if w.returncode is None}
-        culprit = min(live, key=lambda k: (_int(live[k].get("step")), _num(live[k].get("t")) or 0.0, k))
-        w = self.members[culprit]
-        w.killed_for = "hang"
-        _kill(w)
+        # The round fails: the ranks that can leave it (woken by the notice) are not the
+        # hung one; those that do not leave within the abort timeout are killed and replaced.
+        injob.post_fault(self.store, self.round, ranks=[], cause=f"hang: {why}", detected_by="agent:hang")
         self.watch = ProgressWatch(time.monotonic())
         return None
 
@@ -544,10 +549,6 @@ def _signal(w: Worker, signum: int) -> None:
 
 def _num(v) -> float | None:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
-
-
-def _int(v) -> int:
-    return v if isinstance(v, int) and not isinstance(v, bool) else -1
 
 
 def _host() -> str:

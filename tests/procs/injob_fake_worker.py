@@ -12,6 +12,8 @@ or lost shows there. Prints ``rank R: step S pid P`` (tests/jobutil.py).
 FAULT (environment) = KIND:STEP on rank 1 when it is about to train STEP:
   raise          ValueError with the same message every time (the program's own error)
   deterministic  a DeterministicError
+  hang           (round 0 only) stops training until the round's fault notice, then leaves
+                 it (as the rank side aborts a rank hung in Python code)
   notice         (round 0 only) leaves the round as on a collective error, alive: the
                  round fails with no process lost
 """
@@ -85,6 +87,10 @@ def main() -> int:
                         raise ValueError(f"bad data shard at step {step}")  # (not caught below)
                     if kind == "deterministic":
                         raise DeterministicError(f"non-finite loss at step {step}")
+                    if kind == "hang" and round_ == 0:  # hung in Python code until the round fails
+                        while not store.check([injob.round_key(round_, "fault")]):
+                            time.sleep(0.01)
+                        raise RoundFailed("aborted by the fault notice")
                     if kind == "notice" and round_ == 0:  # a collective error with every process alive
                         raise RoundFailed(f"simulated collective error at step {step}")
                 t = torch.tensor([float(step + 1)])
