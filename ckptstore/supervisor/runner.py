@@ -11,6 +11,12 @@ hang detection; at the end, the launcher's result for the classification
 (classify.py) and the decision (decide.py). Every failure and relaunch is one
 ``ckptstore run:`` line on stderr; the alert command runs in the background
 (alerts.py).
+
+With ``--in-job`` (``policy.in_job``) the node agent (agent.py) takes the launcher's
+place: it replaces a failed rank with a warm spare inside the attempt and reports each
+recovery in its EVENTS.jsonl, which the supervisor journals as it polls; its hang watch
+replaces the supervisor's. The node's memory directory (memory.py) is claimed once per
+run and removed however the run ends.
 """
 
 from __future__ import annotations
