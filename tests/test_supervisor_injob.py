@@ -5,6 +5,8 @@ tests/procs/injob_fake_worker.py (a minimal worker of the protocol: it all-reduc
 ``step + 1`` every step, so the final total shows a step lost or counted twice).
 
 - a rank SIGKILLed recovers in-job: one attempt, a ``recovery`` event, status shows it;
+- a round failed with every process alive (a rank's notice, a hang) re-forms; ranks
+  that cannot leave a hung round are killed and replaced;
 - the same error at the same step on the spare -> exit 10 at its first repeat (a
   DeterministicError: test_classify_one_...);
 - SIGTERM to the supervisor -> exit 143, as without --in-job;
@@ -51,7 +53,10 @@ class InJob(Job):
         return [e for e in events if kind is None or e["kind"] == kind]
 
     def total(self) -> float:
-        return json.loads(self.final.read_text())["total"]
+        return self.result()["total"]
+
+    def result(self) -> dict:
+        return json.loads(self.final.read_text())
 
 
 def status(store, *extra) -> CliRunner:
@@ -81,7 +86,9 @@ def test_a_killed_rank_is_replaced_by_a_spare_within_the_attempt(tmp_path):
     assert st["recoveries"]["count"] == 1 and st["recoveries"]["restore_from"] == {"local": 2}
     assert st["recovery_s"] >= rec["first_step_s"]
     assert "in-job        1 recovery, median" in status(job.store)
-    assert not (job.mem / latest_run(open_storage(str(job.store)))).exists()  # the memory directory went with the run
+    run = latest_run(open_storage(str(job.store)))
+    assert job.result()["memory_dir"] == str(job.mem / run / "0") and int(job.result()["memory_budget"]) > 0
+    assert not (job.mem / run).exists()  # the memory directory went with the run
 
 
 def test_the_same_error_again_on_the_spare_stops_with_the_deterministic_code(tmp_path):
@@ -107,25 +114,25 @@ def test_sigterm_to_the_supervisor_stops_the_job_with_143(tmp_path):
     assert job.events("recovery") == []
 
 
-def test_a_round_failed_with_every_process_alive_re_forms_with_the_same_members(tmp_path):
-    """A rank's collective failed (its notice, ``rank:collective``) and no process died:
-    every member leaves and the same members re-form in round 1; no spare is used."""
-    job = InJob(tmp_path, "--spares", "0", fault="notice:8")
+def test_rounds_failed_with_processes_alive_re_form_and_ranks_that_cannot_leave_are_replaced(tmp_path):
+    """Round 0: a rank's collective failed (its notice, ``rank:collective``) and no
+    process died; round 1: a hang that the agent's notice ends (the ranks leave): both
+    times the same members re-form, no spare used. Round 2: a hang no notice ends (both
+    ranks stuck: one hung, one in its all-reduce): neither leaves within
+    ``--abort-timeout``, both are killed and the two spares take their ranks."""
+    job = InJob(tmp_path, "--spares", "2", "--hang-timeout", "2", "--abort-timeout", "1",
+                fault="notice:6:0,hang:10:1,stuck:14:2")
     assert job.finish() == runner.EXIT_FINISHED, job.output()[-3000:]
     assert job.total() == TOTAL
-    [rec] = job.events("recovery")
-    assert (rec["round"], rec["ranks"], rec["spares"], rec["detected_by"]) == (1, [], {}, "rank:collective")
-    assert "simulated collective error at step 8" in rec["reason"]
-    assert len(job.events("attempt_start")) == 1 and job.events("in_job_gave_up") == []
-
-
-def test_a_hang_fails_the_round_and_the_ranks_that_leave_it_re_form(tmp_path):
-    job = InJob(tmp_path, "--spares", "0", "--hang-timeout", "2", fault="hang:8")
-    assert job.finish() == runner.EXIT_FINISHED, job.output()[-3000:]
-    assert job.total() == TOTAL
-    [rec] = job.events("recovery")
-    assert (rec["round"], rec["ranks"], rec["detected_by"]) == (1, [], "agent:hang")
-    assert "no rank reported progress for 2s" in rec["reason"]
+    notice, hang, stuck = job.events("recovery")
+    assert (notice["round"], notice["ranks"], notice["spares"], notice["detected_by"]) == \
+        (1, [], {}, "rank:collective")
+    assert "simulated collective error at step 6" in notice["reason"]
+    assert (hang["round"], hang["ranks"], hang["spares"], hang["detected_by"]) == (2, [], {}, "agent:hang")
+    assert "no rank reported progress for 2s" in hang["reason"]
+    assert (stuck["round"], stuck["ranks"], sorted(stuck["spares"]), stuck["detected_by"]) == \
+        (3, [0, 1], ["0", "1"], "agent:hang")
+    assert "did not leave round 2 within 1s" in stuck["reason"]
     assert len(job.events("attempt_start")) == 1 and job.events("failure") == []
 
 

@@ -6,16 +6,18 @@ side proper is ckptstore.inprocess).
 
 Training: each step all-reduces ``step + 1`` and adds it to ``total``; rank 0 keeps
 ``DIR/ckpt.json`` ({step, total}) after every step (the "checkpoint"), every round
-restores from it, and at the end writes ``total`` to ``--final``: a step counted twice
-or lost shows there. Prints ``rank R: step S pid P`` (tests/jobutil.py).
+restores from it, and at the end writes ``total`` to ``--final`` (a step counted twice
+or lost shows there) with the memory directory and budget the agent exported. Prints ``rank R: step S pid P`` (tests/jobutil.py).
 
-FAULT (environment) = KIND:STEP on rank 1 when it is about to train STEP:
+FAULT (environment) = KIND:STEP[:ROUND], several joined by commas, on rank 1 when it is
+about to train STEP (in round ROUND only, when given):
   raise          ValueError with the same message every time (the program's own error)
   deterministic  a DeterministicError
-  hang           (round 0 only) stops training until the round's fault notice, then leaves
-                 it (as the rank side aborts a rank hung in Python code)
-  notice         (round 0 only) leaves the round as on a collective error, alive: the
-                 round fails with no process lost
+  hang           stops training until the round's fault notice, then leaves the round
+                 (as the rank side aborts a rank hung in Python code)
+  stuck          stops for good (no notice wakes it; its peer waits in the all-reduce)
+  notice         leaves the round as on a collective error, alive: the round fails with
+                 no process lost
 """
 
 from __future__ import annotations
@@ -50,7 +52,10 @@ def main() -> int:
     p.add_argument("--final", default=None)
     a = p.parse_args()
     env = os.environ
-    kind, _, at = env.get("FAULT", "none:-1").partition(":")
+    faults = {}  # (step, round or None: every round) -> kind
+    for fault in env.get("FAULT", "none:-1").split(","):
+        kind, step, *in_round = fault.split(":")
+        faults[int(step), int(in_round[0]) if in_round else None] = kind
     base = injob.connect(env[injob.ENV_STORE])
     store = injob.attempt_store(base, env[injob.ENV_PREFIX])
     wid, node, timeout = env[injob.ENV_WORKER], int(env[injob.ENV_NODE]), float(env[injob.ENV_TIMEOUT])
@@ -82,16 +87,20 @@ def main() -> int:
             for step in range(state["step"] + 1, a.steps):
                 if store.check([injob.round_key(round_, "fault")]):
                     raise RoundFailed("fault notice")
-                if rank == 1 and step == int(at):
+                kind = faults.get((step, round_)) or faults.get((step, None))
+                if rank == 1 and kind is not None:
                     if kind == "raise":
                         raise ValueError(f"bad data shard at step {step}")  # (not caught below)
                     if kind == "deterministic":
                         raise DeterministicError(f"non-finite loss at step {step}")
-                    if kind == "hang" and round_ == 0:  # hung in Python code until the round fails
+                    if kind == "hang":  # hung in Python code until the round fails
                         while not store.check([injob.round_key(round_, "fault")]):
                             time.sleep(0.01)
                         raise RoundFailed("aborted by the fault notice")
-                    if kind == "notice" and round_ == 0:  # a collective error with every process alive
+                    if kind == "stuck":  # hung where no notice reaches it (a C call holding on)
+                        while True:
+                            time.sleep(1)
+                    if kind == "notice":  # a collective error with every process alive
                         raise RoundFailed(f"simulated collective error at step {step}")
                 t = torch.tensor([float(step + 1)])
                 dist.all_reduce(t)
@@ -121,7 +130,8 @@ def main() -> int:
             continue
         dist.destroy_process_group()
         if rank == 0 and a.final:
-            _write(a.final, {"total": total})
+            _write(a.final, {"total": total, "memory_dir": env.get(injob.ENV_MEMORY_DIR),
+                             "memory_budget": env.get(injob.ENV_MEMORY_BUDGET)})
         return 0
 
 
