@@ -445,10 +445,19 @@ class InJobAgent:
         e["restore_from"] = tiers
         self._emit("recovery", **e)
         self.pending = None
+        self.watch = ProgressWatch(time.monotonic())  # the round trains: hangs are judged from here
 
     def _hang(self) -> int | None:
         """A hang fails the round (module docstring); before any step: the attempt ends."""
         if not self.progress_dir:
+            return None
+        p = self.pending
+        if p is not None and p.round == self.round:
+            # A new round is starting (spares' re-form and restore are not steps): bounded by
+            # the reform timeout from its verdict, judged by the hang timeout once it trained.
+            if time.time() - p.event["verdict_t"] > self.conf.reform_timeout_s:
+                injob.post_fault(self.store, self.round, ranks=[], detected_by="agent:hang",
+                                 cause=f"round {self.round} did not train within {self.conf.reform_timeout_s:g}s")
             return None
         progress = read_progress(self.progress_dir)
         self.watch.update(progress)
