@@ -356,6 +356,8 @@ class InJobAgent:
                  "traceback": (record.get("traceback") or None) and record["traceback"][-4000:],
                  "detected_by": detected_by, "node": 0, "step": step, "step_s": self._step_s(),
                  "detect_s": max(0.0, notice_t - first_fault), "teardown_s": max(0.0, teardown_end - notice_t),
+                 # the last survivor left -> the verdict: classification and the wait for a warm spare
+                 "decide_s": max(0.0, (_num(verdict_rec.get("t")) or time.time()) - teardown_end),
                  "verdict_t": _num(verdict_rec.get("t")) or time.time(),
                  "abandoned_steps": sorted({s for rec in left.values() for s in (rec.get("abandoned") or [])
                                             if isinstance(s, int)}),

@@ -56,7 +56,8 @@ evidence was chosen), ``give_up`` and ``finish``.
   failed ranks), ``class``, ``reason``, ``signal``, ``exit_code``, ``traceback``,
   ``detected_by`` ("agent:exit", "agent:hang"), ``node``, ``step`` (the highest step
   reached before the fault), ``restored_step``, ``lost_steps``, ``lost_s``, ``step_s``,
-  ``detect_s``, ``teardown_s``, ``reform_s``, ``restore_s``, ``first_step_s`` (the
+  ``detect_s``, ``teardown_s``, ``decide_s`` (the last survivor left to the verdict:
+  the wait for a warm spare), ``reform_s``, ``restore_s``, ``first_step_s`` (the
   fault to the last rank's first step of the new round: the recovery's wall cost),
   ``restore_from`` (tier -> ranks), ``spares`` (rank -> host, worker, warm_s),
   ``abandoned_steps``; ``recovery_failed``: ``attempt``, ``round``, ``reason`` (the new

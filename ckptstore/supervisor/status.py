@@ -29,8 +29,8 @@ nodes may each journal the same one):
   ``failures_by_class`` and ``mtbf_s``; their ``lost_steps`` / ``lost_s`` add to the
   sums; ``recovery_s`` adds each one's ``first_step_s`` (the fault to the last rank's
   first step of the new round); ``recoveries``: ``count``, ``median`` and ``max`` of
-  each duration (``detect_s``, ``teardown_s``, ``reform_s``, ``restore_s``,
-  ``first_step_s``), ``restore_from`` (tier -> ranks restored from it, summed).
+  each duration (``detect_s``, ``teardown_s``, ``decide_s``, ``reform_s``,
+  ``restore_s``, ``first_step_s``), ``restore_from`` (tier -> ranks restored from it, summed).
 - Young/Daly: ``recommended_interval_s = min(MAX_INTERVAL_S, max(MIN_INTERVAL_SAVES * C,
   sqrt(2 * C * M)))``, C the latest journaled ``save_blocking_s``, M ``mtbf_s`` or,
   before the first failure that counts, ``PRIOR_MTBF_S``; ``recommended_interval_steps
@@ -222,7 +222,7 @@ def _downtime(resumes: list[dict], fails: list[dict], resume0: dict | None, star
     return startup, recovery
 
 
-RECOVERY_PARTS = ("detect_s", "teardown_s", "reform_s", "restore_s", "first_step_s")
+RECOVERY_PARTS = ("detect_s", "teardown_s", "decide_s", "reform_s", "restore_s", "first_step_s")
 
 
 def _recoveries(events: list[dict]) -> dict:
