@@ -75,8 +75,9 @@ def test_a_killed_rank_is_replaced_by_a_spare_within_the_attempt(tmp_path):
     assert job.total() == TOTAL  # no step lost or counted twice across the recovery
     assert len(job.events("attempt_start")) == 1 and job.events("failure") == []
     [rec] = job.events("recovery")
-    assert (rec["attempt"], rec["round"], rec["ranks"], rec["class"], rec["signal"], rec["detected_by"]) == \
-        (0, 1, [1], "transient", "SIGKILL", "agent:exit")
+    assert (rec["attempt"], rec["round"], rec["ranks"], rec["class"], rec["signal"]) == \
+        (0, 1, [1], "transient", "SIGKILL")
+    assert rec["detected_by"] in ("agent:exit", "rank:collective")  # whichever saw it first
     assert rec["step"] >= 8 and rec["restored_step"] <= rec["step"] and rec["lost_steps"] >= 0
     assert rec["restore_from"] == {"local": [0, 1]} and list(rec["spares"]) == ["1"]
     for part in ("detect_s", "teardown_s", "reform_s", "restore_s", "first_step_s"):

@@ -176,7 +176,7 @@ class InJobAgent:
                     injob.ENV_MEMORY_DIR: self.conf.memory_dir,
                     injob.ENV_MEMORY_BUDGET: str(self.conf.memory_budget),
                     "TORCHELASTIC_ERROR_FILE": error_file,
-                    "TORCHELASTIC_RUN_ID": str(self.args.rdzv_id),
+                    "TORCHELASTIC_RUN_ID": self._run_id(),
                     "TORCHELASTIC_RESTART_COUNT": str(self.conf.attempt),
                     "TORCHELASTIC_MAX_RESTARTS": "0",
                     # a plain init_process_group() (env://) joins this store, as under torch's agent
@@ -200,6 +200,11 @@ class InJobAgent:
         if rank is not None:
             self.members[rank] = w
         return w
+
+    def _run_id(self) -> str:
+        """torchrun's ``--rdzv-id`` when given, else the attempt's own (``<run>-a<attempt>``)."""
+        given = str(self.args.rdzv_id or "none")
+        return given if given != "none" else f"{self.conf.run}-a{self.conf.attempt}"
 
     def _rank_env(self, rank: int) -> dict:
         n = str(self.nproc)
@@ -284,7 +289,9 @@ class InJobAgent:
             record = exited(dead.rank, dead.proc.pid, _status(dead.returncode), dead.error_file)
             fault_t = dead.exit_t or time.time()
             what = record.get("error") or _how(record)
-            injob.post_fault(self.store, r, ranks=[dead.rank], cause=what, detected_by=detected_by, t=fault_t)
+            if not injob.post_fault(self.store, r, ranks=[dead.rank], cause=what, detected_by=detected_by, t=fault_t):
+                first = injob.get(self.store, injob.round_key(r, "fault")) or {}  # a rank saw it first
+                detected_by = str(first.get("detected_by") or detected_by)[:64]
             failed = {dead.rank: record}
         else:
             notice = injob.get(self.store, injob.round_key(r, "fault")) or {}
