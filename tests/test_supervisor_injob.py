@@ -150,6 +150,20 @@ def test_without_a_spare_the_attempt_goes_cold_and_is_relaunched(tmp_path):
     assert len(job.events("attempt_start")) == 2 and job.events("recovery") == []
 
 
+def test_recoveries_in_a_row_without_a_new_step_go_cold(tmp_path):
+    """Rank 1 exits at step 8 in round 0, and its spare at step 8 again in round 1 (no
+    error file: not "the same error"): no new step between the two faults, and
+    ``--max-rounds-in-a-row 1`` sends the attempt cold; the relaunch finishes."""
+    job = InJob(tmp_path, "--spares", "1", "--max-rounds-in-a-row", "1", fault="exit:8:0,exit:8:1")
+    assert job.finish() == runner.EXIT_FINISHED, job.output()[-3000:]
+    assert job.total() == TOTAL
+    [failed] = job.events("recovery_failed")  # round 1 never trained
+    assert failed["round"] == 1
+    [gave_up] = job.events("in_job_gave_up")
+    assert "1 in-job recoveries in a row without a new step" in gave_up["reason"]
+    assert len(job.events("attempt_start")) == 2 and len(job.events("failure")) == 1
+
+
 @pytest.mark.parametrize("args, message", [
     (["--spares", "1"], "--spares needs --in-job"),
     (["--in-job", "--nnodes", "1:2"], "elastic membership is not supported in-job"),

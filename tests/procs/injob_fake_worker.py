@@ -15,6 +15,7 @@ about to train STEP (in round ROUND only, when given):
   deterministic  a DeterministicError
   hang           stops training until the round's fault notice, then leaves the round
                  (as the rank side aborts a rank hung in Python code)
+  exit           exits with code 3 at once, once per (step, round) in the job
   stuck          stops for good (no notice wakes it; its peer waits in the all-reduce)
   notice         leaves the round as on a collective error, alive: the round fails with
                  no process lost
@@ -97,6 +98,8 @@ def main() -> int:
                         while not store.check([injob.round_key(round_, "fault")]):
                             time.sleep(0.01)
                         raise RoundFailed("aborted by the fault notice")
+                    if kind == "exit" and _once(os.path.join(a.dir, f"exit-{step}-{round_}")):
+                        os._exit(3)  # no error file: nothing to tell one such death from the next
                     if kind == "stuck":  # hung where no notice reaches it (a C call holding on)
                         while True:
                             time.sleep(1)
@@ -133,6 +136,15 @@ def main() -> int:
             _write(a.final, {"total": total, "memory_dir": env.get(injob.ENV_MEMORY_DIR),
                              "memory_budget": env.get(injob.ENV_MEMORY_BUDGET)})
         return 0
+
+
+def _once(marker: str) -> bool:
+    """True the first time for ``marker`` in this job (a relaunch does not repeat it)."""
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
+        return False
 
 
 def _wait_verdict(store, round_: int, timeout: float) -> dict | None:
