@@ -93,10 +93,49 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--decision-wait", type=_seconds(positive=True), default=d.decision_wait_s,
                    help="several nodes: seconds a failed attempt waits for the other nodes' reports before its "
                    "verdict")
+    p.add_argument("--in-job", action="store_true",
+                   help="replace a failed rank with a warm spare while the other ranks stay alive (one node; the "
+                   "script calls ckptstore.inprocess.run); a cold relaunch when that cannot be done")
+    p.add_argument("--spares", type=_count(0), default=None,
+                   help="--in-job: warm spare processes per node (default 1)")
+    p.add_argument("--memory-dir", default=d.memory_dir,
+                   help="--in-job: where the node's memory tier lives (tmpfs; <dir>/<run>/<node>, removed at the end)")
+    p.add_argument("--memory-budget", type=_budget, default=d.memory_budget,
+                   help="--in-job: bytes the memory tier may hold, or N%% of the available memory at the start")
+    p.add_argument("--abort-timeout", type=_seconds(positive=True), default=d.abort_timeout_s,
+                   help="--in-job: seconds a surviving rank may take to leave a failed round")
+    p.add_argument("--reform-timeout", type=_seconds(positive=True), default=d.reform_timeout_s,
+                   help="--in-job: seconds for the survivors' reports, a spare, and a re-formed process group")
+    p.add_argument("--max-rounds-in-a-row", type=_count(1), default=d.max_rounds_in_a_row,
+                   help="--in-job: in-job recoveries in a row without a new step before a cold relaunch")
     p.add_argument("--staging-dir", action="append", default=[], help="a local directory to health-check")
     p.add_argument("--expected-gpus", type=_count(1), default=None,
                    help="health check: fewer visible GPUs than this is an unhealthy node")
     return p
+
+
+def _budget(text: str) -> str:
+    from ..supervisor.memory import parse_budget
+
+    try:
+        return parse_budget(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def in_job_problem(opts, nnodes: str) -> str | None:
+    """Why the in-job options cannot run as given (refused before any launch), or None."""
+    if opts.spares is not None and not opts.in_job:
+        return "--spares needs --in-job (spares replace failed ranks only in in-job recovery)"
+    if not opts.in_job:
+        return None
+    low, _, high = str(nnodes).partition(":")
+    if high and low != high:
+        return (f"--in-job with --nnodes {nnodes}: elastic membership is not supported in-job; "
+                "give a fixed number of nodes (--nnodes N)")
+    if (high or low) != "1":
+        return f"--in-job runs on one node for now (--nnodes {nnodes}); run without --in-job, or on one node"
+    return None
 
 
 class _Refused(Exception):
@@ -153,7 +192,8 @@ def split_argv(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                                              "allow_interspersed_args": False, "help_option_names": []})
 @click.argument("argv", nargs=-1, type=click.UNPROCESSED)
 def run_command(argv) -> None:
-    """Launch a training job with torch's launcher and restart it after transient faults.
+    """Launch a training job with torch's launcher and restart it after transient faults
+    (--in-job: replace a failed rank with a warm spare instead, without a restart).
 
     ckptstore run [torchrun options] --store URL [policy options] SCRIPT [ARGS...]
 
@@ -184,6 +224,10 @@ def run_command(argv) -> None:
     if problem:  # refused before any launch: it would fail the same way on every attempt
         click.echo(f"ckptstore run: {problem}", err=True)
         sys.exit(2)
+    problem = in_job_problem(opts, launch_args.nnodes)
+    if problem:
+        click.echo(f"ckptstore run: {problem}", err=True)
+        sys.exit(2)
     nproc = launch_args.nproc_per_node
     nnodes = str(launch_args.nnodes).split(":")[-1]
     nnodes_min = str(launch_args.nnodes).split(":")[0]
@@ -197,6 +241,10 @@ def run_command(argv) -> None:
                     resume_timeout_s=opts.resume_timeout, save_timeout_s=opts.save_timeout,
                     section_factor=opts.section_factor, health_interval_s=opts.health_interval,
                     straggler_report_s=opts.straggler_report,
+                    in_job=opts.in_job, spares=(1 if opts.spares is None else opts.spares) if opts.in_job else 0,
+                    memory_dir=opts.memory_dir, memory_budget=opts.memory_budget,
+                    abort_timeout_s=opts.abort_timeout, reform_timeout_s=opts.reform_timeout,
+                    max_rounds_in_a_row=opts.max_rounds_in_a_row,
                     health=HealthLimits(expected_gpus=opts.expected_gpus))
     try:
         sup = Supervisor(opts.store, launcher, policy, run_id=opts.run_id, staging_dirs=tuple(opts.staging_dir),

@@ -88,6 +88,9 @@ def render(s: dict) -> str:
     lines.append(("MTBF", _dur(s["mtbf_s"]) if s["mtbf_s"] is not None else "no failure yet"))
     lines.append(("lost work", f"{s['lost_steps']} steps, {_dur(s['lost_s'])}; startup {_dur(s['startup_s'])}, "
                                f"recovery {_dur(s['recovery_s'])}"))
+    rec = s.get("recoveries") or {}
+    if rec.get("count"):
+        lines.append(("in-job", _in_job_line(rec)))
     lines.append(("goodput", "-" if s["goodput"] is None else f"{100 * s['goodput']:.1f}%"))
     lines.append(("checkpoint", "none committed" if s["checkpoint_step"] is None else
                   f"step {s['checkpoint_step']}, age {_dur(s['checkpoint_age_s'])}"))
@@ -134,6 +137,24 @@ def render(s: dict) -> str:
         lines.append(("journal", ", ".join(f"{v} {k}" for k, v in bad.items()) + " event(s) left out"))
     width = max(len(k) for k, _ in lines)
     return "\n".join(f"{k:<{width}}  {printable(v)}" for k, v in lines)  # reasons come from the ranks
+
+
+def _in_job_line(rec: dict) -> str:
+    """``N recoveries, median 0.46s (detect .., teardown .., re-form .., restore ..),
+    restored from memory N, local N, durable N``."""
+    def median(part: str) -> str:
+        m = (rec.get(part) or {}).get("median")
+        return "-" if m is None else f"{m:.2f}"
+
+    n = rec["count"]
+    parts = ", ".join(f"{name} {median(part)}" for name, part in (
+        ("detect", "detect_s"), ("teardown", "teardown_s"), ("re-form", "reform_s"), ("restore", "restore_s")))
+    total = (rec.get("first_step_s") or {}).get("median")
+    tiers = dict.fromkeys(("memory", "local", "durable"), 0)
+    tiers.update(rec.get("restore_from") or {})
+    where = ", ".join(f"{t} {c}" for t, c in tiers.items())
+    return (f"{n} recover{'y' if n == 1 else 'ies'}, median {'-' if total is None else f'{total:.2f}s'} "
+            f"({parts}), restored from {where}")
 
 
 def _dur(seconds: float | None) -> str:

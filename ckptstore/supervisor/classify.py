@@ -134,15 +134,29 @@ def at_step(step: int | None) -> str:
 
 
 def classify(result: dict, step: int | None, relaunched: bool = False) -> Verdict:
-    """The verdict on an attempt whose launcher reported ``result`` (launch.py's JSON),
-    from that attempt alone. ``step``: the last step a rank reported (None: none did).
-    ``relaunched``: a relaunch that trained no step yet (its CUDA out of memory is an
-    outage: the previous attempt's memory may not be free yet)."""
+    """The verdict on an attempt whose launcher reported ``result`` (launch.py's JSON,
+    or agent.py's), from that attempt alone. ``step``: the last step a rank reported
+    (None: none did). ``relaunched``: a relaunch that trained no step yet (its CUDA out
+    of memory is an outage: the previous attempt's memory may not be free yet)."""
+    v = _classify(result, step, relaunched)
+    gave_up = result.get("in_job_gave_up")
+    if gave_up and v.klass != "deterministic":  # the in-job agent went cold: say why
+        v.reason = f"in-job recovery gave up: {str(gave_up)[:500]}; {v.reason}"
+    return v
+
+
+def _classify(result: dict, step: int | None, relaunched: bool) -> Verdict:
     failures = {int(r): f for r, f in (result.get("failures") or {}).items()}
     if result.get("rendezvous_timeout") and not failures:  # several nodes: one never came (decide.py)
         v = Verdict("transient", "node(s) missing: torch's rendezvous did not complete within its join timeout")
         v.evidence["nodes_missing"] = True
         return v
+    if result.get("stop_reason"):  # the in-job agent's verdict (agent.py): deterministic, judged there
+        r = _int_or_none(result.get("stop_rank"))
+        f = failures.get(r, {}) if r is not None else {}
+        return _verdict("deterministic", str(result["stop_reason"]), r, f, f.get("signature"))
+    if result.get("hang_reason"):  # the in-job agent's hang watch, before any step (agent.py)
+        return Verdict("hang", str(result["hang_reason"]))
     if result.get("launcher_signal"):
         return Verdict("preempted", f"the launcher was stopped by {result['launcher_signal']}",
                        signal=result["launcher_signal"])
@@ -179,6 +193,25 @@ def classify(result: dict, step: int | None, relaunched: bool = False) -> Verdic
             f"exited with code {f.get('exitcode')} and no error file"
         return _verdict("transient", f"rank {r} {how}", r, f)
     return Verdict("transient", f"the launcher failed: {result.get('launcher_error', 'no result')}")
+
+
+def classify_one(failure: dict, rank: int, step: int | None, previous: str | None = None) -> Verdict:
+    """The verdict on one rank's death during an in-job round (agent.py): ``failure`` is
+    its record (results.failure_record), ``step`` the highest step reached, ``previous``
+    the signature of the attempt's previous in-job failure. ``deterministic`` when the
+    program said so (DeterministicError) or raised the same error at the same step as
+    last time; else what :func:`classify` says of a one-rank result."""
+    v = classify({"failures": {str(rank): failure}}, step)
+    if v.klass != "deterministic" and v.signature is not None and v.signature == previous:
+        v.klass, v.reason = "deterministic", f"failed the same way twice: {v.reason}"
+    return v
+
+
+def _int_or_none(value) -> int | None:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
 
 
 def _raised(errors: dict, first: dict, step: int | None, outage: bool = False) -> Verdict:

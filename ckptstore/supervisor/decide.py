@@ -68,6 +68,15 @@ class Policy:
     # and the longest wait for the other nodes' reports of a failed attempt.
     join_timeout_s: float = 120.0
     decision_wait_s: float = 30.0
+    # In-job recovery (agent.py, docs/design/in-job-restart.md): a failed rank replaced by
+    # a warm spare while the others stay alive; off unless asked for.
+    in_job: bool = False
+    spares: int = 0  # warm spares per node (--spares; 1 with --in-job unless given)
+    memory_dir: str = "/dev/shm/ckptstore"  # the memory tier's directory root (memory.py)
+    memory_budget: str = "25%"  # bytes, or N% of MemAvailable at the start
+    abort_timeout_s: float = 10.0  # the longest a survivor may take to leave a failed round
+    reform_timeout_s: float = 60.0  # survivors' reports, a spare's arrival, a re-form: each bounded by this
+    max_rounds_in_a_row: int = 3  # in-job recoveries in a row without a new step before going cold
 
 
 @dataclass

@@ -51,6 +51,20 @@ evidence was chosen), ``give_up`` and ``finish``.
   ``straggler``: ``attempt``, ``rank``, ``step_s``, ``others_s``, ``ratio``, ``reports``,
   ``since``, ``alert_factor`` (stragglers.py).
 
+- In-job recovery (``ckptstore run --in-job``, agent.py; the runner journals what the
+  agent reports): ``recovery``: ``attempt``, ``round`` (the new one), ``ranks`` (the
+  failed ranks), ``class``, ``reason``, ``signal``, ``exit_code``, ``traceback``,
+  ``detected_by`` ("agent:exit", "agent:hang"), ``node``, ``step`` (the highest step
+  reached before the fault), ``restored_step``, ``lost_steps``, ``lost_s``, ``step_s``,
+  ``detect_s``, ``teardown_s``, ``decide_s`` (the last survivor left to the verdict:
+  the wait for a warm spare), ``reform_s``, ``restore_s``, ``first_step_s`` (the
+  fault to the last rank's first step of the new round: the recovery's wall cost),
+  ``restore_from`` (tier -> ranks), ``spares`` (rank -> host, worker, warm_s),
+  ``abandoned_steps``; ``recovery_failed``: ``attempt``, ``round``, ``reason`` (the new
+  round failed before every rank trained); ``in_job_gave_up``: ``attempt``, ``round``,
+  ``reason`` (the attempt goes cold: its ``failure`` event follows, reason "in-job
+  recovery gave up: ...").
+
 Any event may carry ``save_blocking_s`` / ``step_s``; status takes the latest of each.
 
 Credentials are never written: ``append`` passes every string of an event, at any

@@ -18,13 +18,13 @@ the error file whatever the script imports.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
 
-from .classify import first_exception
 from .progress import die_with_parent
+from .results import TRACEBACK_CHARS, clip as _clip, failure_record as _failure  # noqa: F401 (shared with agent.py)
+from .results import write as _write
 
 ENV_SUPERVISOR = "CKPTSTORE_SUPERVISOR_PID"  # the supervisor this launcher must not outlive
 # Several nodes (consensus.py): the attempt's own rendezvous id, agreed through the store,
@@ -65,48 +65,6 @@ def rendezvous(args, env) -> None:
     conf = args.rdzv_conf or ""
     if timeout and "join_timeout" not in conf:
         args.rdzv_conf = f"{conf},join_timeout={timeout}" if conf else f"join_timeout={timeout}"
-
-
-def _failure(f) -> dict:
-    # No error file (a rank killed by a signal, or a script without @record / ckptstore's
-    # hook): torch fills in placeholders, which are not the rank's error.
-    has_file = f.error_file and os.path.isfile(f.error_file)
-    data = f.error_file_data if (has_file and isinstance(f.error_file_data, dict)) else {}
-    message = data.get("message")
-    traceback = None
-    if isinstance(message, dict):
-        extra = message.get("extraInfo") if isinstance(message.get("extraInfo"), dict) else {}
-        traceback = extra.get("py_callstack")
-        message = message.get("message")
-    message = message if isinstance(message, str) else None
-    traceback = traceback if isinstance(traceback, str) else None
-    # The first exception of the chain, read from the whole traceback: the journal keeps
-    # only its head and tail (a C++ backtrace in a later exception runs to many KB).
-    first = first_exception(message, traceback) if message is not None else None
-    return {"local_rank": f.local_rank, "pid": f.pid, "exitcode": f.exitcode,
-            "signal": f.signal_name() if f.exitcode < 0 else None,
-            "error": message, "first": _clip(first, TRACEBACK_CHARS) if first is not None else None,
-            "traceback": _clip(traceback, TRACEBACK_CHARS) if traceback is not None else None,
-            "timestamp": f.timestamp}
-
-
-TRACEBACK_CHARS = 8000  # of a rank's traceback (and first exception) in the result and journal
-
-
-def _clip(text: str, limit: int) -> str:
-    """``text`` within about ``limit`` characters: its head (where the first exception of
-    a chain is) and its tail (the exception raised), what lies between left out."""
-    if len(text) <= limit:
-        return text
-    head, tail = limit * 3 // 8, limit * 5 // 8
-    return f"{text[:head]}\n[... {len(text) - head - tail} characters left out ...]\n{text[-tail:]}"
-
-
-def _write(path: str, result: dict) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as fh:
-        json.dump(result, fh)
-    os.replace(tmp, path)
 
 
 def main(argv: list[str] | None = None) -> int:

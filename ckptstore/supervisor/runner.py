@@ -11,12 +11,17 @@ hang detection; at the end, the launcher's result for the classification
 (classify.py) and the decision (decide.py). Every failure and relaunch is one
 ``ckptstore run:`` line on stderr; the alert command runs in the background
 (alerts.py).
+
+With ``--in-job`` (``policy.in_job``) the node agent (agent.py) takes the launcher's
+place: it replaces a failed rank with a warm spare inside the attempt and reports each
+recovery in its EVENTS.jsonl, which the supervisor journals as it polls; its hang watch
+replaces the supervisor's. The node's memory directory (memory.py) is claimed once per
+run and removed however the run ends.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import signal
@@ -30,7 +35,7 @@ from dataclasses import asdict, replace
 from .. import format as fmt
 from .._jitter import jitter as _jitter
 from ..storage import Storage, open_storage
-from . import consensus, launch
+from . import agent, consensus, launch, memory
 from .alerts import Alerts
 from .classify import Verdict, classify
 from .decide import (EXIT_DETERMINISTIC, EXIT_NO_PROGRESS, EXIT_NODES_MISSING, EXIT_RESTART_LIMIT, History, Policy,
@@ -40,6 +45,7 @@ from .health import EXIT_UNHEALTHY, check_node, checks_json, local_store_path
 from .journal import Journal, new_run_id
 from .launch import ENV_SUPERVISOR
 from .progress import ENV_DIR, read_progress
+from .progress_watch import ProgressWatch as _ProgressWatch
 from .sections import Sections
 from .status import newest_checkpoint
 from .stragglers import ALERT_FACTOR, Tracker, report_of
@@ -100,8 +106,10 @@ class Supervisor:
     # ------------------------------------------------------------------ the loop
     def run(self) -> int:
         try:
+            self._claim_memory()
             return self._run()
         finally:
+            self._release_memory()  # the memory tier lives as long as the run, on every exit path
             self.alerts.drain()  # the last events' alerts (a give-up's) go out before the exit
 
     def _run(self) -> int:
@@ -218,7 +226,13 @@ class Supervisor:
             env[launch.ENV_RDZV_ID] = consensus.rdzv_id(self.journal.run_id, attempt)
             if attempt > 0:
                 env[launch.ENV_JOIN_TIMEOUT] = f"{self.join_timeout_s:g}"
-        cmd = launch.command(result_path, ["--max-restarts=0", *self.launcher_args])
+        events_path = os.path.join(work, "events.jsonl")
+        self._events_read = 0
+        if self.policy.in_job:  # the node agent (agent.py) in torch's launcher's place
+            env[agent.ENV_CONF] = json.dumps(self._agent_conf(attempt))
+            cmd = agent.command(result_path, events_path, self.launcher_args)
+        else:
+            cmd = launch.command(result_path, ["--max-restarts=0", *self.launcher_args])
         launched = time.monotonic()
         launched_t = time.time()
         self._proc = subprocess.Popen(cmd, env=env, start_new_session=True)
@@ -250,7 +264,8 @@ class Supervisor:
                 if self.policy.run_timeout_s is not None and time.monotonic() - started > self.policy.run_timeout_s:
                     self._kill(signal.SIGTERM)
                     return Verdict("timeout", f"run timeout of {self.policy.run_timeout_s}s reached")
-                hung = watch.hung(self.policy)
+                self._drain_events(events_path)
+                hung = None if self.policy.in_job else watch.hung(self.policy)  # in-job: the agent's watch
                 if hung:
                     self._kill(signal.SIGKILL)  # a hung rank does not answer SIGTERM
                     verdict = Verdict("hang", hung)
@@ -274,6 +289,7 @@ class Supervisor:
                         break
         finally:
             self._reap()
+            self._drain_events(events_path)
         progress = read_progress(progress_dir)
         watch.update(progress)
         if not resumed_logged:  # the first step came after the last look (a short attempt)
@@ -297,6 +313,59 @@ class Supervisor:
                 verdict = classify(result, watch.max_step, relaunched=attempt > 0 and not watch.trained)
         verdict.evidence.update(evidence)
         return verdict
+
+    # ------------------------------------------------------------------ in-job attempts (agent.py)
+    def _node(self) -> str:
+        return str(self.node_rank if self.node_rank is not None else 0)
+
+    def _claim_memory(self) -> None:
+        """The node's memory directory and budget for the whole run (memory.py)."""
+        self._memory_path, self._memory_budget = "", 0
+        if not self.policy.in_job:
+            return
+        self._memory_budget = memory.budget_bytes(self.policy.memory_budget)
+        try:
+            self._memory_path = memory.claim_dir(self.policy.memory_dir, self.journal.run_id, self._node())
+        except OSError as e:  # no tmpfs there: the ranks save without the memory tier
+            say(f"memory tier: cannot create {self.policy.memory_dir}/{self.journal.run_id}/{self._node()}: {e}")
+
+    def _release_memory(self) -> None:
+        if getattr(self, "_memory_path", ""):
+            memory.release_dir(self.policy.memory_dir, self.journal.run_id, self._node())
+
+    def _agent_conf(self, attempt: int) -> dict:
+        p = self.policy
+        return {"run": self.journal.run_id, "attempt": attempt, "spares": p.spares,
+                "abort_timeout_s": p.abort_timeout_s, "reform_timeout_s": p.reform_timeout_s,
+                "max_rounds_in_a_row": p.max_rounds_in_a_row, "hang_timeout_s": p.hang_timeout_s,
+                "first_progress_timeout_s": p.first_progress_timeout_s,
+                "memory_dir": self._memory_path, "memory_budget": self._memory_budget}
+
+    def _drain_events(self, path: str) -> None:
+        """Journal the agent's in-job events (EVENTS.jsonl) written since the last look:
+        one process per node writes the journal and sends the alerts."""
+        try:
+            with open(path, "rb") as f:
+                f.seek(self._events_read)
+                data = f.read()
+        except OSError:  # none yet (or not an in-job attempt)
+            return
+        end = data.rfind(b"\n") + 1  # complete lines only: the agent may be writing the next
+        self._events_read += end
+        for line in data[:end].splitlines():
+            try:
+                e = json.loads(line)
+            except ValueError:
+                continue
+            kind = e.pop("kind", None) if isinstance(e, dict) else None
+            if kind not in agent.EVENT_KINDS:
+                continue
+            self._event(kind, **e)
+            if kind == "recovery":
+                say(f"in-job recovery: rank(s) {e.get('ranks')} {e.get('reason')}; round {e.get('round')} "
+                    f"trained {e.get('first_step_s') or 0:.2f}s after the fault, from step {e.get('restored_step')}")
+            else:
+                say(f"in-job {kind.replace('_', ' ')}: {e.get('reason')}")
 
     # ------------------------------------------------------------------ during the attempt
     def _learn_sections(self) -> None:
@@ -514,76 +583,6 @@ class Supervisor:
 
         for s in (signal.SIGTERM, signal.SIGINT):
             signal.signal(s, on_signal)
-
-
-class _ProgressWatch:
-    """Hang detection over the ranks' progress files."""
-
-    def __init__(self, launched: float):
-        self.launched = launched
-        self.last_change = launched
-        self.seen: dict[int, tuple] = {}
-        self.max_step: int | None = None
-        self.first_step_t: float | None = None
-        self.busy = False  # some rank is loading or saving: not a hang
-        self.step_s: float | None = None
-        self.save_blocking_s: float | None = None
-        self.trained = False
-        self.resume_reported = False  # some rank said where it resumed from (None: a fresh start)
-        self.resumed_step: int | None = None
-        self.committed_step: int | None = None  # the newest step a rank resumed from or committed
-        self.committed_t: float | None = None  # when that step committed (unix seconds), if known
-
-    def update(self, progress: dict[int, dict]) -> None:
-        now = time.monotonic()
-        for rank, p in progress.items():
-            key = (p.get("state"), p.get("step"), p.get("t"))
-            if self.seen.get(rank) != key:
-                self.seen[rank] = key
-                self.last_change = now
-            if isinstance(p.get("step"), int) and p.get("first_step_t") is not None:
-                self.trained = True
-                self.max_step = p["step"] if self.max_step is None else max(self.max_step, p["step"])
-            if rank == 0 or self.first_step_t is None:
-                if isinstance(p.get("first_step_t"), (int, float)):
-                    self.first_step_t = p["first_step_t"] if self.first_step_t is None else min(
-                        self.first_step_t, p["first_step_t"])
-            for name in ("step_s", "save_blocking_s"):
-                if isinstance(p.get(name), (int, float)) and math.isfinite(p[name]):
-                    setattr(self, name, p[name])
-            if "resumed_step" in p:
-                self.resume_reported = True
-                if _is_step(p["resumed_step"]):
-                    self.resumed_step = p["resumed_step"]
-            step = p.get("committed_step")  # (the step it resumed from, or a newer one it saw committed)
-            if _is_step(step) and (self.committed_step is None or step > self.committed_step):
-                t = p.get("committed_t")
-                self.committed_step = step
-                self.committed_t = t if isinstance(t, (int, float)) and math.isfinite(t) else None
-        self.busy = any(p.get("state") in ("loading", "saving") for p in progress.values())
-        if self.busy:
-            self.last_change = now
-
-    def hung(self, policy: Policy, now: float | None = None) -> str | None:
-        """Why the attempt is hung, or None. Only ranks that report progress are judged:
-        a script that never reports (no Checkpointer) is never hung. Monotonic clock only
-        (``launched``, ``last_change``: the supervisor's reads). The first-progress check is
-        subsumed by sections.py's ``startup`` bound, which it precedes each poll; kept for
-        its reason and journal (docs/runbook.md, "Two first-step timeouts")."""
-        now = time.monotonic() if now is None else now
-        if not self.seen:
-            return None
-        if not self.trained:
-            if now - self.launched > policy.first_progress_timeout_s and not self.busy:
-                return f"no training step within {policy.first_progress_timeout_s:.0f}s of the launch"
-            return None
-        if now - self.last_change > policy.hang_timeout_s:
-            return f"no rank reported progress for {policy.hang_timeout_s:.0f}s (last step {self.max_step})"
-        return None
-
-
-def _is_step(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 63
 
 
 def _kill_tree(pid: int) -> None:

@@ -24,6 +24,13 @@ nodes may each journal the same one):
   up), ``end - t`` of that failure. Failures before any resume are startup.
 - ``goodput = (wall_s - startup_s - recovery_s - lost_s) / wall_s``, clamped to [0, 1];
   None while ``wall_s`` is 0.
+- In-job recoveries (``recovery`` events, one per (attempt, round)): listed among
+  ``failures`` with ``recovered: "in_job"`` (a cold one says ``"cold"``), counted in
+  ``failures_by_class`` and ``mtbf_s``; their ``lost_steps`` / ``lost_s`` add to the
+  sums; ``recovery_s`` adds each one's ``first_step_s`` (the fault to the last rank's
+  first step of the new round); ``recoveries``: ``count``, ``median`` and ``max`` of
+  each duration (``detect_s``, ``teardown_s``, ``decide_s``, ``reform_s``,
+  ``restore_s``, ``first_step_s``), ``restore_from`` (tier -> ranks restored from it, summed).
 - Young/Daly: ``recommended_interval_s = min(MAX_INTERVAL_S, max(MIN_INTERVAL_SAVES * C,
   sqrt(2 * C * M)))``, C the latest journaled ``save_blocking_s``, M ``mtbf_s`` or,
   before the first failure that counts, ``PRIOR_MTBF_S``; ``recommended_interval_steps
@@ -84,7 +91,7 @@ def summarize(events: list[dict], now: float, checkpoint: dict | None = None) ->
            "last_failure": None, "last_resume": None, "last_event_at": None, "give_up": None, "unhealthy": None,
            "save_blocking_s": None, "step_s": None, "mtbf_source": None,
            "recommended_interval_s": None, "recommended_interval_steps": None, "stragglers": [],
-           "section_timeouts": [], "run_health": []}
+           "section_timeouts": [], "run_health": [], "recoveries": _recoveries([])}
     if not events:
         return out
     first = next((e for e in events if e.get("kind") == "run_start"), events[0])
@@ -99,7 +106,7 @@ def summarize(events: list[dict], now: float, checkpoint: dict | None = None) ->
                 out[k] = _int(first[k])
 
     state, end = "running", now
-    attempts, failures, resumes = set(), {}, {}
+    attempts, failures, resumes, recoveries = set(), {}, {}, {}
     for e in events:
         kind, attempt = _str(e.get("kind"), 64), _int(e.get("attempt"))
         if kind in ("run_start", "attempt_start"):
@@ -115,6 +122,8 @@ def summarize(events: list[dict], now: float, checkpoint: dict | None = None) ->
                 out["unhealthy"] = {"checks": _checks(e.get("checks")), "at": _str(e.get("at"), 64)}
         elif kind == "failure":
             failures.setdefault(attempt if attempt is not None else ("?", id(e)), e)
+        elif kind == "recovery":  # (several nodes' supervisors: the first of each round counts)
+            recoveries.setdefault((attempt, _int(e.get("round"))) if attempt is not None else ("?", id(e)), e)
         elif kind == "resume":
             resumes.setdefault(attempt if attempt is not None else ("?", id(e)), e)
         for k in ("save_blocking_s", "step_s"):  # the latest measurement wins
@@ -126,11 +135,16 @@ def summarize(events: list[dict], now: float, checkpoint: dict | None = None) ->
     out.update(state=state, wall_s=wall, attempts=len(attempts), restarts=max(0, len(attempts) - 1))
 
     fails = sorted(failures.values(), key=lambda e: e["t"])
-    out["failures"] = [_failure_record(e) for e in fails]
+    in_job = sorted(recoveries.values(), key=lambda e: e["t"])
+    both = sorted([(e["t"], _failure_record(e)) for e in fails] + [(e["t"], _recovery_record(e)) for e in in_job],
+                  key=lambda te: te[0])
+    out["failures"] = [f for _, f in both]
     for f in out["failures"]:
         out["failures_by_class"][f["class"]] = out["failures_by_class"].get(f["class"], 0) + 1
-    if fails:
-        out["last_failure"] = {**out["failures"][-1], "traceback": _str(fails[-1].get("traceback"), 16384)}
+    if both:
+        last = max(fails + in_job, key=lambda e: e["t"])
+        out["last_failure"] = {**out["failures"][-1], "traceback": _str(last.get("traceback"), 16384)}
+    out["recoveries"] = _recoveries(in_job)
     # (max: a journal written before lost work was clamped may hold a negative figure)
     out["lost_steps"] = sum(max(0, f["lost_steps"] or 0) for f in out["failures"])
     out["lost_s"] = sum(max(0.0, f["lost_s"] or 0.0) for f in out["failures"])
@@ -143,6 +157,7 @@ def summarize(events: list[dict], now: float, checkpoint: dict | None = None) ->
                               "tier": _str(r.get("tier"), 16), "checkpoint_age_s": _num(r.get("checkpoint_age_s"))}
     out["startup_s"], out["recovery_s"] = _downtime(sorted(resumes.values(), key=lambda e: e["t"]), fails,
                                                     resumes.get(0), start, end)
+    out["recovery_s"] += sum(max(0.0, _num(e.get("first_step_s")) or 0.0) for e in in_job)
     if wall > 0:
         useful = wall - out["startup_s"] - out["recovery_s"] - out["lost_s"]
         out["goodput"] = min(1.0, max(0.0, useful / wall))
@@ -207,6 +222,42 @@ def _downtime(resumes: list[dict], fails: list[dict], resume0: dict | None, star
     return startup, recovery
 
 
+RECOVERY_PARTS = ("detect_s", "teardown_s", "decide_s", "reform_s", "restore_s", "first_step_s")
+
+
+def _recoveries(events: list[dict]) -> dict:
+    """The ``recoveries`` summary (module docstring) of in-job ``recovery`` events."""
+    out: dict = {"count": len(events)}
+    for part in RECOVERY_PARTS:
+        values = sorted(v for v in (_num(e.get(part)) for e in events) if v is not None and v >= 0)
+        out[part] = {"median": _median(values), "max": values[-1] if values else None}
+    tiers: dict[str, int] = {}
+    for e in events:
+        where = e.get("restore_from")
+        for tier, ranks in (list(where.items())[:MAX_LIST] if isinstance(where, dict) else []):
+            name = _str(tier, 32)
+            if name:
+                tiers[name] = tiers.get(name, 0) + (len(ranks) if isinstance(ranks, list) else 0)
+    out["restore_from"] = tiers
+    return out
+
+
+def _median(values: list[float]) -> float | None:
+    if not values:
+        return None
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
+def _recovery_record(e: dict) -> dict:
+    """An in-job recovery as a failure of the ``failures`` list."""
+    ranks = e.get("ranks") if isinstance(e.get("ranks"), list) else []
+    rank = next((r for r in (_int(x) for x in ranks) if r is not None), None)
+    return {**_failure_record({**e, "rank": rank, "checkpoint_step": e.get("restored_step")}),
+            "recovered": "in_job", "round": _int(e.get("round")), "first_step_s": _num(e.get("first_step_s")),
+            "detected_by": _str(e.get("detected_by"), 64)}
+
+
 def _section_timeout(e: dict) -> dict:
     return {"attempt": _int(e.get("attempt")), "section": _str(e.get("section"), 16), "rank": _int(e.get("rank")),
             "step": _int(e.get("step")), "elapsed_s": _num(e.get("elapsed_s")), "bound_s": _num(e.get("bound_s")),
@@ -220,7 +271,7 @@ def _failure_record(e: dict) -> dict:
             "at": _str(e.get("at"), 64), "host": _str(e.get("host"), 256), "step": _int(e.get("step")),
             "rank": _int(e.get("rank")), "exit_code": _int(e.get("exit_code")), "signal": _str(e.get("signal"), 64),
             "checkpoint_step": _int(e.get("checkpoint_step")), "checkpoint_age_s": _num(e.get("checkpoint_age_s")),
-            "lost_steps": _int(e.get("lost_steps")), "lost_s": _num(e.get("lost_s"))}
+            "lost_steps": _int(e.get("lost_steps")), "lost_s": _num(e.get("lost_s")), "recovered": "cold"}
 
 
 def newest_checkpoint(storage: Storage, at_most: int | None = None) -> dict | None:

@@ -1,0 +1,606 @@
+"""The node agent of an in-job attempt (docs/design/in-job-restart.md, sections 5.1
+and 6): it replaces launch.py when ``ckptstore run --in-job`` runs, starts the node's
+ranks and warm spares itself, and when a rank dies, replaces it with a spare while the
+other ranks stay alive (a new *round* of the same attempt).
+
+    python -c "<command()'s stub>" RESULT.json EVENTS.jsonl [torchrun options] SCRIPT [ARGS...]
+
+The runner passes its in-job settings in ``CKPTSTORE_AGENT_CONF`` (JSON: run, attempt,
+spares, abort/reform timeouts, rounds in a row, hang and first-progress timeouts, the
+memory directory and budget). ``RESULT.json`` is launch.py's format (results.py), so
+the runner classifies and relaunches as before; ``EVENTS.jsonl`` gets one JSON line per
+in-job event (``recovery``, ``recovery_failed``, ``in_job_gave_up``), which the runner
+journals as it reads them.
+
+One node only for now (``--standalone`` or ``--nnodes 1``): the agent hosts the in-job
+TCPStore itself (127.0.0.1, a free port) and is the leader. Workers start through
+bootstrap.py (error files as under torchrun), each in a session of its own; spares at
+nice 5. The loop looks at every child each :data:`TICK_S` (``Popen.poll``: one
+``waitpid(WNOHANG)`` each).
+
+The leader's side of a failed round r (a member died: its exit, or the agent killed it
+for a hang):
+
+1. ``round/<r>/fault`` with the dead rank (``agent:exit`` / ``agent:hang``);
+2. the other members' ``left`` records, bounded by the reform timeout; a member that
+   does not leave (or dies meanwhile) is killed and counted failed;
+3. the dead rank's evidence (classify.classify_one): ``deterministic`` (a
+   DeterministicError, or the same error at the same step as the previous in-job
+   failure) -> verdict ``stop``, the attempt ends with that failure (the runner exits
+   10); more than ``max_rounds_in_a_row`` recoveries without a new step, no warm spare
+   within the reform timeout, a finished or in-job-unaware member (no ``hello``) ->
+   ``cold`` (every worker killed; the runner relaunches as today);
+4. otherwise a warm spare per failed rank (none when every member left: a rank's
+   collective failed with every process alive; the same members re-form): ``assign``, ``round/<r+1>/members``,
+   ``fence``, then verdict ``continue``; a replacement spare starts at once;
+5. once every member's ``first`` mark of round r+1 is in, one ``recovery`` event with
+   the durations measured from the keys' times.
+
+Hangs (progress_watch.py over the ranks' progress files, ``--hang-timeout``): the agent
+posts the round's fault notice (``agent:hang``); the ranks it wakes leave the round (a
+rank blocked in a peer's collective, or hung in Python code, which the rank side
+aborts), and those that do not leave within the abort timeout are killed and replaced
+by spares. No culprit is guessed: the ranks that cannot leave are the hung ones (the
+stack-dump rule of the design's section 8 is later work). Before the first step, a hang
+ends the attempt (cold).
+
+SIGTERM to the agent (a preemption): forwarded to the members (they save and stop),
+spares told to end; no in-job recovery.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+from . import injob
+from .classify import Verdict, classify_one
+from .launch import ENV_SUPERVISOR, through_bootstrap
+from .progress import ENV_DIR, die_with_parent, read_progress
+from .progress_watch import ProgressWatch
+from .results import exited, write
+
+ENV_CONF = "CKPTSTORE_AGENT_CONF"
+EVENT_KINDS = ("recovery", "recovery_failed", "in_job_gave_up")  # what EVENTS.jsonl holds (journal.py)
+TICK_S = 0.01  # how often the agent looks at its children and the store
+HANG_CHECK_S = 0.25  # how often the progress files are read for hangs
+SPARE_NICE = 5  # spares warm up beside training: lower CPU priority
+END_GRACE_S = 10.0  # members and spares told to end (the ``end`` key, SIGTERM) before SIGKILL
+MAX_SPARE_DEATHS = 3  # spares that died before their hello, in a row, before no more are started
+
+
+def command(result_path: str, events_path: str, launcher_args: list[str]) -> list[str]:
+    """The agent's command line, importing this package as launch.command does."""
+    from .launch import PACKAGE_ROOT
+
+    stub = (f"import sys; sys.path[:1 if sys.path and sys.path[0] == '' else 0] = [{PACKAGE_ROOT!r}]; "
+            "from ckptstore.supervisor.agent import main; sys.exit(main())")
+    return [sys.executable, "-c", stub, result_path, events_path, *launcher_args]
+
+
+@dataclass
+class Conf:
+    run: str = "run"
+    attempt: int = 0
+    spares: int = 1
+    abort_timeout_s: float = 10.0
+    reform_timeout_s: float = 60.0
+    max_rounds_in_a_row: int = 3
+    hang_timeout_s: float = 600.0
+    first_progress_timeout_s: float = 1800.0
+    memory_dir: str = ""
+    memory_budget: int = 0
+
+    @classmethod
+    def from_env(cls, env) -> "Conf":
+        data = json.loads(env.get(ENV_CONF) or "{}")
+        return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
+
+
+@dataclass
+class Worker:
+    wid: str
+    proc: subprocess.Popen
+    error_file: str
+    spare: bool
+    started_t: float
+    rank: int | None = None
+    local_rank: int | None = None
+    hello: dict | None = None
+    returncode: int | None = None
+    killed_for: str | None = None  # "hang", "not left": why the agent killed it
+    exit_t: float | None = None
+
+
+@dataclass
+class Pending:
+    """A recovery whose new round has not yet trained on every rank."""
+    round: int
+    event: dict
+    fault_t: float
+    ranks: list[int] = field(default_factory=list)
+
+
+class InJobAgent:
+    def __init__(self, args, conf: Conf, result_path: str, events_path: str, env=None):
+        self.args, self.conf = args, conf
+        self.result_path, self.events_path = result_path, events_path
+        self.env = dict(os.environ if env is None else env)
+        self.errors_dir = os.path.join(os.path.dirname(os.path.abspath(result_path)), "errors")
+        os.makedirs(self.errors_dir, exist_ok=True)
+        self.nproc = int(args.nproc_per_node)
+        self.workers: dict[str, Worker] = {}
+        self.members: dict[int, Worker] = {}  # rank -> the worker holding it in the current round
+        self.round = 0
+        self.started = 0
+        self.stop_signal: int | None = None
+        self.previous_signature: str | None = None
+        self.stalled = 0  # recoveries in a row without a new step
+        self.last_fault_step: int | None = None
+        self.spare_deaths = 0
+        self.pending: Pending | None = None
+        self.progress_dir = self.env.get(ENV_DIR, "")
+        self.watch = ProgressWatch(time.monotonic())
+
+    # ------------------------------------------------------------------ set-up
+    def _open_store(self) -> None:
+        from datetime import timedelta
+
+        from torch.distributed import TCPStore
+
+        self.base = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                             timeout=timedelta(seconds=max(30.0, self.conf.reform_timeout_s)))
+        self.address = f"127.0.0.1:{self.base.port}"
+        self.prefix = injob.attempt_prefix(self.conf.run, self.conf.attempt)
+        self.store = injob.attempt_store(self.base, self.prefix)
+
+    def _cmd(self) -> list[str]:
+        a = self.args
+        if a.no_python:
+            return [a.training_script, *a.training_script_args]
+        return [sys.executable, "-u", *(["-m"] if a.module else []), a.training_script, *a.training_script_args]
+
+    def _start(self, *, rank: int | None) -> Worker:
+        wid = f"n0-w{self.started}"
+        self.started += 1
+        error_file = os.path.join(self.errors_dir, f"{wid}.json")
+        env = dict(self.env)
+        env.update({injob.ENV_STORE: self.address, injob.ENV_PREFIX: self.prefix, injob.ENV_WORKER: wid,
+                    injob.ENV_NODE: "0", injob.ENV_TIMEOUT: f"{self.conf.reform_timeout_s:g}",
+                    injob.ENV_ABORT_TIMEOUT: f"{self.conf.abort_timeout_s:g}",
+                    injob.ENV_MEMORY_DIR: self.conf.memory_dir,
+                    injob.ENV_MEMORY_BUDGET: str(self.conf.memory_budget),
+                    "TORCHELASTIC_ERROR_FILE": error_file,
+                    "TORCHELASTIC_RUN_ID": self._run_id(),
+                    "TORCHELASTIC_RESTART_COUNT": str(self.conf.attempt),
+                    "TORCHELASTIC_MAX_RESTARTS": "0",
+                    # a plain init_process_group() (env://) joins this store, as under torch's agent
+                    "TORCHELASTIC_USE_AGENT_STORE": "True",
+                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.base.port)})
+        if self.nproc > 1 and "OMP_NUM_THREADS" not in env:
+            env["OMP_NUM_THREADS"] = "1"  # torchrun's default
+        env.pop(ENV_SUPERVISOR, None)
+        for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+                  injob.ENV_SPARE):
+            env.pop(k, None)
+        if rank is None:
+            env[injob.ENV_SPARE] = "1"
+        else:
+            env.update(self._rank_env(rank))
+        proc = subprocess.Popen(self._cmd(), env=env, start_new_session=True,
+                                preexec_fn=(lambda: os.nice(SPARE_NICE)) if rank is None else None)
+        w = Worker(wid, proc, error_file, spare=rank is None, started_t=time.time(), rank=rank,
+                   local_rank=rank)
+        self.workers[wid] = w
+        if rank is not None:
+            self.members[rank] = w
+        return w
+
+    def _run_id(self) -> str:
+        """torchrun's ``--rdzv-id`` when given, else the attempt's own (``<run>-a<attempt>``)."""
+        given = str(self.args.rdzv_id or "none")
+        return given if given != "none" else f"{self.conf.run}-a{self.conf.attempt}"
+
+    def _rank_env(self, rank: int) -> dict:
+        n = str(self.nproc)
+        return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": n, "LOCAL_WORLD_SIZE": n,
+                "GROUP_RANK": "0", "ROLE_RANK": str(rank), "ROLE_NAME": "default", "ROLE_WORLD_SIZE": n,
+                "GROUP_WORLD_SIZE": "1"}
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> int:
+        self._open_store()
+        for r in range(self.nproc):
+            self._start(rank=r)
+        self._post_members(0)
+        injob.set_fence(self.store, 0)
+        for _ in range(self.conf.spares):
+            self._start(rank=None)
+        next_hang_check = 0.0
+        while True:
+            if self.stop_signal is not None:
+                return self._preempted()
+            self._poll_all()
+            self._note_hellos()
+            self._replenish()
+            self._check_pending()
+            dead = [w for w in self.members.values() if w.returncode not in (None, 0)]
+            if dead or self.store.check([injob.round_key(self.round, "fault")]):
+                code = self._recover(min(dead, key=lambda w: (w.exit_t or 0, w.rank)) if dead else None)
+                if code is not None:
+                    return code
+                continue
+            if all(w.returncode == 0 for w in self.members.values()):
+                return self._finished()
+            if time.monotonic() >= next_hang_check:  # (progress files change at most once a step)
+                next_hang_check = time.monotonic() + HANG_CHECK_S
+                hung = self._hang()
+                if hung is not None:
+                    return hung
+            time.sleep(TICK_S)
+
+    def _poll_all(self) -> None:
+        for w in self.workers.values():
+            if w.returncode is None and w.proc.poll() is not None:
+                w.returncode, w.exit_t = w.proc.returncode, time.time()
+                if w.spare and w.rank is None:
+                    self.spare_deaths = self.spare_deaths + 1 if w.hello is None else 0
+
+    def _note_hellos(self) -> None:
+        for w in self.workers.values():
+            if w.hello is None and w.returncode is None:
+                w.hello = injob.get(self.store, injob.hello_key(w.wid))
+                if w.hello is not None and w.spare:
+                    self.spare_deaths = 0
+
+    def _warm_spares(self) -> list[Worker]:
+        return [w for w in self.workers.values()
+                if w.spare and w.rank is None and w.returncode is None and w.hello is not None]
+
+    def _replenish(self) -> None:
+        """Keep ``spares`` spare processes (warm or warming) alive; a spare that keeps
+        dying before its hello (a script without inprocess.run) is not restarted."""
+        alive = [w for w in self.workers.values() if w.spare and w.rank is None and w.returncode is None]
+        if self.spare_deaths >= MAX_SPARE_DEATHS:
+            return
+        for _ in range(self.conf.spares - len(alive)):
+            self._start(rank=None)
+
+    def _post_members(self, round_: int) -> None:
+        injob.post_members(self.store, round_, {r: {"worker": w.wid, "node": 0, "pid": w.proc.pid}
+                                                for r, w in sorted(self.members.items())})
+
+    # ------------------------------------------------------------------ a failed round
+    def _recover(self, dead: Worker | None) -> int | None:
+        """The leader's side of a failed round (module docstring): ``dead`` the member
+        whose death ended it, or None when a rank posted the notice (its collective
+        failed) and no process has died (yet). None: the next round runs; else the
+        agent's exit status (the attempt is over)."""
+        r = self.round
+        unaware = [w for w in self.members.values() if w.hello is None and w.returncode is None]
+        finished = [w for w in self.members.values() if w.returncode == 0]
+        if dead is not None:
+            detected_by = "agent:exit"
+            record = exited(dead.rank, dead.proc.pid, _status(dead.returncode), dead.error_file)
+            fault_t = dead.exit_t or time.time()
+            what = record.get("error") or _how(record)
+            if not injob.post_fault(self.store, r, ranks=[dead.rank], cause=what, detected_by=detected_by, t=fault_t):
+                first = injob.get(self.store, injob.round_key(r, "fault")) or {}  # a rank saw it first
+                detected_by = str(first.get("detected_by") or detected_by)[:64]
+            failed = {dead.rank: record}
+        else:
+            notice = injob.get(self.store, injob.round_key(r, "fault")) or {}
+            detected_by = str(notice.get("detected_by") or "rank")[:64]
+            fault_t = _num(notice.get("t")) or time.time()
+            what = str(notice.get("cause") or "a rank said the round failed")
+            failed = {}
+        notice_t = time.time()
+        if unaware or finished:
+            why = ("a rank of the script never joined the in-job protocol (no inprocess.run): "
+                   "in-job recovery is unsupported by the script") if unaware else \
+                "some ranks had already finished"
+            return self._cold(r, failed, why)
+        survivors = [k for k, w in self.members.items() if w.returncode is None]
+        hang = detected_by == "agent:hang"  # the ranks must leave within the abort timeout, or are killed
+        bound = self.conf.abort_timeout_s if hang else self.conf.reform_timeout_s
+        left = self._wait_left(r, survivors, failed, bound)
+        if self.stop_signal is not None:
+            injob.post_verdict(self.store, r, "cold", "the agent was stopped")
+            return self._preempted()
+        step = self._step(left)
+        if failed:
+            primary = dead.rank if dead is not None else min(failed)
+            record = failed[primary]
+            verdict = classify_one(record, primary, step, self.previous_signature)
+            if self.members[primary].killed_for == "not left":
+                verdict.reason = f"rank {primary} did not leave round {r} within {bound:g}s ({what[:500]}): killed"
+        else:  # every member left: the same members re-form
+            primary, record = None, {}
+            verdict = Verdict("transient", f"round {r} failed with no process lost: {what[:1000]}")
+        self.previous_signature = verdict.signature or self.previous_signature
+        if self.pending is not None and self.pending.round == r:  # the recovery into round r failed
+            who = f"rank {primary}" if failed else "a rank"
+            why = (record.get("error") or _how(record)) if record else what
+            self._emit("recovery_failed", attempt=self.conf.attempt, round=r,
+                       reason=f"{who} failed before every rank trained in round {r}: {why[:1000]}")
+            self.pending = None
+        if verdict.klass == "deterministic":
+            return self._stop(r, failed, primary, verdict)
+        progressed = self.last_fault_step is None or (step is not None and step > self.last_fault_step)
+        self.stalled = 0 if progressed else self.stalled + 1
+        self.last_fault_step = step if step is not None else self.last_fault_step
+        if self.stalled >= self.conf.max_rounds_in_a_row:
+            return self._cold(r, failed, f"{self.stalled} in-job recoveries in a row without a new step "
+                              f"(--max-rounds-in-a-row {self.conf.max_rounds_in_a_row})")
+        spares = self._take_spares(sorted(failed))
+        if spares is None:
+            if self.stop_signal is not None:
+                injob.post_verdict(self.store, r, "cold", "the agent was stopped")
+                return self._preempted()
+            return self._cold(r, failed, f"no warm spare for rank(s) {sorted(failed)} within "
+                              f"{self.conf.reform_timeout_s:g}s (--spares {self.conf.spares})")
+        nxt = r + 1
+        for rank, w in spares.items():
+            injob.assign(self.store, w.wid, round_=nxt, rank=rank, local_rank=rank, world=self.nproc,
+                         local_world=self.nproc, node=0)
+            w.rank = w.local_rank = rank
+            self.members[rank] = w
+        self._post_members(nxt)
+        injob.set_fence(self.store, nxt)
+        verdict_rec = injob.post_verdict(self.store, r, "continue", verdict.reason, next_round=nxt)
+        self.round = nxt
+        self._replenish()
+        self.watch = ProgressWatch(time.monotonic())  # the new round is judged from now
+        first_fault = min([fault_t, *(_num(f.get("t")) or fault_t for f in injob.faults(self.store, r))])
+        teardown_end = max([notice_t, *(_num(rec.get("t")) or notice_t for rec in left.values())])
+        event = {"attempt": self.conf.attempt, "round": nxt, "ranks": sorted(failed), "class": verdict.klass,
+                 "reason": verdict.reason, "signal": record.get("signal"), "exit_code": record.get("exitcode"),
+                 "traceback": (record.get("traceback") or None) and record["traceback"][-4000:],
+                 "detected_by": detected_by, "node": 0, "step": step, "step_s": self._step_s(),
+                 "detect_s": max(0.0, notice_t - first_fault), "teardown_s": max(0.0, teardown_end - notice_t),
+                 # the last survivor left -> the verdict: classification and the wait for a warm spare
+                 "decide_s": max(0.0, (_num(verdict_rec.get("t")) or time.time()) - teardown_end),
+                 "verdict_t": _num(verdict_rec.get("t")) or time.time(),
+                 "abandoned_steps": sorted({s for rec in left.values() for s in (rec.get("abandoned") or [])
+                                            if isinstance(s, int)}),
+                 "spares": {str(k): {"host": _host(), "worker": w.wid,
+                                     "warm_s": _num((w.hello or {}).get("warm_s"))} for k, w in spares.items()}}
+        self.pending = Pending(nxt, event, first_fault, sorted(self.members))
+        return None
+
+    def _wait_left(self, r: int, survivors: list[int], failed: dict, bound_s: float) -> dict[int, dict]:
+        """The survivors' ``left`` records, bounded by ``bound_s``; a survivor that dies or
+        does not leave in time is failed (killed: R3, never in two rounds)."""
+        deadline = time.monotonic() + bound_s
+        pending, got = set(survivors), {}
+        while pending and self.stop_signal is None:
+            self._poll_all()
+            for k in list(pending):
+                rec = injob.get(self.store, injob.round_key(r, "left", k))
+                w = self.members[k]
+                if rec is not None:
+                    got[k] = rec
+                    pending.discard(k)
+                elif w.returncode is not None:
+                    pending.discard(k)
+                    failed[k] = exited(k, w.proc.pid, _status(w.returncode), w.error_file)
+                    injob.post_fault(self.store, r, ranks=[k], cause=_how(failed[k]), detected_by="agent:exit")
+            if pending and time.monotonic() >= deadline:
+                for k in pending:
+                    w = self.members[k]
+                    w.killed_for = "not left"
+                    _kill(w)
+                    failed[k] = {"local_rank": k, "pid": w.proc.pid, "exitcode": -9, "signal": "SIGKILL",
+                                 "error": None, "first": None, "traceback": None, "timestamp": int(time.time())}
+                break
+            time.sleep(TICK_S)
+        return got
+
+    def _take_spares(self, ranks: list[int]) -> dict[int, Worker] | None:
+        """A warm spare per rank, waiting up to the reform timeout for spares to warm."""
+        deadline = time.monotonic() + self.conf.reform_timeout_s
+        while self.stop_signal is None:
+            self._poll_all()
+            self._note_hellos()
+            self._replenish()
+            warm = sorted(self._warm_spares(), key=lambda w: w.started_t)
+            if len(warm) >= len(ranks):
+                return dict(zip(ranks, warm))
+            if time.monotonic() >= deadline or (self.conf.spares == 0) or self.spare_deaths >= MAX_SPARE_DEATHS:
+                return None
+            time.sleep(TICK_S)
+        return None
+
+    def _step(self, left: dict[int, dict]) -> int | None:
+        steps = [rec.get("step") for rec in left.values()]
+        steps += [p.get("step") for p in read_progress(self.progress_dir).values()] if self.progress_dir else []
+        steps = [s for s in steps if isinstance(s, int) and not isinstance(s, bool)]
+        return max(steps) if steps else None
+
+    def _step_s(self) -> float | None:
+        """The ranks' latest reported step time (progress files), for ``lost_s``."""
+        times = [p.get("step_s") for p in read_progress(self.progress_dir).values()] if self.progress_dir else []
+        times = [t for t in times if _num(t) is not None and t > 0]
+        return max(times) if times else None
+
+    def _check_pending(self) -> None:
+        """Journal the recovery once every member of its round has trained a step."""
+        p = self.pending
+        if p is None or p.round != self.round:
+            return
+        firsts = injob.marks(self.store, p.round, "first", p.ranks)
+        if len(firsts) < len(p.ranks):
+            return
+        restored = injob.marks(self.store, p.round, "restored", p.ranks)
+        e = dict(p.event)
+        verdict_t = e.pop("verdict_t")
+        starts = [(_num(m.get("t")) or verdict_t) - (_num(m.get("seconds")) or 0.0) for m in restored.values()]
+        e["reform_s"] = max(0.0, max(starts) - verdict_t) if starts else None
+        e["restore_s"] = max((_num(m.get("seconds")) or 0.0) for m in restored.values()) if restored else None
+        e["first_step_s"] = max(0.0, max(_num(m.get("t")) or p.fault_t for m in firsts.values()) - p.fault_t)
+        steps = [m.get("step") for m in restored.values() if isinstance(m.get("step"), int)]
+        e["restored_step"] = min(steps) if steps else None
+        e["lost_steps"] = None if (e["step"] is None or e["restored_step"] is None) else \
+            max(0, e["step"] - e["restored_step"])
+        e["lost_s"] = None if (e["lost_steps"] is None or e["step_s"] is None) else e["lost_steps"] * e["step_s"]
+        tiers: dict[str, list[int]] = {}
+        for k, m in sorted(restored.items()):
+            tiers.setdefault(str(m.get("tier") or "none"), []).append(k)
+        e["restore_from"] = tiers
+        self._emit("recovery", **e)
+        self.pending = None
+        self.watch = ProgressWatch(time.monotonic())  # the round trains: hangs are judged from here
+
+    def _hang(self) -> int | None:
+        """A hang fails the round (module docstring); before any step: the attempt ends."""
+        if not self.progress_dir:
+            return None
+        p = self.pending
+        if p is not None and p.round == self.round:
+            # A new round is starting (spares' re-form and restore are not steps): bounded by
+            # the reform timeout from its verdict, judged by the hang timeout once it trained.
+            if time.time() - p.event["verdict_t"] > self.conf.reform_timeout_s:
+                injob.post_fault(self.store, self.round, ranks=[], detected_by="agent:hang",
+                                 cause=f"round {self.round} did not train within {self.conf.reform_timeout_s:g}s")
+            return None
+        progress = read_progress(self.progress_dir)
+        self.watch.update(progress)
+        from .decide import Policy
+
+        why = self.watch.hung(Policy(hang_timeout_s=self.conf.hang_timeout_s,
+                                     first_progress_timeout_s=self.conf.first_progress_timeout_s))
+        if why is None:
+            return None
+        if not self.watch.trained:
+            self._end_workers("hang")
+            write(self.result_path, {"ok": False, "failures": {}, "hang_reason": why})
+            return 1
+        # The round fails: the ranks that can leave it (woken by the notice) are not the
+        # hung one; those that do not leave within the abort timeout are killed and replaced.
+        injob.post_fault(self.store, self.round, ranks=[], cause=f"hang: {why}", detected_by="agent:hang")
+        self.watch = ProgressWatch(time.monotonic())
+        return None
+
+    # ------------------------------------------------------------------ endings
+    def _stop(self, r: int, failed: dict, rank: int, verdict) -> int:
+        injob.post_verdict(self.store, r, "stop", verdict.reason)
+        self._end_workers("stop")
+        failed[rank] = {**failed[rank], "signature": verdict.signature}
+        write(self.result_path, {"ok": False, "failures": {str(k): f for k, f in failed.items()},
+                                 "stop_reason": verdict.reason, "stop_rank": rank})
+        return 1
+
+    def _cold(self, r: int, failed: dict, reason: str) -> int:
+        injob.post_verdict(self.store, r, "cold", reason)
+        self._emit("in_job_gave_up", attempt=self.conf.attempt, round=r, reason=reason)
+        self._end_workers("cold", kill=True)
+        write(self.result_path, {"ok": False, "failures": {str(k): f for k, f in failed.items()},
+                                 "in_job_gave_up": reason})
+        return 1
+
+    def _finished(self) -> int:
+        self._end_workers("finished")
+        write(self.result_path, {"ok": True, "failures": {}})
+        return 0
+
+    def _preempted(self) -> int:
+        """SIGTERM: the members save and stop (their own handlers), the spares end."""
+        for w in self.members.values():
+            if w.returncode is None:
+                _signal(w, signal.SIGTERM)
+        self._end_workers("stopped")
+        name = signal.Signals(self.stop_signal).name
+        write(self.result_path, {"ok": False, "launcher_signal": name, "failures": {}})
+        return 128 + int(self.stop_signal)
+
+    def _end_workers(self, reason: str, kill: bool = False) -> None:
+        """Say ``end`` (waiting workers exit 0), wait for every worker a bounded time, then
+        kill what is left: no process of the attempt outlives it."""
+        try:
+            injob.end(self.store, reason)
+        except Exception:  # noqa: BLE001 - the store is ours; if it fails, the kills below still end them
+            pass
+        live = [w for w in self.workers.values() if w.returncode is None]
+        for w in live:  # a spare still starting (no hello yet) would read ``end`` only once warm
+            if kill or (w.rank is None and w.hello is None):
+                _kill(w)
+        deadline = time.monotonic() + END_GRACE_S
+        for w in live:
+            try:
+                w.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _kill(w)
+                w.proc.wait()
+            w.returncode = w.proc.returncode
+
+    def _emit(self, kind: str, **fields) -> None:
+        with open(self.events_path, "a") as f:
+            f.write(json.dumps({"kind": kind, **fields}) + "\n")
+
+
+def _status(returncode: int) -> int:
+    """A ``waitpid`` status from ``Popen.returncode`` (negative: the signal)."""
+    return -returncode if returncode < 0 else returncode << 8
+
+
+def _how(record: dict) -> str:
+    if record.get("signal"):
+        return f"killed by {record['signal']}"
+    return f"exited with code {record.get('exitcode')}"
+
+
+def _kill(w: Worker) -> None:
+    _signal(w, signal.SIGKILL)
+
+
+def _signal(w: Worker, signum: int) -> None:
+    try:
+        w.proc.send_signal(signum)
+    except ProcessLookupError:
+        pass
+
+
+def _num(v) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def _host() -> str:
+    import socket
+
+    return socket.gethostname()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    result_path, events_path, rest = argv[0], argv[1], argv[2:]
+    die_with_parent(signal.SIGTERM)  # as launch.py: never train unwatched
+    supervisor = os.environ.get(ENV_SUPERVISOR)
+    if supervisor and str(os.getppid()) != supervisor:
+        return 128 + int(signal.SIGTERM)
+    from torch.distributed import run as torchrun
+
+    args = torchrun.parse_args(rest)
+    through_bootstrap(args)
+    agent = InJobAgent(args, Conf.from_env(os.environ), result_path, events_path)
+
+    def on_signal(signum, frame):
+        agent.stop_signal = signum
+
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, on_signal)
+    try:
+        return agent.run()
+    except Exception as e:  # noqa: BLE001 - the agent's own failure: no worker may outlive it
+        agent._end_workers("agent failed", kill=True)
+        write(result_path, {"ok": False, "failures": {}, "launcher_error": f"in-job agent: {type(e).__name__}: "
+                            f"{str(e)[:2000]}"})
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
