@@ -283,6 +283,76 @@ def test_a_whole_node_restarted_at_once_rejoins_and_the_run_finishes_bit_identic
     assert any(line.startswith("rank ") and " step " in line for line in nodes.jobs[1].lines), nodes.output()
 
 
+# Node 0 alone hosts torch's c10d store (as on separate machines, where only the host
+# whose address --rdzv-endpoint names does): node 1 never hosts it, not even on a relaunch.
+PINNED = {0: ["--rdzv-conf", "is_host=1"], 1: ["--rdzv-conf", "is_host=0"]}
+
+
+def _lose(nodes: Nodes, k: int, step: int = 8) -> Job:
+    """SIGKILL node k whole once a rank of it reported ``step``; its old job, returned."""
+    lost = nodes.jobs[k]
+    lost.expect(lambda l: l.startswith("rank ") and f" step {step} " in l, f"a step {step} on node {k}")
+    nodes.kill_node(k)
+    return lost
+
+
+def _wait_launched(nodes: Nodes, attempt: int, k: int) -> None:
+    """Until node k joined ``attempt`` (its launcher then starts: a bounded poll of the store)."""
+    name = consensus.node_name(socket.gethostname(), k)
+    deadline = time.monotonic() + HANG_GUARD_S
+    while name not in nodes.shared().members(attempt):
+        assert time.monotonic() < deadline and nodes.jobs[k].proc.poll() is None, nodes.output()
+        time.sleep(0.05)
+
+
+def test_the_rendezvous_hosts_whole_node_restarted_at_once_recovers_bit_identical(tmp_path, reference):
+    """Node 0, whose launcher alone hosts torch's c10d store, is SIGKILLed whole at step 8
+    (supervisor, launcher, ranks: the store dies with it) and restarted at once: node 1
+    does not hang (its ranks lose their peer, its launcher the store), the new node 0
+    hosts the store again, and both finish bit-identical under one attempt numbering."""
+    nodes = Nodes(tmp_path / "store", tmp_path, options=PINNED)
+    lost = _lose(nodes, 0)
+    nodes.restart(0)
+    assert lost.finish() == -signal.SIGKILL
+    failures = _recovered(nodes, reference)
+    assert failures and failures[0]["class"] == "transient", failures
+    assert any(line.startswith("rank ") and " step " in line for line in nodes.jobs[0].lines), nodes.output()
+
+
+def test_the_rendezvous_host_restarted_late_is_waited_for_and_recovers_bit_identical(tmp_path, reference):
+    """Node 0 (the c10d store's only host) is lost at step 8 and restarted only once node
+    1's relaunch is waiting for the store that died with it (within the join timeout):
+    node 1's launcher connects when the new node 0 hosts the store again, attempt 0 has
+    one failure record, and both finish bit-identical."""
+    nodes = Nodes(tmp_path / "store", tmp_path, "--join-timeout", "30", options=PINNED)
+    lost = _lose(nodes, 0)
+    _wait_launched(nodes, 1, 1)  # node 1 relaunched without node 0: its launcher waits for the store
+    nodes.restart(0)
+    assert lost.finish() == -signal.SIGKILL
+    failures = _recovered(nodes, reference)
+    assert failures[0]["class"] == "transient", failures
+    verdict = nodes.shared().verdict(0)
+    assert verdict["unreported"] == [consensus.node_name(socket.gethostname(), 0)], verdict  # decided without it
+    started = sorted(e["attempt"] for e in kinds(nodes.events(), "attempt_start"))
+    assert started.count(1) == 2, started  # the new node 0 joined the attempt node 1 was waiting in
+
+
+def test_a_rendezvous_host_that_never_returns_stops_the_others_with_exit_16(tmp_path):
+    """Node 0 (the c10d store's only host) is lost for good at step 8: node 1 relaunches,
+    its launcher finds no store at the --rdzv-endpoint within the join timeout (torch's
+    read_timeout, which the supervisor sets to --join-timeout on a relaunch: 5 s here) and
+    the run stops with exit 16 at once, naming the endpoint. Before, it retried a
+    rendezvous nobody hosts until the no-progress limit (exit 12, four failures)."""
+    nodes = Nodes(tmp_path / "store", tmp_path, options=PINNED)
+    lost = _lose(nodes, 0)
+    assert nodes.jobs[1].finish() == runner.EXIT_NODES_MISSING, nodes.output()
+    lost.finish()
+    give_up = kinds(nodes.events(), "give_up")
+    assert len(give_up) == 1 and give_up[0]["class"] == "nodes_missing", give_up
+    assert "rendezvous endpoint 127.0.0.1:" in give_up[0]["reason"], give_up
+    assert [f["attempt"] for f in kinds(nodes.events(), "failure")] == [0, 1]
+
+
 # ------------------------------------------------------------------ the shared records, in process
 def test_a_node_that_starts_late_joins_an_open_attempt_waits_out_a_running_one_and_follows_an_end():
     clock = [1000.0]
@@ -493,3 +563,4 @@ def test_the_multi_node_defaults_live_in_the_policy():
     sup = runner.Supervisor(f"memory://pol-{random.getrandbits(32):08x}", ["x.py"], Policy(join_timeout_s=7.0),
                             run_id=RUN, nnodes=2, node_rank=0, decision_wait_s=3.0)
     assert (sup.join_timeout_s, sup.shared.wait_s, sup.policy.decision_wait_s) == (7.0, 3.0, 3.0)
+

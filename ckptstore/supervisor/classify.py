@@ -143,6 +143,12 @@ def classify(result: dict, step: int | None, relaunched: bool = False) -> Verdic
         v = Verdict("transient", "node(s) missing: torch's rendezvous did not complete within its join timeout")
         v.evidence["nodes_missing"] = True
         return v
+    if result.get("rendezvous_unreachable") and not failures and step is None:  # before any rank trained
+        v = Verdict("transient", f"node(s) missing: the rendezvous endpoint {result['rendezvous_unreachable']} did "
+                    "not answer within torch's read timeout (its c10d store is hosted by the launcher of the node "
+                    "whose address it is: that node is gone)")
+        v.evidence["nodes_missing"] = True
+        return v
     if result.get("launcher_signal"):
         return Verdict("preempted", f"the launcher was stopped by {result['launcher_signal']}",
                        signal=result["launcher_signal"])
