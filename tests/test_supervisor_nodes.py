@@ -353,6 +353,38 @@ def test_a_rendezvous_host_that_never_returns_stops_the_others_with_exit_16(tmp_
     assert [f["attempt"] for f in kinds(nodes.events(), "failure")] == [0, 1]
 
 
+
+def test_a_frozen_node_is_recognised_by_its_heartbeat_and_the_others_stop_with_exit_16(tmp_path):
+    """Node 1 freezes at step 8 (SIGSTOP to its supervisor, launcher and rank: a machine
+    that hangs or loses power sends no connection reset, and node 0's rank would wait in
+    gloo for the process group's timeout): node 0 sees node 1's heartbeat stop
+    (--heartbeat-timeout 3), stops its attempt, decides at once without node 1's report
+    ("stopped beating"), and its relaunch stops with exit 16 after the join timeout.
+    Before heartbeats, node 0 waited until its hang timeout (600 s here)."""
+    nodes = Nodes(tmp_path / "store", tmp_path, "--heartbeat-timeout", "3", options=PINNED)
+    frozen = nodes.jobs[1]
+    frozen.expect(lambda l: l.startswith("rank ") and " step 8 " in l, "a step 8 on node 1")
+    tree = [frozen.proc, *psutil.Process(frozen.proc.pid).children(recursive=True)]
+    for p in tree:
+        os.kill(p.pid, signal.SIGSTOP)
+    try:
+        assert nodes.jobs[0].finish() == runner.EXIT_NODES_MISSING, nodes.output()
+    finally:
+        for p in tree:
+            try:
+                os.kill(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    frozen.finish()
+    name = consensus.node_name(socket.gethostname(), 1)
+    verdict = nodes.shared().verdict(0)
+    assert verdict["stopped_beating"] == [name] and verdict["unreported"] == [name], verdict
+    assert f"node {name}'s supervisor stopped beating at " in verdict["reason"], verdict
+    assert f"stopped: node {name}'s supervisor stopped beating" in nodes.jobs[0].output()
+    give_up = kinds(nodes.events(), "give_up")
+    assert len(give_up) == 1 and give_up[0]["class"] == "nodes_missing", give_up
+
+
 # ------------------------------------------------------------------ the shared records, in process
 def test_a_node_that_starts_late_joins_an_open_attempt_waits_out_a_running_one_and_follows_an_end():
     clock = [1000.0]
@@ -564,3 +596,48 @@ def test_the_multi_node_defaults_live_in_the_policy():
                             run_id=RUN, nnodes=2, node_rank=0, decision_wait_s=3.0)
     assert (sup.join_timeout_s, sup.shared.wait_s, sup.policy.decision_wait_s) == (7.0, 3.0, 3.0)
 
+
+
+def test_a_supervisor_that_stopped_beating_is_not_waited_for_and_stops_a_running_attempt():
+    from ckptstore.supervisor.classify import Verdict
+    from ckptstore.supervisor.decide import Policy
+
+    mono, waits = [0.0], []
+    policy = Policy(heartbeat_s=1.0, heartbeat_timeout_s=4.0)
+    storage = _mem("beats")
+
+    def sleep(s):  # a's beating thread goes on while it waits
+        waits.append(s)
+        mono[0] += s
+        a.beats.beat()
+    a, b = (consensus.Shared(storage, RUN, n, wait_s=30, sleep=sleep, policy=policy, monotonic=lambda: mono[0])
+            for n in ("a-0", "b-1"))
+    a.beats.beat(), b.beats.beat()
+    a.join(0), b.join(0)
+    assert a.interrupted(0) is None  # a's first look: both beat
+    for _ in range(3):  # b beats no more (its supervisor was SIGKILLed, or froze): quiet for 3 s < 4 s
+        mono[0] += 1.0
+        a.beats.beat()
+        assert a.interrupted(0) is None
+    mono[0] += 1.5
+    a.beats.beat()
+    why = a.interrupted(0)
+    assert why is not None and why.startswith("node b-1's supervisor stopped beating at 20"), why
+    a.report(0, Verdict("transient", f"stopped: {why}"), False, None)
+    settled = a.settle(0, policy)
+    assert waits == [] and settled.mine, waits  # no wait for a report that will never come
+    assert settled.record["stopped_beating"] == ["b-1"] and settled.record["unreported"] == ["b-1"]
+    assert "decided without node b-1's supervisor stopped beating at" in settled.failure.reason
+    b.beats.beat()  # b restarted: beating again, it is waited for
+    mono[0] += 1.0
+    a.beats.beat()
+    a.join(1), b.join(1)
+    assert a.interrupted(1) is None and a.beats.stopped({"b-1"}) == {}
+    mono[0] += 10.0  # a's own beat no longer shows (the store is not showing beats): nobody is judged
+    assert a.beats.stopped({"b-1"}) == {}
+    off = consensus.Shared(storage, RUN, "c-2", policy=Policy(heartbeat_timeout_s=0), monotonic=lambda: mono[0])
+    mono[0] += 100.0
+    off.beats.beat()
+    assert off.beats.stopped({"b-1"}) == {}  # --heartbeat-timeout 0: off
+    assert (Policy().heartbeat_s, Policy().heartbeat_timeout_s) == (5.0, 20.0)
+    assert consensus.Shared(storage, RUN, "d-3", policy=Policy(heartbeat_timeout_s=8)).beats.beat_s == 2.0

@@ -93,6 +93,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--decision-wait", type=_seconds(positive=True), default=d.decision_wait_s,
                    help="several nodes: seconds a failed attempt waits for the other nodes' reports before its "
                    "verdict")
+    p.add_argument("--heartbeat-timeout", type=_seconds(), default=d.heartbeat_timeout_s,
+                   help="several nodes: a node whose supervisor's heartbeat in the store did not change for this "
+                   "many seconds is gone: its report is not waited for (0: off)")
     p.add_argument("--staging-dir", action="append", default=[], help="a local directory to health-check")
     p.add_argument("--expected-gpus", type=_count(1), default=None,
                    help="health check: fewer visible GPUs than this is an unhealthy node")
@@ -196,7 +199,7 @@ def run_command(argv) -> None:
                     no_progress_restarts=opts.no_progress_restarts, alert=opts.alert,
                     resume_timeout_s=opts.resume_timeout, save_timeout_s=opts.save_timeout,
                     section_factor=opts.section_factor, health_interval_s=opts.health_interval,
-                    straggler_report_s=opts.straggler_report,
+                    straggler_report_s=opts.straggler_report, heartbeat_timeout_s=opts.heartbeat_timeout,
                     health=HealthLimits(expected_gpus=opts.expected_gpus))
     try:
         sup = Supervisor(opts.store, launcher, policy, run_id=opts.run_id, staging_dirs=tuple(opts.staging_dir),

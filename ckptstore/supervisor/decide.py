@@ -68,6 +68,12 @@ class Policy:
     # and the longest wait for the other nodes' reports of a failed attempt.
     join_timeout_s: float = 120.0
     decision_wait_s: float = 30.0
+    # Each node's supervisor overwrites its heartbeat object in the store every
+    # heartbeat_s (at most a quarter of the timeout); a peer whose beat did not change for
+    # heartbeat_timeout_s, as this node watched it, is gone: its report is not waited
+    # for, and a running attempt that counts on it is stopped (0: off).
+    heartbeat_s: float = 5.0
+    heartbeat_timeout_s: float = 20.0
 
 
 @dataclass

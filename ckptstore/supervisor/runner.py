@@ -99,9 +99,13 @@ class Supervisor:
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> int:
+        if self.shared is not None:  # the others see this supervisor alive (consensus.Heartbeats)
+            self.shared.beats.start()
         try:
             return self._run()
         finally:
+            if self.shared is not None:
+                self.shared.beats.stop()
             self.alerts.drain()  # the last events' alerts (a give-up's) go out before the exit
 
     def _run(self) -> int:
