@@ -641,3 +641,31 @@ def test_a_supervisor_that_stopped_beating_is_not_waited_for_and_stops_a_running
     assert off.beats.stopped({"b-1"}) == {}  # --heartbeat-timeout 0: off
     assert (Policy().heartbeat_s, Policy().heartbeat_timeout_s) == (5.0, 20.0)
     assert consensus.Shared(storage, RUN, "d-3", policy=Policy(heartbeat_timeout_s=8)).beats.beat_s == 2.0
+
+
+def test_the_leader_alone_alerts_once_per_straggler_of_any_node():
+    """One rank per node: no node sees a straggler among its own ranks. Each node
+    publishes its ranks' step times in its heartbeat; the leader (the lowest-named live
+    node) judges every node's together and alerts once for node b-1's slow rank; b-1,
+    not the leader, alerts nothing; a node's step times are taken once per publication."""
+    from ckptstore.supervisor.decide import Policy
+    from ckptstore.supervisor.stragglers import Tracker
+
+    mono = [0.0]
+    policy = Policy(heartbeat_s=1.0, heartbeat_timeout_s=4.0)
+    storage = _mem("stragglers")
+    a, b = (consensus.Shared(storage, RUN, n, policy=policy, monotonic=lambda: mono[0]) for n in ("a-0", "b-1"))
+    trackers, alerts = {"a-0": Tracker(), "b-1": Tracker()}, {"a-0": [], "b-1": []}
+    a.beats.beat()
+    for k in range(5):
+        mono[0] += 1.0
+        for node, ranks in ((b, {1: 3.0}), (a, {0: 1.0})):
+            for host, rs in node.beats.cross_node(0, ranks):
+                alerts[node.node] += trackers[node.node].update(0, rs, host, f"t{k}")
+    assert alerts["b-1"] == []
+    assert [(s.rank, s.reports, round(s.ratio, 1)) for s in alerts["a-0"]] == [(1, 3, 3.0)], alerts
+    assert a.beats.cross_node(0, {0: 1.0}) == [(socket.gethostname(), {0: 1.0})]  # b-1 published nothing new
+    mono[0] += 10.0  # a-0 stopped beating (its supervisor is gone): once b-1 saw it quiet, b-1 leads
+    b.beats.refresh()  # (a-0's last beat, new to b-1: quiet from now on, as b-1 watches it)
+    mono[0] += 10.0
+    assert [rs for _, rs in b.beats.cross_node(0, {1: 3.0})] == [{1: 3.0}]

@@ -81,6 +81,7 @@ ACTIONS = ("relaunch", "give_up", "finish")
 EXIT_CODES = frozenset({10, 11, 12, 13, 14, 15, 16, 143})
 FIRST_JOIN_S = 600.0  # torch's own join timeout, which the first attempt keeps
 POLL_S = 0.5
+MAX_PUBLISHED_RANKS = 1024  # ranks' step times one node's heartbeat carries
 
 
 def node_name(host: str, node_rank) -> str:
@@ -178,13 +179,17 @@ class Heartbeats:
         self._seen: dict[str, tuple[tuple, float]] = {}  # node -> ((mtime, size), when it last changed: monotonic)
         self._listed: float | None = None
         self._lock = threading.Lock()
+        self._put_lock = threading.Lock()
         self._stop = threading.Event()
+        self.published: dict = {}  # this node's ranks' step times, carried by its beats (cross-node stragglers)
+        self._consumed: dict[str, int] = {}  # node -> the last step_times_seq the leader took from it
 
     def beat(self) -> None:
-        self.seq += 1
-        data = json.dumps({"run": self.run, "node": self.node, "host": socket.gethostname(), "t": self.clock(),
-                           "seq": self.seq}).encode()
-        self.storage.put(f"{beats_dir(self.run)}/{self.node}.json", data)
+        with self._put_lock:
+            self.seq += 1
+            data = json.dumps({"run": self.run, "node": self.node, "host": socket.gethostname(), "t": self.clock(),
+                               "seq": self.seq, **self.published}).encode()
+            self.storage.put(f"{beats_dir(self.run)}/{self.node}.json", data)
 
     def start(self) -> None:
         """Beat every ``beat_s`` from a daemon thread until :meth:`stop` (or the process's end)."""
@@ -218,6 +223,46 @@ class Heartbeats:
                 seen = self._seen.get(leaf[:-5])
                 if seen is None or seen[0] != version:
                     self._seen[leaf[:-5]] = (version, now)
+
+    def cross_node(self, attempt: int, ranks: dict[int, float]) -> list[tuple[str | None, dict[int, float]]]:
+        """Publish this node's ranks' step times (``{rank: median s}``) with its beat;
+        on the leader (the lowest-named node whose beat goes on), return every node's
+        step times of ``attempt`` not returned before, as ``(host, ranks)``, this node's
+        first; elsewhere ``[]``: only the leader judges stragglers (stragglers.py), so
+        each is alerted once for the run."""
+        seq = int(self.published.get("step_times_seq", 0)) + 1
+        self.published = {"attempt": attempt, "step_times_seq": seq,
+                          "step_times": {str(r): float(v) for r, v in sorted(ranks.items())[:MAX_PUBLISHED_RANKS]}}
+        self.beat()
+        self.refresh()
+        now = self.monotonic()
+        with self._lock:
+            live = sorted(n for n in self._seen if self.timeout_s <= 0 or self._quiet_s(n, now) < self.timeout_s)
+        if min([*live, self.node]) != self.node:
+            return []
+        out: list[tuple[str | None, dict[int, float]]] = [(socket.gethostname(), dict(ranks))]
+        for n in live:
+            if n == self.node:
+                continue
+            try:
+                rec = fmt.loads_json(read_capped(self.storage, f"{beats_dir(self.run)}/{n}.json", MAX_EVENT_BYTES,
+                                                 "heartbeat"), "heartbeat")
+            except (CkptStoreError, OSError):
+                continue
+            if not isinstance(rec, dict) or rec.get("attempt") != attempt or not isinstance(rec.get("step_times"), dict):
+                continue
+            got = _int(rec.get("step_times_seq"))
+            if got is None or got == self._consumed.get(n):
+                continue  # not published anew since the last look: not one more report
+            self._consumed[n] = got
+            theirs = {}
+            for k, v in list(rec["step_times"].items())[:MAX_PUBLISHED_RANKS]:
+                if isinstance(k, str) and k.isdigit() and isinstance(v, (int, float)) and not isinstance(v, bool) \
+                        and math.isfinite(v) and v > 0:
+                    theirs[int(k)] = float(v)
+            if theirs:
+                out.append((rec.get("host")[:256] if isinstance(rec.get("host"), str) else None, theirs))
+        return out
 
     def _quiet_s(self, node: str, now: float) -> float:
         seen = self._seen.get(node)
