@@ -268,9 +268,10 @@ def test_a_hang_on_one_node_is_detected_once_and_recovers(tmp_path, reference):
 
 def test_a_whole_node_restarted_at_once_rejoins_and_the_run_finishes_bit_identical(tmp_path, reference):
     """Node 1's supervisor and ranks are SIGKILLed at step 8 (a node that reboots) and a
-    new ``ckptstore run`` for node 1 starts at once: it finds the run at attempt 0 (or
-    later), joins, and both nodes finish bit-identical under one attempt numbering."""
-    nodes = Nodes(tmp_path / "store", tmp_path)
+    new ``ckptstore run`` for node 1 starts at once: it reports the attempt its first
+    supervisor launched lost (without joining it again), joins the next one, and both
+    nodes finish bit-identical under one attempt numbering."""
+    nodes = Nodes(tmp_path / "store", tmp_path, "--join-timeout", "20")
     lost = nodes.jobs[1]
     lost.expect(lambda l: l.startswith("rank ") and " step 8 " in l, "a step 8 on node 1")
     nodes.kill_node(1)
@@ -280,6 +281,9 @@ def test_a_whole_node_restarted_at_once_rejoins_and_the_run_finishes_bit_identic
     assert failures and failures[0]["class"] == "transient", failures  # (a lost peer: the killed node never reported)
     started = sorted(e["attempt"] for e in kinds(nodes.events(), "attempt_start") if e["attempt"] > 0)
     assert started == sorted(list(range(1, len(failures) + 1)) * 2), started  # the new node 1 in every relaunch
+    assert [e["attempt"] for e in kinds(nodes.events(), "attempt_start")].count(0) == 2  # not joined again
+    report = nodes.shared().reports(0)[consensus.node_name(socket.gethostname(), 1)]
+    assert "restarted: its processes of attempt 0 were lost" in report["verdict"]["reason"], report
     assert any(line.startswith("rank ") and " step " in line for line in nodes.jobs[1].lines), nodes.output()
 
 
@@ -310,12 +314,14 @@ def test_the_rendezvous_hosts_whole_node_restarted_at_once_recovers_bit_identica
     (supervisor, launcher, ranks: the store dies with it) and restarted at once: node 1
     does not hang (its ranks lose their peer, its launcher the store), the new node 0
     hosts the store again, and both finish bit-identical under one attempt numbering."""
-    nodes = Nodes(tmp_path / "store", tmp_path, options=PINNED)
+    nodes = Nodes(tmp_path / "store", tmp_path, "--join-timeout", "20", options=PINNED)
     lost = _lose(nodes, 0)
     nodes.restart(0)
     assert lost.finish() == -signal.SIGKILL
     failures = _recovered(nodes, reference)
     assert failures and failures[0]["class"] == "transient", failures
+    assert [e["attempt"] for e in kinds(nodes.events(), "attempt_start")].count(0) == 2  # not joined again
+    assert "restarted" in nodes.shared().reports(0)[consensus.node_name(socket.gethostname(), 0)]["verdict"]["reason"]
     assert any(line.startswith("rank ") and " step " in line for line in nodes.jobs[0].lines), nodes.output()
 
 
@@ -669,3 +675,39 @@ def test_the_leader_alone_alerts_once_per_straggler_of_any_node():
     b.beats.refresh()  # (a-0's last beat, new to b-1: quiet from now on, as b-1 watches it)
     mono[0] += 10.0
     assert [rs for _, rs in b.beats.cross_node(0, {1: 3.0})] == [{1: 3.0}]
+
+
+def test_a_restarted_node_reports_the_attempt_it_launched_lost_and_joins_the_next():
+    """A node whose previous supervisor launched attempt 0 restarts while attempt 0 has no
+    verdict: it does not join attempt 0 again (torch would restart the other nodes'
+    workers in place for the newcomer), reports attempt 0 lost, which stops the other
+    node's attempt at once, and joins attempt 1 after the verdict; alone in its attempt,
+    it abandons it after twice the decision wait."""
+    from ckptstore.supervisor.decide import Policy
+
+    clock = [1000.0]
+    storage = _mem("restarted")
+    a = consensus.Shared(storage, RUN, "a-0", clock=lambda: clock[0], wait_s=5)
+    a.join(0)
+    consensus.Shared(storage, RUN, "b-1", clock=lambda: clock[0]).join(0)  # b-1's first supervisor
+
+    def sleep(s):  # a-0 sees b-1's report within its poll, and decides
+        clock[0] += s
+        assert a.interrupted(0) == "attempt 0 ended on node b-1"
+        a.report(0, consensus.verdict_from({"class": "transient", "reason": "rank 0: gloo: Connection reset"}),
+                  False, None)
+        assert a.settle(0, Policy()).mine
+    b = consensus.Shared(storage, RUN, "b-1", clock=lambda: clock[0], sleep=sleep, wait_s=5)
+    lines = []
+    assert b.start(lambda n: 600, say=lines.append) == (1, None)
+    assert "restarted" in b.reports(0)["b-1"]["verdict"]["reason"] and "reported it lost" in lines[0]
+    assert a.verdict(0)["nodes_reported"] == 2 and a.verdict(0)["unreported"] == []
+    lone = _mem("restarted-alone")
+    consensus.Shared(lone, RUN, "c-0", clock=lambda: clock[0]).join(0)
+
+    def tick(s):
+        clock[0] += s
+    c = consensus.Shared(lone, RUN, "c-0", clock=lambda: clock[0], sleep=tick, wait_s=5)
+    start = clock[0]
+    assert c.start(lambda n: 600) == (1, None) and c.verdict(0)["class"] == "abandoned"
+    assert 10 <= clock[0] - start <= 15

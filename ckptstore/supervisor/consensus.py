@@ -26,7 +26,9 @@ wins, the others read what it wrote, and no node's loss takes the decisions with
 - **Bounded waits.** A node that starts while an attempt without a valid verdict runs
   without it waits at most hang timeout + decision wait + join timeout, then writes the
   attempt's verdict as ``abandoned`` (a relaunch; ``verdict-2.json`` where
-  ``verdict.json`` is garbage) and joins the next attempt. Verdicts are validated on read
+  ``verdict.json`` is garbage) and joins the next attempt. A node that restarts while the
+  attempt its previous supervisor launched has no verdict reports that attempt lost
+  instead of joining it again (:meth:`Shared.start`). Verdicts are validated on read
   (:func:`valid_verdict`); the chain of relaunch verdicts from attempt 0, not the
   highest directory name, says where the run is.
 - **One alert per event.** Only the verdict's writer journals the ``failure`` and
@@ -412,7 +414,7 @@ class Shared:
         return n if n > 0 or self._leaves(0) else None
 
     def start(self, window_s=lambda attempt: FIRST_JOIN_S, stopped=lambda: False, say=lambda line: None,
-              wait_poll_s: float = 5.0, abandon_s: float | None = None) -> tuple[int, dict | None]:
+              wait_poll_s: float = 1.0, abandon_s: float | None = None) -> tuple[int, dict | None]:
         """Where a node that starts (or restarts) joins the run: (the attempt to launch,
         None), or (the attempt, its verdict) when the run already ended there. The
         newest attempt without a verdict is joined while its rendezvous may still be
@@ -423,7 +425,15 @@ class Shared:
         the longest its nodes take to end an attempt that lost this node); then the
         attempt is abandoned: this node writes its verdict (a relaunch of class
         ``abandoned``, create-only: whoever wins) and joins the next one. The attempts
-        are found by following the verdicts from attempt 0 (:meth:`chain`)."""
+        are found by following the verdicts from attempt 0 (:meth:`chain`).
+
+        A node that restarts while an attempt its previous supervisor launched has no
+        verdict (its member record is there) never joins that attempt again: its
+        processes of it are gone, so the attempt is lost, and a new launcher in its
+        completed rendezvous would make torch restart the other nodes' workers in place
+        (a membership change, which torch does not count as a restart). It reports the
+        attempt lost at once (the others stop and decide without waiting for it), waits
+        for the verdict and joins the next attempt."""
         if abandon_s is None:
             p = self.policy
             abandon_s = p.hang_timeout_s + p.decision_wait_s + p.join_timeout_s
@@ -435,20 +445,29 @@ class Shared:
             if v is None:
                 first = self.first_member_t(n)
                 garbage = self._verdict_exists(n)
-                if not garbage and (first is None or self.clock() - first < window_s(n)):
+                restarted = self.node in self.members(n)
+                if restarted:
+                    self.report(n, Verdict("transient", f"node {self.node} restarted: its processes of attempt {n} "
+                                           "were lost"), False, None)
+                    say(f"this node launched attempt {n} before it restarted: reported it lost; it joins the next one")
+                elif not garbage and (first is None or self.clock() - first < window_s(n)):
                     return n, None
-                say(f"attempt {n} runs without this node (since {self.clock() - (first or self.clock()):.0f}s)"
-                    + (" and its verdict.json is invalid" if garbage else "") + ": it joins the next one")
-                end = self.clock() + abandon_s
+                if not restarted:
+                    say(f"attempt {n} runs without this node (since {self.clock() - (first or self.clock()):.0f}s)"
+                        + (" and its verdict.json is invalid" if garbage else "") + ": it joins the next one")
+                # (a restarted node's report ends the attempt: its peers decide within seconds,
+                # and an attempt it alone launched has nobody else to write the verdict)
+                bound = min(abandon_s, 2 * self.wait_s) if restarted else abandon_s
+                end = self.clock() + bound
                 while v is None and not stopped() and self.clock() < end:
                     self.sleep(wait_poll_s)
                     v = self.verdict(n)
                 if v is None and stopped():
                     return n, None
                 if v is None:
-                    say(f"attempt {n}: no valid verdict within {abandon_s:g}s: abandoned; the run goes on at "
+                    say(f"attempt {n}: no valid verdict within {bound:g}s: abandoned; the run goes on at "
                         f"attempt {n + 1}")
-                    v, _ = self._write_verdict(n, self.abandoned(n, abandon_s, garbage))
+                    v, _ = self._write_verdict(n, self.abandoned(n, bound, garbage))
                     if v is None:
                         raise CkptStoreError(f"the verdict on attempt {n} cannot be written or read")
             if v["action"] == "relaunch":
