@@ -711,3 +711,26 @@ def test_a_restarted_node_reports_the_attempt_it_launched_lost_and_joins_the_nex
     start = clock[0]
     assert c.start(lambda n: 600) == (1, None) and c.verdict(0)["class"] == "abandoned"
     assert 10 <= clock[0] - start <= 15
+
+
+def test_a_relaunch_bounds_its_wait_for_the_rendezvous_store_and_an_unreachable_one_is_a_missing_node():
+    from types import SimpleNamespace
+
+    from ckptstore.supervisor import launch
+    from ckptstore.supervisor.classify import classify
+
+    args = SimpleNamespace(rdzv_id="x", rdzv_conf="is_host=0")
+    launch.rendezvous(args, {launch.ENV_RDZV_ID: "nodes-a1", launch.ENV_JOIN_TIMEOUT: "7.5"})
+    assert (args.rdzv_id, args.rdzv_conf) == ("nodes-a1", "is_host=0,join_timeout=7.5,read_timeout=8")
+    own = SimpleNamespace(rdzv_id="x", rdzv_conf="read_timeout=30")
+    launch.rendezvous(own, {launch.ENV_JOIN_TIMEOUT: "5"})
+    assert own.rdzv_conf == "read_timeout=30,join_timeout=5"  # the user's own is kept
+    first = SimpleNamespace(rdzv_id="x", rdzv_conf="")
+    launch.rendezvous(first, {launch.ENV_RDZV_ID: "nodes-a0"})  # the first attempt keeps torch's timeouts
+    assert first.rdzv_conf == ""
+    result = {"ok": False, "failures": {}, "rendezvous_unreachable": "h0:29400",
+              "launcher_error": "RendezvousConnectionError: The connection to the C10d store has failed."}
+    lost = classify(result, None, relaunched=True)
+    assert lost.evidence.get("nodes_missing") and "rendezvous endpoint h0:29400 did not answer" in lost.reason
+    assert not classify(result, None, relaunched=False).evidence.get("nodes_missing")  # nodes may start apart
+    assert not classify(result, 12, relaunched=True).evidence.get("nodes_missing")  # the store died mid-run

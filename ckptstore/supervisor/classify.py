@@ -144,9 +144,13 @@ def classify(result: dict, step: int | None, relaunched: bool = False) -> Verdic
         v.evidence["nodes_missing"] = True
         return v
     if result.get("rendezvous_unreachable") and not failures and step is None:  # before any rank trained
-        v = Verdict("transient", f"node(s) missing: the rendezvous endpoint {result['rendezvous_unreachable']} did "
-                    "not answer within torch's read timeout (its c10d store is hosted by the launcher of the node "
-                    "whose address it is: that node is gone)")
+        endpoint = result["rendezvous_unreachable"]
+        if not relaunched:  # the first launch: the nodes may start minutes apart; the relaunch waits again
+            return Verdict("transient", f"the rendezvous endpoint {endpoint} did not answer within torch's read "
+                           "timeout: is the node whose address it is (its launcher hosts the c10d store) up?")
+        v = Verdict("transient", f"node(s) missing: the rendezvous endpoint {endpoint} did not answer within the "
+                    "join timeout (its c10d store is hosted by the launcher of the node whose address it is: that "
+                    "node is gone)")
         v.evidence["nodes_missing"] = True
         return v
     if result.get("launcher_signal"):
