@@ -597,6 +597,7 @@ def test_the_multi_node_defaults_live_in_the_policy():
 
     defaults = _parser().parse_args(["--store", "x"])
     assert (defaults.join_timeout, defaults.decision_wait) == (Policy().join_timeout_s, Policy().decision_wait_s)
+    assert defaults.heartbeat_timeout == Policy().heartbeat_timeout_s
     assert runner.JOIN_TIMEOUT_S == Policy().join_timeout_s and consensus.WAIT_S == Policy().decision_wait_s
     sup = runner.Supervisor(f"memory://pol-{random.getrandbits(32):08x}", ["x.py"], Policy(join_timeout_s=7.0),
                             run_id=RUN, nnodes=2, node_rank=0, decision_wait_s=3.0)
