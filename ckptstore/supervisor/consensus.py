@@ -251,7 +251,8 @@ class Heartbeats:
                                                  "heartbeat"), "heartbeat")
             except (CkptStoreError, OSError):
                 continue
-            if not isinstance(rec, dict) or rec.get("attempt") != attempt or not isinstance(rec.get("step_times"), dict):
+            if not isinstance(rec, dict) or rec.get("attempt") != attempt or \
+                    not isinstance(rec.get("step_times"), dict):
                 continue
             got = _int(rec.get("step_times_seq"))
             if got is None or got == self._consumed.get(n):
