@@ -254,10 +254,11 @@ def test_a_rank_killed_on_each_node_at_once_recovers_with_one_failure_record(tmp
 
 
 def test_a_hang_on_one_node_is_detected_once_and_recovers(tmp_path, reference):
-    """Node 1's rank blocks at step 12 (once): with --hang-timeout 4 the hang is detected,
+    """Node 1's rank blocks at step 12 (once): with --hang-timeout 8 the hang is detected,
     the run's one verdict on attempt 0 is a hang, both nodes relaunch and end
-    bit-identical."""
-    nodes = Nodes(tmp_path / "store", tmp_path, "--hang-timeout", "4", faults={1: f"hang:12:{tmp_path / 'hung'}"})
+    bit-identical. (Not 4 s: on a loaded machine a rank's exit after its last step,
+    which reports no progress, took over 4 s and was judged a hang twice.)"""
+    nodes = Nodes(tmp_path / "store", tmp_path, "--hang-timeout", "8", faults={1: f"hang:12:{tmp_path / 'hung'}"})
     failures = _recovered(nodes, reference)
     caused = _caused(failures)
     assert len(caused) == 1 and caused[0]["attempt"] == 0 and caused[0]["class"] == "hang", failures
@@ -268,9 +269,10 @@ def test_a_hang_on_one_node_is_detected_once_and_recovers(tmp_path, reference):
 
 def test_a_whole_node_restarted_at_once_rejoins_and_the_run_finishes_bit_identical(tmp_path, reference):
     """Node 1's supervisor and ranks are SIGKILLed at step 8 (a node that reboots) and a
-    new ``ckptstore run`` for node 1 starts at once: it finds the run at attempt 0 (or
-    later), joins, and both nodes finish bit-identical under one attempt numbering."""
-    nodes = Nodes(tmp_path / "store", tmp_path)
+    new ``ckptstore run`` for node 1 starts at once: it reports the attempt its first
+    supervisor launched lost (without joining it again), joins the next one, and both
+    nodes finish bit-identical under one attempt numbering."""
+    nodes = Nodes(tmp_path / "store", tmp_path, "--join-timeout", "20")
     lost = nodes.jobs[1]
     lost.expect(lambda l: l.startswith("rank ") and " step 8 " in l, "a step 8 on node 1")
     nodes.kill_node(1)
@@ -280,7 +282,114 @@ def test_a_whole_node_restarted_at_once_rejoins_and_the_run_finishes_bit_identic
     assert failures and failures[0]["class"] == "transient", failures  # (a lost peer: the killed node never reported)
     started = sorted(e["attempt"] for e in kinds(nodes.events(), "attempt_start") if e["attempt"] > 0)
     assert started == sorted(list(range(1, len(failures) + 1)) * 2), started  # the new node 1 in every relaunch
+    assert [e["attempt"] for e in kinds(nodes.events(), "attempt_start")].count(0) == 2  # not joined again
+    report = nodes.shared().reports(0)[consensus.node_name(socket.gethostname(), 1)]
+    assert "restarted: its processes of attempt 0 were lost" in report["verdict"]["reason"], report
     assert any(line.startswith("rank ") and " step " in line for line in nodes.jobs[1].lines), nodes.output()
+
+
+# Node 0 alone hosts torch's c10d store (as on separate machines, where only the host
+# whose address --rdzv-endpoint names does): node 1 never hosts it, not even on a relaunch.
+PINNED = {0: ["--rdzv-conf", "is_host=1"], 1: ["--rdzv-conf", "is_host=0"]}
+
+
+def _lose(nodes: Nodes, k: int, step: int = 8) -> Job:
+    """SIGKILL node k whole once a rank of it reported ``step``; its old job, returned."""
+    lost = nodes.jobs[k]
+    lost.expect(lambda l: l.startswith("rank ") and f" step {step} " in l, f"a step {step} on node {k}")
+    nodes.kill_node(k)
+    return lost
+
+
+def _wait_launched(nodes: Nodes, attempt: int, k: int) -> None:
+    """Until node k joined ``attempt`` (its launcher then starts: a bounded poll of the store)."""
+    name = consensus.node_name(socket.gethostname(), k)
+    deadline = time.monotonic() + HANG_GUARD_S
+    while name not in nodes.shared().members(attempt):
+        assert time.monotonic() < deadline and nodes.jobs[k].proc.poll() is None, nodes.output()
+        time.sleep(0.05)
+
+
+def test_the_rendezvous_hosts_whole_node_restarted_at_once_recovers_bit_identical(tmp_path, reference):
+    """Node 0, whose launcher alone hosts torch's c10d store, is SIGKILLed whole at step 8
+    (supervisor, launcher, ranks: the store dies with it) and restarted at once: node 1
+    does not hang (its ranks lose their peer, its launcher the store), the new node 0
+    hosts the store again, and both finish bit-identical under one attempt numbering."""
+    nodes = Nodes(tmp_path / "store", tmp_path, "--join-timeout", "20", options=PINNED)
+    lost = _lose(nodes, 0)
+    nodes.restart(0)
+    assert lost.finish() == -signal.SIGKILL
+    failures = _recovered(nodes, reference)
+    assert failures and failures[0]["class"] == "transient", failures
+    assert [e["attempt"] for e in kinds(nodes.events(), "attempt_start")].count(0) == 2  # not joined again
+    assert "restarted" in nodes.shared().reports(0)[consensus.node_name(socket.gethostname(), 0)]["verdict"]["reason"]
+    assert any(line.startswith("rank ") and " step " in line for line in nodes.jobs[0].lines), nodes.output()
+
+
+def test_the_rendezvous_host_restarted_late_is_waited_for_and_recovers_bit_identical(tmp_path, reference):
+    """Node 0 (the c10d store's only host) is lost at step 8 and restarted only once node
+    1's relaunch is waiting for the store that died with it (within the join timeout):
+    node 1's launcher connects when the new node 0 hosts the store again, attempt 0 has
+    one failure record, and both finish bit-identical."""
+    nodes = Nodes(tmp_path / "store", tmp_path, "--join-timeout", "30", options=PINNED)
+    lost = _lose(nodes, 0)
+    _wait_launched(nodes, 1, 1)  # node 1 relaunched without node 0: its launcher waits for the store
+    nodes.restart(0)
+    assert lost.finish() == -signal.SIGKILL
+    failures = _recovered(nodes, reference)
+    assert failures[0]["class"] == "transient", failures
+    verdict = nodes.shared().verdict(0)
+    assert verdict["unreported"] == [consensus.node_name(socket.gethostname(), 0)], verdict  # decided without it
+    started = sorted(e["attempt"] for e in kinds(nodes.events(), "attempt_start"))
+    assert started.count(1) == 2, started  # the new node 0 joined the attempt node 1 was waiting in
+
+
+def test_a_rendezvous_host_that_never_returns_stops_the_others_with_exit_16(tmp_path):
+    """Node 0 (the c10d store's only host) is lost for good at step 8: node 1 relaunches,
+    its launcher finds no store at the --rdzv-endpoint within the join timeout (torch's
+    read_timeout, which the supervisor sets to --join-timeout on a relaunch: 5 s here) and
+    the run stops with exit 16 at once, naming the endpoint. Before, it retried a
+    rendezvous nobody hosts until the no-progress limit (exit 12, four failures)."""
+    nodes = Nodes(tmp_path / "store", tmp_path, options=PINNED)
+    lost = _lose(nodes, 0)
+    assert nodes.jobs[1].finish() == runner.EXIT_NODES_MISSING, nodes.output()
+    lost.finish()
+    give_up = kinds(nodes.events(), "give_up")
+    assert len(give_up) == 1 and give_up[0]["class"] == "nodes_missing", give_up
+    assert "rendezvous endpoint 127.0.0.1:" in give_up[0]["reason"], give_up
+    assert [f["attempt"] for f in kinds(nodes.events(), "failure")] == [0, 1]
+
+
+
+def test_a_frozen_node_is_recognised_by_its_heartbeat_and_the_others_stop_with_exit_16(tmp_path):
+    """Node 1 freezes at step 8 (SIGSTOP to its supervisor, launcher and rank: a machine
+    that hangs or loses power sends no connection reset, and node 0's rank would wait in
+    gloo for the process group's timeout): node 0 sees node 1's heartbeat stop
+    (--heartbeat-timeout 3), stops its attempt, decides at once without node 1's report
+    ("stopped beating"), and its relaunch stops with exit 16 after the join timeout.
+    Before heartbeats, node 0 waited until its hang timeout (600 s here)."""
+    nodes = Nodes(tmp_path / "store", tmp_path, "--heartbeat-timeout", "3", options=PINNED)
+    frozen = nodes.jobs[1]
+    frozen.expect(lambda l: l.startswith("rank ") and " step 8 " in l, "a step 8 on node 1")
+    tree = [frozen.proc, *psutil.Process(frozen.proc.pid).children(recursive=True)]
+    for p in tree:
+        os.kill(p.pid, signal.SIGSTOP)
+    try:
+        assert nodes.jobs[0].finish() == runner.EXIT_NODES_MISSING, nodes.output()
+    finally:
+        for p in tree:
+            try:
+                os.kill(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    frozen.finish()
+    name = consensus.node_name(socket.gethostname(), 1)
+    verdict = nodes.shared().verdict(0)
+    assert verdict["stopped_beating"] == [name] and verdict["unreported"] == [name], verdict
+    assert f"node {name}'s supervisor stopped beating at " in verdict["reason"], verdict
+    assert f"stopped: node {name}'s supervisor stopped beating" in nodes.jobs[0].output()
+    give_up = kinds(nodes.events(), "give_up")
+    assert len(give_up) == 1 and give_up[0]["class"] == "nodes_missing", give_up
 
 
 # ------------------------------------------------------------------ the shared records, in process
@@ -489,7 +598,141 @@ def test_the_multi_node_defaults_live_in_the_policy():
 
     defaults = _parser().parse_args(["--store", "x"])
     assert (defaults.join_timeout, defaults.decision_wait) == (Policy().join_timeout_s, Policy().decision_wait_s)
+    assert defaults.heartbeat_timeout == Policy().heartbeat_timeout_s
     assert runner.JOIN_TIMEOUT_S == Policy().join_timeout_s and consensus.WAIT_S == Policy().decision_wait_s
     sup = runner.Supervisor(f"memory://pol-{random.getrandbits(32):08x}", ["x.py"], Policy(join_timeout_s=7.0),
                             run_id=RUN, nnodes=2, node_rank=0, decision_wait_s=3.0)
     assert (sup.join_timeout_s, sup.shared.wait_s, sup.policy.decision_wait_s) == (7.0, 3.0, 3.0)
+
+
+
+def test_a_supervisor_that_stopped_beating_is_not_waited_for_and_stops_a_running_attempt():
+    from ckptstore.supervisor.classify import Verdict
+    from ckptstore.supervisor.decide import Policy
+
+    mono, waits = [0.0], []
+    policy = Policy(heartbeat_s=1.0, heartbeat_timeout_s=4.0)
+    storage = _mem("beats")
+
+    def sleep(s):  # a's beating thread goes on while it waits
+        waits.append(s)
+        mono[0] += s
+        a.beats.beat()
+    a, b = (consensus.Shared(storage, RUN, n, wait_s=30, sleep=sleep, policy=policy, monotonic=lambda: mono[0])
+            for n in ("a-0", "b-1"))
+    a.beats.beat(), b.beats.beat()
+    a.join(0), b.join(0)
+    assert a.interrupted(0) is None  # a's first look: both beat
+    for _ in range(3):  # b beats no more (its supervisor was SIGKILLed, or froze): quiet for 3 s < 4 s
+        mono[0] += 1.0
+        a.beats.beat()
+        assert a.interrupted(0) is None
+    mono[0] += 1.5
+    a.beats.beat()
+    why = a.interrupted(0)
+    assert why is not None and why.startswith("node b-1's supervisor stopped beating at 20"), why
+    a.report(0, Verdict("transient", f"stopped: {why}"), False, None)
+    settled = a.settle(0, policy)
+    assert waits == [] and settled.mine, waits  # no wait for a report that will never come
+    assert settled.record["stopped_beating"] == ["b-1"] and settled.record["unreported"] == ["b-1"]
+    assert "decided without node b-1's supervisor stopped beating at" in settled.failure.reason
+    b.beats.beat()  # b restarted: beating again, it is waited for
+    mono[0] += 1.0
+    a.beats.beat()
+    a.join(1), b.join(1)
+    assert a.interrupted(1) is None and a.beats.stopped({"b-1"}) == {}
+    mono[0] += 10.0  # a's own beat no longer shows (the store is not showing beats): nobody is judged
+    assert a.beats.stopped({"b-1"}) == {}
+    off = consensus.Shared(storage, RUN, "c-2", policy=Policy(heartbeat_timeout_s=0), monotonic=lambda: mono[0])
+    mono[0] += 100.0
+    off.beats.beat()
+    assert off.beats.stopped({"b-1"}) == {}  # --heartbeat-timeout 0: off
+    assert (Policy().heartbeat_s, Policy().heartbeat_timeout_s) == (5.0, 20.0)
+    assert consensus.Shared(storage, RUN, "d-3", policy=Policy(heartbeat_timeout_s=8)).beats.beat_s == 2.0
+
+
+def test_the_leader_alone_alerts_once_per_straggler_of_any_node():
+    """One rank per node: no node sees a straggler among its own ranks. Each node
+    publishes its ranks' step times in its heartbeat; the leader (the lowest-named live
+    node) judges every node's together and alerts once for node b-1's slow rank; b-1,
+    not the leader, alerts nothing; a node's step times are taken once per publication."""
+    from ckptstore.supervisor.decide import Policy
+    from ckptstore.supervisor.stragglers import Tracker
+
+    mono = [0.0]
+    policy = Policy(heartbeat_s=1.0, heartbeat_timeout_s=4.0)
+    storage = _mem("stragglers")
+    a, b = (consensus.Shared(storage, RUN, n, policy=policy, monotonic=lambda: mono[0]) for n in ("a-0", "b-1"))
+    trackers, alerts = {"a-0": Tracker(), "b-1": Tracker()}, {"a-0": [], "b-1": []}
+    a.beats.beat()
+    for k in range(5):
+        mono[0] += 1.0
+        for node, ranks in ((b, {1: 3.0}), (a, {0: 1.0})):
+            for host, rs in node.beats.cross_node(0, ranks):
+                alerts[node.node] += trackers[node.node].update(0, rs, host, f"t{k}")
+    assert alerts["b-1"] == []
+    assert [(s.rank, s.reports, round(s.ratio, 1)) for s in alerts["a-0"]] == [(1, 3, 3.0)], alerts
+    assert a.beats.cross_node(0, {0: 1.0}) == [(socket.gethostname(), {0: 1.0})]  # b-1 published nothing new
+    mono[0] += 10.0  # a-0 stopped beating (its supervisor is gone): once b-1 saw it quiet, b-1 leads
+    b.beats.refresh()  # (a-0's last beat, new to b-1: quiet from now on, as b-1 watches it)
+    mono[0] += 10.0
+    assert [rs for _, rs in b.beats.cross_node(0, {1: 3.0})] == [{1: 3.0}]
+
+
+def test_a_restarted_node_reports_the_attempt_it_launched_lost_and_joins_the_next():
+    """A node whose previous supervisor launched attempt 0 restarts while attempt 0 has no
+    verdict: it does not join attempt 0 again (torch would restart the other nodes'
+    workers in place for the newcomer), reports attempt 0 lost, which stops the other
+    node's attempt at once, and joins attempt 1 after the verdict; alone in its attempt,
+    it abandons it after twice the decision wait."""
+    from ckptstore.supervisor.decide import Policy
+
+    clock = [1000.0]
+    storage = _mem("restarted")
+    a = consensus.Shared(storage, RUN, "a-0", clock=lambda: clock[0], wait_s=5)
+    a.join(0)
+    consensus.Shared(storage, RUN, "b-1", clock=lambda: clock[0]).join(0)  # b-1's first supervisor
+
+    def sleep(s):  # a-0 sees b-1's report within its poll, and decides
+        clock[0] += s
+        assert a.interrupted(0) == "attempt 0 ended on node b-1"
+        a.report(0, consensus.verdict_from({"class": "transient", "reason": "rank 0: gloo: Connection reset"}),
+                  False, None)
+        assert a.settle(0, Policy()).mine
+    b = consensus.Shared(storage, RUN, "b-1", clock=lambda: clock[0], sleep=sleep, wait_s=5)
+    lines = []
+    assert b.start(lambda n: 600, say=lines.append) == (1, None)
+    assert "restarted" in b.reports(0)["b-1"]["verdict"]["reason"] and "reported it lost" in lines[0]
+    assert a.verdict(0)["nodes_reported"] == 2 and a.verdict(0)["unreported"] == []
+    lone = _mem("restarted-alone")
+    consensus.Shared(lone, RUN, "c-0", clock=lambda: clock[0]).join(0)
+
+    def tick(s):
+        clock[0] += s
+    c = consensus.Shared(lone, RUN, "c-0", clock=lambda: clock[0], sleep=tick, wait_s=5)
+    start = clock[0]
+    assert c.start(lambda n: 600) == (1, None) and c.verdict(0)["class"] == "abandoned"
+    assert 10 <= clock[0] - start <= 15
+
+
+def test_a_relaunch_bounds_its_wait_for_the_rendezvous_store_and_an_unreachable_one_is_a_missing_node():
+    from types import SimpleNamespace
+
+    from ckptstore.supervisor import launch
+    from ckptstore.supervisor.classify import classify
+
+    args = SimpleNamespace(rdzv_id="x", rdzv_conf="is_host=0")
+    launch.rendezvous(args, {launch.ENV_RDZV_ID: "nodes-a1", launch.ENV_JOIN_TIMEOUT: "7.5"})
+    assert (args.rdzv_id, args.rdzv_conf) == ("nodes-a1", "is_host=0,join_timeout=7.5,read_timeout=8")
+    own = SimpleNamespace(rdzv_id="x", rdzv_conf="read_timeout=30")
+    launch.rendezvous(own, {launch.ENV_JOIN_TIMEOUT: "5"})
+    assert own.rdzv_conf == "read_timeout=30,join_timeout=5"  # the user's own is kept
+    first = SimpleNamespace(rdzv_id="x", rdzv_conf="")
+    launch.rendezvous(first, {launch.ENV_RDZV_ID: "nodes-a0"})  # the first attempt keeps torch's timeouts
+    assert first.rdzv_conf == ""
+    result = {"ok": False, "failures": {}, "rendezvous_unreachable": "h0:29400",
+              "launcher_error": "RendezvousConnectionError: The connection to the C10d store has failed."}
+    lost = classify(result, None, relaunched=True)
+    assert lost.evidence.get("nodes_missing") and "rendezvous endpoint h0:29400 did not answer" in lost.reason
+    assert not classify(result, None, relaunched=False).evidence.get("nodes_missing")  # nodes may start apart
+    assert not classify(result, 12, relaunched=True).evidence.get("nodes_missing")  # the store died mid-run

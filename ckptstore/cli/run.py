@@ -108,6 +108,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="--in-job: seconds for the survivors' reports, a spare, and a re-formed process group")
     p.add_argument("--max-rounds-in-a-row", type=_count(1), default=d.max_rounds_in_a_row,
                    help="--in-job: in-job recoveries in a row without a new step before a cold relaunch")
+    p.add_argument("--heartbeat-timeout", type=_seconds(), default=d.heartbeat_timeout_s,
+                   help="several nodes: a node whose supervisor's heartbeat in the store did not change for this "
+                   "many seconds is gone: its report is not waited for (0: off)")
     p.add_argument("--staging-dir", action="append", default=[], help="a local directory to health-check")
     p.add_argument("--expected-gpus", type=_count(1), default=None,
                    help="health check: fewer visible GPUs than this is an unhealthy node")
@@ -240,11 +243,11 @@ def run_command(argv) -> None:
                     no_progress_restarts=opts.no_progress_restarts, alert=opts.alert,
                     resume_timeout_s=opts.resume_timeout, save_timeout_s=opts.save_timeout,
                     section_factor=opts.section_factor, health_interval_s=opts.health_interval,
-                    straggler_report_s=opts.straggler_report,
                     in_job=opts.in_job, spares=(1 if opts.spares is None else opts.spares) if opts.in_job else 0,
                     memory_dir=opts.memory_dir, memory_budget=opts.memory_budget,
                     abort_timeout_s=opts.abort_timeout, reform_timeout_s=opts.reform_timeout,
                     max_rounds_in_a_row=opts.max_rounds_in_a_row,
+                    straggler_report_s=opts.straggler_report, heartbeat_timeout_s=opts.heartbeat_timeout,
                     health=HealthLimits(expected_gpus=opts.expected_gpus))
     try:
         sup = Supervisor(opts.store, launcher, policy, run_id=opts.run_id, staging_dirs=tuple(opts.staging_dir),

@@ -157,6 +157,16 @@ def _classify(result: dict, step: int | None, relaunched: bool) -> Verdict:
         return _verdict("deterministic", str(result["stop_reason"]), r, f, f.get("signature"))
     if result.get("hang_reason"):  # the in-job agent's hang watch, before any step (agent.py)
         return Verdict("hang", str(result["hang_reason"]))
+    if result.get("rendezvous_unreachable") and not failures and step is None:  # before any rank trained
+        endpoint = result["rendezvous_unreachable"]
+        if not relaunched:  # the first launch: the nodes may start minutes apart; the relaunch waits again
+            return Verdict("transient", f"the rendezvous endpoint {endpoint} did not answer within torch's read "
+                           "timeout: is the node whose address it is (its launcher hosts the c10d store) up?")
+        v = Verdict("transient", f"node(s) missing: the rendezvous endpoint {endpoint} did not answer within the "
+                    "join timeout (its c10d store is hosted by the launcher of the node whose address it is: that "
+                    "node is gone)")
+        v.evidence["nodes_missing"] = True
+        return v
     if result.get("launcher_signal"):
         return Verdict("preempted", f"the launcher was stopped by {result['launcher_signal']}",
                        signal=result["launcher_signal"])

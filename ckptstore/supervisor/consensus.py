@@ -26,11 +26,20 @@ wins, the others read what it wrote, and no node's loss takes the decisions with
 - **Bounded waits.** A node that starts while an attempt without a valid verdict runs
   without it waits at most hang timeout + decision wait + join timeout, then writes the
   attempt's verdict as ``abandoned`` (a relaunch; ``verdict-2.json`` where
-  ``verdict.json`` is garbage) and joins the next attempt. Verdicts are validated on read
+  ``verdict.json`` is garbage) and joins the next attempt. A node that restarts while the
+  attempt its previous supervisor launched has no verdict reports that attempt lost
+  instead of joining it again (:meth:`Shared.start`). Verdicts are validated on read
   (:func:`valid_verdict`); the chain of relaunch verdicts from attempt 0, not the
   highest directory name, says where the run is.
 - **One alert per event.** Only the verdict's writer journals the ``failure`` and
   ``give_up`` (or ``finish``) events, so only it alerts.
+- **Heartbeats.** Each node's supervisor overwrites ``nodes/<node>.json`` every
+  ``heartbeat_s`` from a thread of its own (:class:`Heartbeats`); the others watch the
+  objects' modification times with one listing per ``heartbeat_s``. A member of an
+  attempt whose beat did not change for ``heartbeat_timeout_s``, as this node watched it
+  (no clocks compared), is gone: its report is not waited for (the verdict is written at
+  once, with "node K's supervisor stopped beating at T"), and a node whose attempt still
+  runs stops it (its ranks may wait on a frozen peer for the process group's timeout).
 - **A give-up stops every node.** A node that ends the run on its own (unhealthy before
   a launch or during the run, the run timeout) writes the verdict of the attempt the
   others are launching or running; they poll it (every second) while their launchers
@@ -45,7 +54,9 @@ import json
 import math
 import re
 import socket
+import threading
 import time
+from datetime import datetime, timezone
 from dataclasses import dataclass
 
 from .. import format as fmt
@@ -72,6 +83,7 @@ ACTIONS = ("relaunch", "give_up", "finish")
 EXIT_CODES = frozenset({10, 11, 12, 13, 14, 15, 16, 143})
 FIRST_JOIN_S = 600.0  # torch's own join timeout, which the first attempt keeps
 POLL_S = 0.5
+MAX_PUBLISHED_RANKS = 1024  # ranks' step times one node's heartbeat carries
 
 
 def node_name(host: str, node_rank) -> str:
@@ -86,6 +98,10 @@ def attempt_dir(run: str, attempt: int) -> str:
     if not isinstance(attempt, int) or isinstance(attempt, bool) or not 0 <= attempt <= MAX_ATTEMPT:
         raise ValueError(f"attempt {attempt!r} does not fit a shared record name (0 .. {MAX_ATTEMPT})")
     return f"{SHARED_DIR}/{check_run_id(run)}/attempt-{attempt:0{ATTEMPT_DIGITS}d}"
+
+
+def beats_dir(run: str) -> str:
+    return f"{SHARED_DIR}/{check_run_id(run)}/nodes"
 
 
 def rdzv_id(run: str, attempt: int) -> str:
@@ -146,6 +162,134 @@ def merge(reports: dict[str, dict]) -> tuple[str, dict]:
     return min(reports.items(), key=lambda kv: (weight(kv[1].get("verdict") or {}), _num(kv[1].get("t")), kv[0]))
 
 
+class Heartbeats:
+    """Node ``node``'s heartbeat in the store (``nodes/<node>.json``, overwritten every
+    ``beat_s``), and its watch of every node's: one listing (names, sizes, modification
+    times) at most every ``beat_s``. A node whose object did not change for
+    ``timeout_s`` of this node's monotonic clock is gone (the store's and the nodes'
+    clocks are never compared). Nobody is judged while this node's own beat looks stale
+    too (the store or the listing failed: no evidence)."""
+
+    def __init__(self, storage: Storage, run: str, node: str, beat_s: float, timeout_s: float,
+                 clock=time.time, monotonic=time.monotonic):
+        self.storage, self.run, self.node = storage, check_run_id(run), node
+        self.timeout_s = timeout_s
+        self.beat_s = min(beat_s, timeout_s / 4) if timeout_s > 0 else beat_s
+        self.clock, self.monotonic = clock, monotonic
+        self.started = monotonic()
+        self.seq = 0
+        self._seen: dict[str, tuple[tuple, float]] = {}  # node -> ((mtime, size), when it last changed: monotonic)
+        self._listed: float | None = None
+        self._lock = threading.Lock()
+        self._put_lock = threading.Lock()
+        self._stop = threading.Event()
+        self.published: dict = {}  # this node's ranks' step times, carried by its beats (cross-node stragglers)
+        self._consumed: dict[str, int] = {}  # node -> the last step_times_seq the leader took from it
+
+    def beat(self) -> None:
+        with self._put_lock:
+            self.seq += 1
+            data = json.dumps({"run": self.run, "node": self.node, "host": socket.gethostname(), "t": self.clock(),
+                               "seq": self.seq, **self.published}).encode()
+            self.storage.put(f"{beats_dir(self.run)}/{self.node}.json", data)
+
+    def start(self) -> None:
+        """Beat every ``beat_s`` from a daemon thread until :meth:`stop` (or the process's end)."""
+        def loop():
+            while not self._stop.is_set():
+                try:
+                    self.beat()
+                except Exception:  # noqa: BLE001 - the store failed: the next beat tries again
+                    pass
+                self._stop.wait(self.beat_s)
+        threading.Thread(target=loop, name="ckptstore-heartbeat", daemon=True).start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def refresh(self) -> None:
+        now = self.monotonic()
+        with self._lock:
+            if self._listed is not None and now - self._listed < self.beat_s:
+                return
+            try:
+                infos = list(self.storage.walk(beats_dir(self.run)))
+            except (CkptStoreError, OSError):
+                return  # no evidence: nobody's beat is judged older for it
+            self._listed = now
+            for info in infos:
+                leaf = info.key.rsplit("/", 1)[-1]
+                if not leaf.endswith(".json") or not _NODE_RE.fullmatch(leaf[:-5]):
+                    continue
+                version = (info.mtime, info.size)
+                seen = self._seen.get(leaf[:-5])
+                if seen is None or seen[0] != version:
+                    self._seen[leaf[:-5]] = (version, now)
+
+    def cross_node(self, attempt: int, ranks: dict[int, float]) -> list[tuple[str | None, dict[int, float]]]:
+        """Publish this node's ranks' step times (``{rank: median s}``) with its beat;
+        on the leader (the lowest-named node whose beat goes on), return every node's
+        step times of ``attempt`` not returned before, as ``(host, ranks)``, this node's
+        first; elsewhere ``[]``: only the leader judges stragglers (stragglers.py), so
+        each is alerted once for the run."""
+        seq = int(self.published.get("step_times_seq", 0)) + 1
+        self.published = {"attempt": attempt, "step_times_seq": seq,
+                          "step_times": {str(r): float(v) for r, v in sorted(ranks.items())[:MAX_PUBLISHED_RANKS]}}
+        self.beat()
+        self.refresh()
+        now = self.monotonic()
+        with self._lock:
+            live = sorted(n for n in self._seen if self.timeout_s <= 0 or self._quiet_s(n, now) < self.timeout_s)
+        if min([*live, self.node]) != self.node:
+            return []
+        out: list[tuple[str | None, dict[int, float]]] = [(socket.gethostname(), dict(ranks))]
+        for n in live:
+            if n == self.node:
+                continue
+            try:
+                rec = fmt.loads_json(read_capped(self.storage, f"{beats_dir(self.run)}/{n}.json", MAX_EVENT_BYTES,
+                                                 "heartbeat"), "heartbeat")
+            except (CkptStoreError, OSError):
+                continue
+            if not isinstance(rec, dict) or rec.get("attempt") != attempt or \
+                    not isinstance(rec.get("step_times"), dict):
+                continue
+            got = _int(rec.get("step_times_seq"))
+            if got is None or got == self._consumed.get(n):
+                continue  # not published anew since the last look: not one more report
+            self._consumed[n] = got
+            theirs = {}
+            for k, v in list(rec["step_times"].items())[:MAX_PUBLISHED_RANKS]:
+                if isinstance(k, str) and k.isdigit() and isinstance(v, (int, float)) and not isinstance(v, bool) \
+                        and math.isfinite(v) and v > 0:
+                    theirs[int(k)] = float(v)
+            if theirs:
+                out.append((rec.get("host")[:256] if isinstance(rec.get("host"), str) else None, theirs))
+        return out
+
+    def _quiet_s(self, node: str, now: float) -> float:
+        seen = self._seen.get(node)
+        return now - (seen[1] if seen is not None else self.started)
+
+    def stopped(self, nodes) -> dict[str, str]:
+        """{node: "node K's supervisor stopped beating at T"} for each of ``nodes`` (this
+        node excepted) whose beat did not change for ``timeout_s``."""
+        if self.timeout_s <= 0:
+            return {}
+        self.refresh()
+        now = self.monotonic()
+        with self._lock:
+            if self._quiet_s(self.node, now) >= self.timeout_s:
+                return {}  # this node's own beat looks stale: the store is not showing beats
+            out = {}
+            for n in sorted(set(nodes) - {self.node}):
+                if self._quiet_s(n, now) >= self.timeout_s:
+                    seen = self._seen.get(n)
+                    at = _utc(seen[0][0]) if seen is not None else "its start (it never beat here)"
+                    out[n] = f"node {n}'s supervisor stopped beating at {at}"
+            return out
+
+
 @dataclass
 class Settled:
     record: dict  # verdict.json as read back
@@ -158,7 +302,7 @@ class Shared:
     """The shared records of run ``run`` for node ``node``."""
 
     def __init__(self, storage: Storage, run: str, node: str, wait_s: float | None = None, poll_s: float = POLL_S,
-                 clock=time.time, sleep=time.sleep, policy: Policy = Policy()):
+                 clock=time.time, sleep=time.sleep, policy: Policy = Policy(), monotonic=time.monotonic):
         if not _NODE_RE.fullmatch(node):
             raise ValueError(f"node name {node!r} is not [A-Za-z0-9][A-Za-z0-9._-]{{0,63}}")
         self.storage, self.run, self.node = storage, check_run_id(run), node
@@ -170,6 +314,9 @@ class Shared:
         self._verdicts: dict[int, dict] = {}
         self._reports: dict[tuple[int, str], dict | None] = {}  # (attempt, leaf) -> the report (None: invalid)
         self._history: tuple[Policy, int, History] | None = None  # (policy, attempts replayed, history)
+        self.beats = Heartbeats(storage, self.run, node, policy.heartbeat_s, policy.heartbeat_timeout_s,
+                                clock=clock, monotonic=monotonic)
+        self.silent: dict[str, str] = {}  # the last gather's members gone silent (Heartbeats.stopped)
 
     # ------------------------------------------------------------------ records
     def _put(self, key: str, record: dict) -> bool:
@@ -268,7 +415,7 @@ class Shared:
         return n if n > 0 or self._leaves(0) else None
 
     def start(self, window_s=lambda attempt: FIRST_JOIN_S, stopped=lambda: False, say=lambda line: None,
-              wait_poll_s: float = 5.0, abandon_s: float | None = None) -> tuple[int, dict | None]:
+              wait_poll_s: float = 1.0, abandon_s: float | None = None) -> tuple[int, dict | None]:
         """Where a node that starts (or restarts) joins the run: (the attempt to launch,
         None), or (the attempt, its verdict) when the run already ended there. The
         newest attempt without a verdict is joined while its rendezvous may still be
@@ -279,7 +426,15 @@ class Shared:
         the longest its nodes take to end an attempt that lost this node); then the
         attempt is abandoned: this node writes its verdict (a relaunch of class
         ``abandoned``, create-only: whoever wins) and joins the next one. The attempts
-        are found by following the verdicts from attempt 0 (:meth:`chain`)."""
+        are found by following the verdicts from attempt 0 (:meth:`chain`).
+
+        A node that restarts while an attempt its previous supervisor launched has no
+        verdict (its member record is there) never joins that attempt again: its
+        processes of it are gone, so the attempt is lost, and a new launcher in its
+        completed rendezvous would make torch restart the other nodes' workers in place
+        (a membership change, which torch does not count as a restart). It reports the
+        attempt lost at once (the others stop and decide without waiting for it), waits
+        for the verdict and joins the next attempt."""
         if abandon_s is None:
             p = self.policy
             abandon_s = p.hang_timeout_s + p.decision_wait_s + p.join_timeout_s
@@ -291,20 +446,29 @@ class Shared:
             if v is None:
                 first = self.first_member_t(n)
                 garbage = self._verdict_exists(n)
-                if not garbage and (first is None or self.clock() - first < window_s(n)):
+                restarted = self.node in self.members(n)
+                if restarted:
+                    self.report(n, Verdict("transient", f"node {self.node} restarted: its processes of attempt {n} "
+                                           "were lost"), False, None)
+                    say(f"this node launched attempt {n} before it restarted: reported it lost; it joins the next one")
+                elif not garbage and (first is None or self.clock() - first < window_s(n)):
                     return n, None
-                say(f"attempt {n} runs without this node (since {self.clock() - (first or self.clock()):.0f}s)"
-                    + (" and its verdict.json is invalid" if garbage else "") + ": it joins the next one")
-                end = self.clock() + abandon_s
+                if not restarted:
+                    say(f"attempt {n} runs without this node (since {self.clock() - (first or self.clock()):.0f}s)"
+                        + (" and its verdict.json is invalid" if garbage else "") + ": it joins the next one")
+                # (a restarted node's report ends the attempt: its peers decide within seconds,
+                # and an attempt it alone launched has nobody else to write the verdict)
+                bound = min(abandon_s, 2 * self.wait_s) if restarted else abandon_s
+                end = self.clock() + bound
                 while v is None and not stopped() and self.clock() < end:
                     self.sleep(wait_poll_s)
                     v = self.verdict(n)
                 if v is None and stopped():
                     return n, None
                 if v is None:
-                    say(f"attempt {n}: no valid verdict within {abandon_s:g}s: abandoned; the run goes on at "
+                    say(f"attempt {n}: no valid verdict within {bound:g}s: abandoned; the run goes on at "
                         f"attempt {n + 1}")
-                    v, _ = self._write_verdict(n, self.abandoned(n, abandon_s, garbage))
+                    v, _ = self._write_verdict(n, self.abandoned(n, bound, garbage))
                     if v is None:
                         raise CkptStoreError(f"the verdict on attempt {n} cannot be written or read")
             if v["action"] == "relaunch":
@@ -339,12 +503,14 @@ class Shared:
         if v is not None:
             return f"the run's verdict on attempt {attempt} ({v['action']}, by {v.get('node')})"
         leaves = self._leaves(attempt)
-        if not any(m and m.group(1) != self.node for m in map(_REPORT_RE.fullmatch, leaves)):
-            return None
         members = {m.group(1) for m in map(_MEMBER_RE.fullmatch, leaves) if m}
-        peers = sorted(n for n in self.reports(attempt, leaves) if n != self.node and n in members)
-        if peers:
-            return f"attempt {attempt} ended on node {peers[0]}"
+        if any(m and m.group(1) != self.node for m in map(_REPORT_RE.fullmatch, leaves)):
+            peers = sorted(n for n in self.reports(attempt, leaves) if n != self.node and n in members)
+            if peers:
+                return f"attempt {attempt} ended on node {peers[0]}"
+        silent = self.beats.stopped(members)  # a frozen node's ranks may never break this node's
+        if silent:
+            return "; ".join(silent.values())
         return None
 
     # ------------------------------------------------------------------ after an attempt
@@ -364,7 +530,8 @@ class Shared:
             leaves = self._leaves(attempt)  # one listing per poll; each report is read once
             reports = self.reports(attempt, leaves)
             members = {m.group(1) for m in map(_MEMBER_RE.fullmatch, leaves) if m}
-            if members <= set(reports) or self.clock() >= end or stopped():
+            self.silent = self.beats.stopped(members - set(reports))  # their reports will never come
+            if members <= set(reports) | set(self.silent) or self.clock() >= end or stopped():
                 return None, reports
             self.sleep(self.poll_s)
 
@@ -399,6 +566,9 @@ class Shared:
                 raise CkptStoreError(f"no report of attempt {attempt} could be read from the store")
             node, chosen = merge(reports)
             failure = verdict_from(chosen["verdict"])
+            silent = {n: why for n, why in self.silent.items() if n not in reports}
+            if silent:
+                failure.reason += "; decided without " + "; ".join(list(silent.values())[:NODE_LINES])
             if failure.evidence.get("nodes_missing") and attempt > 0:
                 gone = sorted(self.members(attempt - 1) - self.members(attempt))
                 if gone:
@@ -421,7 +591,8 @@ class Shared:
                    "give_up_reason": d.give_up_reason, "advanced": advanced, "checkpoint": ckpt, "now": now,
                    "nodes": {n: _line(r["verdict"]) for n, r in lines}, "nodes_reported": len(reports),
                    "node_classes": dict(sorted(classes.items())[:NODE_LINES]),
-                   "unreported": missing[:NODE_LINES], "unreported_count": len(missing)}
+                   "unreported": missing[:NODE_LINES], "unreported_count": len(missing),
+                   "stopped_beating": sorted(silent)[:NODE_LINES]}
             if d.code is None:
                 rec.update(next_attempt=attempt + 1, rdzv_id=rdzv_id(self.run, attempt + 1))
             found, mine = self._write_verdict(attempt, rec)
@@ -471,6 +642,10 @@ def valid_verdict(rec: dict, policy: Policy = Policy()) -> bool:
                                 not math.isfinite(float(backoff))):
         return False
     return rec.get("failure") is None or isinstance(rec.get("failure"), dict)
+
+
+def _utc(t: float) -> str:
+    return datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _line(v: dict) -> str:

@@ -77,6 +77,12 @@ class Policy:
     abort_timeout_s: float = 10.0  # the longest a survivor may take to leave a failed round
     reform_timeout_s: float = 60.0  # survivors' reports, a spare's arrival, a re-form: each bounded by this
     max_rounds_in_a_row: int = 3  # in-job recoveries in a row without a new step before going cold
+    # Each node's supervisor overwrites its heartbeat object in the store every
+    # heartbeat_s (at most a quarter of the timeout); a peer whose beat did not change for
+    # heartbeat_timeout_s, as this node watched it, is gone: its report is not waited
+    # for, and a running attempt that counts on it is stopped (0: off).
+    heartbeat_s: float = 5.0
+    heartbeat_timeout_s: float = 20.0
 
 
 @dataclass

@@ -18,6 +18,7 @@ the error file whatever the script imports.
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import sys
@@ -58,13 +59,18 @@ def through_bootstrap(args) -> None:
 
 def rendezvous(args, env) -> None:
     """The supervisor's rendezvous settings for this attempt (several nodes): its own
-    rendezvous id, and torch's join timeout unless ``--rdzv-conf`` sets one."""
+    rendezvous id, and the bound on its wait for every node: torch's join timeout and,
+    for the c10d store at ``--rdzv-endpoint`` (hosted by the launcher of the node whose
+    address it is, and gone with that node), its read timeout, which bounds a client's
+    wait for the store to answer; each unless ``--rdzv-conf`` sets it."""
     if env.get(ENV_RDZV_ID):
         args.rdzv_id = env[ENV_RDZV_ID]
     timeout = env.get(ENV_JOIN_TIMEOUT)
-    conf = args.rdzv_conf or ""
-    if timeout and "join_timeout" not in conf:
-        args.rdzv_conf = f"{conf},join_timeout={timeout}" if conf else f"join_timeout={timeout}"
+    for key in ("join_timeout", "read_timeout"):
+        conf = args.rdzv_conf or ""
+        if timeout and key not in conf:
+            value = max(1, math.ceil(float(timeout))) if key == "read_timeout" else timeout  # (an int for torch)
+            args.rdzv_conf = f"{conf},{key}={value}" if conf else f"{key}={value}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     args.max_restarts = 0  # the supervisor relaunches; torchrun's in-place restarts stay off (runbook)
     through_bootstrap(args)
     rendezvous(args, os.environ)
-    from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
 
     try:
         torchrun.run(args)
@@ -98,6 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     except RendezvousTimeoutError as e:  # not every node came within the join timeout
         _write(result_path, {"ok": False, "failures": {}, "rendezvous_timeout": True,
                              "launcher_error": f"RendezvousTimeoutError: {str(e)[:2000]}"})
+        return 1
+    except RendezvousConnectionError as e:  # the c10d store at --rdzv-endpoint did not answer (its host is gone?)
+        _write(result_path, {"ok": False, "failures": {}, "rendezvous_unreachable": str(args.rdzv_endpoint)[:200],
+                             "launcher_error": f"RendezvousConnectionError: {str(e)[:2000]}"})
         return 1
     except Exception as e:  # noqa: BLE001 - the launcher's own failure (a peer's store gone at shutdown)
         _write(result_path, {"ok": False, "failures": {}, "launcher_error": f"{type(e).__name__}: {str(e)[:2000]}"})

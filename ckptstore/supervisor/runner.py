@@ -105,11 +105,15 @@ class Supervisor:
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> int:
+        if self.shared is not None:  # the others see this supervisor alive (consensus.Heartbeats)
+            self.shared.beats.start()
         try:
             self._claim_memory()
             return self._run()
         finally:
             self._release_memory()  # the memory tier lives as long as the run, on every exit path
+            if self.shared is not None:
+                self.shared.beats.stop()
             self.alerts.drain()  # the last events' alerts (a give-up's) go out before the exit
 
     def _run(self) -> int:
@@ -409,11 +413,17 @@ class Supervisor:
         if not ranks or self.world_size == 1:
             return
         self._event("step_times", attempt=attempt, ranks={str(r): s for r, s in sorted(ranks.items())})
-        for s in self.stragglers.update(attempt, ranks, socket.gethostname(), fmt.utc_now()):
-            fields = {k: v for k, v in s.as_dict().items() if k != "host"}  # (the event's own host: this node)
-            self._event("straggler", attempt=attempt, alert_factor=ALERT_FACTOR, **fields)
-            say(f"straggler: rank {s.rank} steps in {s.step_s:.3g}s, {s.ratio:.1f}x the other ranks' "
-                f"median {s.others_s:.3g}s, for {s.reports} reports")
+        reports = [(socket.gethostname(), ranks)]
+        if self.shared is not None:  # several nodes: the leader judges every node's ranks, so one alert each
+            reports = self._shared_call(self.shared.beats.cross_node, attempt, ranks) or []
+        for host, node_ranks in reports:
+            for s in self.stragglers.update(attempt, node_ranks, host, fmt.utc_now()):
+                fields = {k: v for k, v in s.as_dict().items() if k != "host"}  # (the event's own host: this node)
+                if host != socket.gethostname():  # another node's rank (several nodes: judged by the leader)
+                    fields["rank_host"] = host
+                self._event("straggler", attempt=attempt, alert_factor=ALERT_FACTOR, **fields)
+                say(f"straggler: rank {s.rank} steps in {s.step_s:.3g}s, {s.ratio:.1f}x the other ranks' "
+                    f"median {s.others_s:.3g}s, for {s.reports} reports")
 
     def _journal_sections(self, attempt: int, progress: dict, watch: "_ProgressWatch", launched_t: float) -> None:
         """What this attempt measured of each section: learned from, and journaled."""
