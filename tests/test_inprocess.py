@@ -1,0 +1,262 @@
+"""ckptstore.inprocess (the rank side of in-job restart, docs/design/in-job-restart.md
+sections 5.2 and 6) under a fake agent: the test hosts the in-job TCPStore, starts the
+workers (tests/procs/inprocess_worker.py) with the agent's environment, and plays the
+leader with injob's functions: fault notice, left records, a spare assigned, members,
+fence, verdict. Real processes, real gloo groups, real SIGKILL / SIGSTOP."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from ckptstore import inprocess
+from ckptstore.supervisor import injob
+
+WORKER = Path(__file__).parent / "procs" / "inprocess_worker.py"
+ROOT = Path(__file__).resolve().parent.parent
+GUARD_S = 60.0  # bounds every wait: a hang becomes a failure, never a timing (below the
+# workers' gloo timeout, CKPTSTORE_INJOB_TIMEOUT: without the abort shim a test fails)
+
+
+class Worker:
+    def __init__(self, env: dict, argv: list[str]):
+        self.proc = subprocess.Popen([sys.executable, str(WORKER), *argv], env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self.lines: list[str] = []
+        self._q: queue.Queue = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self):
+        for line in self.proc.stdout:
+            self._q.put(line.rstrip("\n"))
+        self._q.put(None)
+
+    def expect(self, prefix: str) -> str:
+        deadline = time.monotonic() + GUARD_S
+        while True:
+            try:
+                line = self._q.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"no line {prefix!r} within {GUARD_S}s:\n" + "\n".join(self.lines))
+            if line is None:
+                raise AssertionError(f"output ended before {prefix!r}:\n" + "\n".join(self.lines))
+            self.lines.append(line)
+            if line.startswith(prefix):
+                return line
+
+    def finish(self) -> int:
+        try:
+            code = self.proc.wait(timeout=GUARD_S)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise AssertionError("worker hung:\n" + "\n".join(self.lines))
+        while (line := self._q.get(timeout=GUARD_S)) is not None:
+            self.lines.append(line)
+        return code
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+
+
+class FakeAgent:
+    """One node's agent and the leader, reduced to what a test needs."""
+
+    def __init__(self, scenario: str, final_round: int, world: int, spares: int = 0, **extra_env):
+        self.server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                    timeout=timedelta(seconds=GUARD_S))
+        self.prefix = "ckptstore/test/0"
+        self.store = injob.attempt_store(self.server, self.prefix)
+        self.argv = [scenario, str(final_round)]
+        self.base = {k: v for k, v in os.environ.items() if not k.startswith(("CKPTSTORE_", "RANK", "WORLD_SIZE"))}
+        self.base.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra_env)
+        self.base.update({injob.ENV_STORE: f"127.0.0.1:{self.server.port}", injob.ENV_PREFIX: self.prefix,
+                          injob.ENV_NODE: "0", injob.ENV_TIMEOUT: "120", injob.ENV_ABORT_TIMEOUT: "5"})
+        self.world = world
+        self.ranks: dict[int, Worker] = {}
+        self.workers: dict[int, str] = {}
+        self.spares: list[tuple[str, Worker]] = []
+        self.n = 0
+        for rank in range(world):
+            self.ranks[rank] = self._start(rank=rank)
+        for _ in range(spares):
+            self.spares.append((f"0-{self.n}", self._start(rank=None)))
+
+    def _start(self, rank: int | None) -> Worker:
+        worker = f"0-{self.n}"
+        self.n += 1
+        env = dict(self.base, **{injob.ENV_WORKER: worker})
+        if rank is None:
+            env[injob.ENV_SPARE] = "1"
+        else:
+            env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(self.world),
+                       LOCAL_WORLD_SIZE=str(self.world), GROUP_RANK="0")
+            self.workers[rank] = worker
+        return Worker(env, self.argv)
+
+    def all_lines(self, prefix: str) -> list[str]:
+        return [w.expect(prefix) for w in self.ranks.values()]
+
+    def recover(self, round_: int, failed: list[int], cause: str, detected_by: str = "agent:exit") -> None:
+        """The leader's steps 1 and 4: notice, left records, spares, members, fence, verdict."""
+        injob.post_fault(self.store, round_, ranks=failed, cause=cause, detected_by=detected_by)
+        survivors = [r for r in self.ranks if r not in failed]
+        left = injob.wait_left(self.store, round_, survivors, GUARD_S)
+        assert sorted(left) == survivors, f"left: {sorted(left)} of {survivors}"
+        for rank in failed:
+            worker, proc = self.spares.pop(0)
+            assert injob.wait_for(self.store, [injob.hello_key(worker)], GUARD_S), "the spare never said hello"
+            injob.assign(self.store, worker, round_=round_ + 1, rank=rank, local_rank=rank, world=self.world,
+                         local_world=self.world, node=0)
+            self.ranks[rank], self.workers[rank] = proc, worker
+        injob.post_members(self.store, round_ + 1, {r: {"worker": w, "node": 0} for r, w in self.workers.items()})
+        injob.set_fence(self.store, round_ + 1)
+        injob.post_verdict(self.store, round_, "continue", next_round=round_ + 1)
+        self.left = left
+
+    def close(self):
+        injob.end(self.store, "test over")
+        for w in list(self.ranks.values()) + [w for _, w in self.spares]:
+            w.kill()
+
+
+@pytest.fixture
+def agents():
+    made: list[FakeAgent] = []
+    yield lambda *a, **k: made.append(FakeAgent(*a, **k)) or made[-1]
+    for a in made:
+        a.close()
+
+
+def firsts(agent: FakeAgent, round_: int) -> dict[int, list[str]]:
+    out = {}
+    for w in agent.ranks.values():
+        f = w.expect(f"first {round_} ").split()
+        out[int(f[2])] = f
+    return out
+
+
+def finish_all(agent: FakeAgent) -> None:
+    for rank, w in agent.ranks.items():
+        assert w.finish() == 0, f"rank {rank}:\n" + "\n".join(w.lines)
+        assert f"result done {rank}" in w.lines
+
+
+@pytest.mark.parametrize("how", ["kill", "hang"])
+def test_a_dead_or_hung_rank_is_replaced_by_the_spare(agents, how):
+    # 4 ranks: rank 2 is no ring neighbour of rank 0; only the notice and the shim wake it
+    agent = agents("ring", 1, world=4, spares=1, VICTIM="0")
+    f0 = firsts(agent, 0)
+    assert {f[4] for f in f0.values()} == {"10"}
+    agent.all_lines("ready 0 ")
+    victim = agent.ranks[0]
+    spare_worker, spare = agent.spares[0]
+    assert injob.wait_for(agent.store, [injob.hello_key(spare_worker)], GUARD_S)  # warm: waits for a rank
+    if how == "kill":
+        t_fault = time.time()
+        os.kill(victim.proc.pid, signal.SIGKILL)
+        victim.proc.wait(timeout=GUARD_S)
+        agent.recover(0, [0], "SIGKILL")
+    else:
+        os.kill(victim.proc.pid, signal.SIGSTOP)  # hung: no socket closes, nobody notices by itself
+        t_fault = time.time()
+        injob.post_fault(agent.store, 0, ranks=[0], cause="no progress", detected_by="agent:hang")
+        for r in (1, 2, 3):
+            assert "RuntimeError" in agent.ranks[r].expect(f"aborted {r} ").split()[2]  # the shim woke it
+        os.kill(victim.proc.pid, signal.SIGKILL)  # a hang becomes a death: it never rejoins
+        victim.proc.wait(timeout=GUARD_S)
+        agent.recover(0, [0], "hang")
+    assert injob.get(agent.store, injob.hello_key(spare_worker))["spare"] is True
+    f1 = firsts(agent, 1)
+    assert {f[4] for f in f1.values()} == {"10"}  # 1+2+3+4: the spare holds rank 0
+    assert int(f1[0][7]) == spare.proc.pid
+    assert all(f[10:12] == [str(r), "1"] for r, f in f1.items())  # RANK and the round, exported
+    for r in (1, 2, 3):
+        assert int(f1[r][7]) == int(f0[r][7])  # survivors kept their process
+    finish_all(agent)
+    kill_to_first = max(float(f[3]) for f in f1.values()) - t_fault
+    print(f"\n{how}: fault to every rank's first collective of round 1: {kill_to_first * 1000:.0f} ms; "
+          f"teardown {[agent.left[r]['teardown_s'] for r in (1, 2, 3)]}")
+
+
+def test_sleep_is_interrupted_atomic_defers_the_abort_and_a_kept_group_warns(agents):
+    agent = agents("sleepers", 1, world=2)
+    agent.all_lines("ready 0 ")
+    agent.recover(0, [], "a fault of nobody here", detected_by="test")
+    a0, a1 = agent.ranks[0], agent.ranks[1]
+    firsts(agent, 1)
+    finish_all(agent)
+    assert "deferred" in a0.lines and "after atomic" not in a0.lines
+    assert not any(l.startswith("aborted inside-atomic") for l in a0.lines)
+    assert "aborted atomic-exit RoundAborted" in a0.lines
+    assert "aborted 1 RoundAborted" in a1.lines  # woken from time.sleep by the async exception
+    kept = [l for l in a1.lines if "the old process group is still referred to (by Holder)" in l]
+    assert len(kept) == 1 and "RuntimeWarning" in kept[0] and "built outside the training function" in kept[0]
+    assert not any("still referred to" in l for l in a0.lines)
+
+
+def test_many_rounds_in_one_process_leak_no_fds_or_threads(agents):
+    rounds = 8
+    agent = agents("rounds", rounds, world=2)
+    pids, fds, threads, lost = {0: set(), 1: set()}, {0: [], 1: []}, {0: [], 1: []}, []
+    for r in range(rounds + 1):
+        for rank, f in firsts(agent, r).items():
+            pids[rank].add(f[7])
+            fds[rank].append(int(f[5]))
+            threads[rank].append(int(f[6]))
+            if r:
+                lost.append(float(f[3]) - t_fault)
+        if r == rounds:
+            break
+        agent.all_lines(f"ready {r} ")
+        t_fault = time.time()
+        agent.recover(r, [], "test", detected_by="test")
+        assert "RuntimeError" in agent.ranks[0].expect("aborted 0 ").split()[2]  # in the collective: the shim
+        assert agent.ranks[1].expect("aborted 1 ").split()[2] == "RoundAborted"  # in time.sleep
+    finish_all(agent)
+    assert all(len(p) == 1 for p in pids.values())
+    for rank in (0, 1):
+        assert len(set(fds[rank][1:])) == 1, f"rank {rank} fds per round: {fds[rank]}"
+        assert len(set(threads[rank][1:])) == 1, f"rank {rank} threads per round: {threads[rank]}"
+    print(f"\nnotice to first collective of the next round: median {statistics.median(lost) * 1000:.0f} ms, "
+          f"max {max(lost) * 1000:.0f} ms over {rounds} rounds")
+
+
+def test_plain_call_without_the_agent(monkeypatch):
+    monkeypatch.delenv(injob.ENV_STORE, raising=False)
+    assert inprocess.run(lambda a, *, b: (a, b), 1, b=2) == (1, 2)
+    assert inprocess.round() == 0 and not inprocess.active()
+    with inprocess.atomic():
+        pass
+
+
+def test_refused_programs(monkeypatch):
+    def gen():
+        yield 1
+
+    async def coro():
+        return 1
+
+    for fn in (gen, coro):
+        with pytest.raises(inprocess.InJobUnsupportedError, match="generator or coroutine"):
+            inprocess.run(fn)
+    monkeypatch.setenv(injob.ENV_STORE, "127.0.0.1:1")  # never reached: refused before connecting
+    with pytest.raises(inprocess.InJobUnsupportedError, match="backend 'mpi'"):
+        inprocess.run(lambda: None, backend="mpi")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(inprocess.InJobUnsupportedError, match="default process group exists already"):
+            inprocess.run(lambda: None)
+    finally:
+        dist.destroy_process_group()
