@@ -456,6 +456,10 @@ class _InJob:
     def run(self, fn, args, kwargs):
         store, monitor_store = self._connect()
         a = self._assignment(store)
+        # What exists now (torch, the program's modules, a spare's warm-up leftovers) is not
+        # the rounds' garbage: out of the collector's sight, the gc.collect() of each leave
+        # scans only what the rounds made (measured: 0.25-0.35 s down to a few ms).
+        gc.freeze()
         rank, world = int(a["rank"]), int(a["world"])
         round_ = int(a["round"])
         previous_wake = None

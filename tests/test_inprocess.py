@@ -187,7 +187,9 @@ def test_a_dead_or_hung_rank_is_replaced_by_the_spare(agents, how):
     finish_all(agent)
     kill_to_first = max(float(f[3]) for f in f1.values()) - t_fault
     print(f"\n{how}: fault to every rank's first collective of round 1: {kill_to_first * 1000:.0f} ms; "
-          f"teardown {[agent.left[r]['teardown_s'] for r in (1, 2, 3)]}")
+          f"left after {[round(agent.left[r]['t'] - t_fault, 3) for r in (1, 2, 3)]} s; teardown, gc "
+          f"{[(f1[r][8], f1[r][9]) for r in (1, 2, 3)]} s; first collectives after "
+          f"{[round(float(f[3]) - t_fault, 3) for f in f1.values()]} s")
 
 
 def test_sleep_is_interrupted_atomic_defers_the_abort_and_a_kept_group_warns(agents):
