@@ -422,13 +422,23 @@ def abandon(reason: str, timeout: float) -> list[int | None]:
         pending = [f for f in _inflight if not f.settled()]
         for f in pending:
             f.observed = True
-    for f in pending:
-        if f.storage is not None:
-            abort(f.storage, f.attempt, reason)
-        f.watch_exit()  # its heartbeat watches for the marker now: settled as soon as it is seen
-    deadline = time.monotonic() + timeout
-    for f in pending:
-        f.wait_settled(max(0.0, deadline - time.monotonic()))
+    if not pending:
+        return []
+    # Exit mode while it waits: each attempt's heartbeat looks for its abort marker and
+    # settles the save when it sees it, whatever stage the save is in.
+    was_exiting = exiting.active()
+    exiting.enter()
+    try:
+        for f in pending:
+            if f.storage is not None:
+                abort(f.storage, f.attempt, reason)
+            f.watch_exit()  # (beats and looks now)
+        deadline = time.monotonic() + timeout
+        for f in pending:
+            f.wait_settled(max(0.0, deadline - time.monotonic()))
+    finally:
+        if not was_exiting:
+            exiting.leave()
     with _lock:
         for f in pending:
             f.observed = True

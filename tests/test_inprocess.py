@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from ckptstore import inprocess
+from ckptstore import inprocess, names
+from ckptstore.checkpoint import exiting
 from ckptstore.supervisor import injob
 
 WORKER = Path(__file__).parent / "procs" / "inprocess_worker.py"
@@ -262,3 +263,25 @@ def test_refused_programs(monkeypatch):
             inprocess.run(lambda: None)
     finally:
         dist.destroy_process_group()
+
+
+def test_abandon_aborts_settles_and_hides_an_in_flight_save(tmp_path):
+    from ckptstore import lifecycle
+    from ckptstore.checkpoint.save import SaveFuture
+    from ckptstore.errors import CommitError
+    from ckptstore.storage import LocalStorage
+
+    assert lifecycle.abandon("nothing in flight", 1.0) == []
+    storage = LocalStorage(str(tmp_path))
+    # rank 1 of 2, waiting for an outcome that the dead peer will never make
+    attempt = names.new_attempt_id()
+    future = lifecycle.track(SaveFuture("test", 7, attempt, storage=storage, rank=1, world_size=2))
+    try:
+        assert lifecycle.abandon("in-job round 0 failed", GUARD_S) == [7]
+        assert future.settled() and future.observed
+        assert storage.exists(names.abort_name(attempt))
+        assert not exiting.active()
+    finally:  # what its commit thread does once it reads the marker
+        future._future.set_exception(CommitError(f"attempt {attempt} was aborted"))
+    lifecycle.raise_earlier_failure()  # seen: the next save does not raise it
+    assert future not in lifecycle._failures.unseen()
