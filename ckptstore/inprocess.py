@@ -78,6 +78,7 @@ class _State:
         self.first_posted = False
         self.last_step: int | None = None
         self.stats: dict = {}  # the last leave's timings (teardown_s, gc_s), for tests and people
+        self.at_end: list = []  # weak methods called when the round ends
 
 
 _state = _State()
@@ -156,6 +157,23 @@ def _wake(signum, frame) -> None:
 
 
 # --- hooks the Checkpointer calls (training.py) --------------------------------------
+
+def at_round_end(method) -> None:
+    """Call ``method()`` on the main thread when this round ends, by a return or a failure
+    (a Checkpointer restores its signal handlers: they must not keep the round's objects
+    alive nor outlive it). Held weakly; nothing happens outside in-job mode."""
+    if _state.round is not None:
+        _state.at_end.append(weakref.WeakMethod(method))
+
+
+def _round_ended() -> None:
+    hooks, _state.at_end = _state.at_end, []
+    for ref in reversed(hooks):
+        method = ref()
+        if method is not None:
+            with contextlib.suppress(Exception):
+                method()
+
 
 def note_step(step: int) -> None:
     """The training loop finished ``step``: the first one of a round is posted
@@ -396,6 +414,7 @@ class _InJob:
         self.worker = os.environ.get(injob.ENV_WORKER, f"pid{os.getpid()}")
         self.node = int(os.environ.get(injob.ENV_NODE, "0") or 0)
         self.warned = False
+        self.old_groups: list = []  # (round, weak reference to its group), for _check_old_groups
 
     # -- set-up ------------------------------------------------------------------------
     def _connect(self):
@@ -469,6 +488,10 @@ class _InJob:
                 previous_wake = current
                 signal.signal(_WAKE_SIGNAL, _wake)
         _state.store, _state.rank = store, rank
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL:
+            import faulthandler
+
+            faulthandler.register(signal.SIGUSR1, all_threads=True)  # the agent's hang watch asks for stacks
         try:
             while True:
                 done, result = self._round(fn, args, kwargs, store, monitor_store, round_, rank, world, a)
@@ -513,6 +536,7 @@ class _InJob:
 
         monitor = _Monitor(monitor_store, round_, sockets, self.backend, self.abort_timeout_s, stuck)
         monitor.start()
+        failed = None
         try:
             try:
                 with _state.lock:
@@ -535,14 +559,19 @@ class _InJob:
                     injob.post_fault(store, round_, ranks=[], cause=f"{type(chain[-1]).__name__}: {chain[-1]}",
                                      detected_by="rank:collective")
             monitor.finish()
-            cause = f"{type(chain[-1]).__name__}: {chain[-1]}"[:500]
+            failed = (f"{type(chain[-1]).__name__}: {chain[-1]}"[:500], caught)
             _clear(exc)
-            del exc, chain
-            self._leave(store, round_, rank, cause, caught, group_ref)
+            del chain
+        if failed is not None:  # (out of the except block: the exception and its frames are gone)
+            self._leave(store, round_, rank, *failed, group_ref)
             return False, None
         monitor.finish()
+        _round_ended()
         if dist.is_initialized():
             dist.destroy_process_group()
+        if self.old_groups:  # (the earlier rounds' groups must be gone by now)
+            gc.collect()
+            self._check_old_groups()
         return True, result
 
     def _leave(self, store, round_, rank, cause, caught, group_ref) -> None:
@@ -550,6 +579,7 @@ class _InJob:
 
         from . import lifecycle
 
+        _round_ended()
         abandoned = lifecycle.abandon(f"in-job round {round_} failed: {cause}", self.abort_timeout_s)
         if dist.is_initialized():
             with contextlib.suppress(Exception):
@@ -558,17 +588,28 @@ class _InJob:
         injob.post_left(store, round_, rank, step=_state.last_step, teardown_s=_round(teardown_s, 4),
                         abandoned=abandoned, cause=cause)
         began = time.monotonic()
+        _drop_torch_caches()
         gc.collect()  # the largest cost of leaving: the leader decides meanwhile
         _state.stats = {"teardown_s": teardown_s, "gc_s": time.monotonic() - began}
-        group = group_ref()
-        if group is not None and not self.warned:
-            self.warned = True
-            kinds = sorted(_referrer_kinds(group))
-            warnings.warn(f"in-job round {round_}: the old process group is still referred to "
-                          f"(by {', '.join(kinds) or 'unknown objects'}) after the round ended: the model or mesh "
-                          "was built outside the training function; build it inside, or its memory is never freed",
-                          RuntimeWarning, stacklevel=2)
+        self._check_old_groups()
+        self.old_groups.append((round_, group_ref))
+
+    def _check_old_groups(self) -> None:
+        """Warn (once) when the group of an earlier round is still alive. Checked a round
+        later, not at the leave: a save abandoned then lets go of the state it holds
+        (and so of the group) only when its commit thread next polls."""
+        alive = [(r, ref) for r, ref in self.old_groups if ref() is not None]
+        self.old_groups = alive
+        if not alive or self.warned:
+            return
+        self.warned = True
+        round_, group = alive[0][0], alive[0][1]()
+        kinds = sorted(_referrer_kinds(group)) if group is not None else []
         del group
+        warnings.warn(f"in-job round {round_}: its process group is still referred to "
+                      f"(by {', '.join(kinds) or 'unknown objects'}) a round later: the model or mesh "
+                      "was built outside the training function; build it inside, or its memory is never freed",
+                      RuntimeWarning, stacklevel=3)
 
     def _next_round(self, store, round_: int, rank: int) -> int:
         """Wait for the leader's verdict on ``round_``: the next round's number, or exit."""
@@ -604,11 +645,45 @@ class _InJob:
         return next_round
 
 
+def _drop_torch_caches() -> None:
+    """Torch's process-wide DTensor caches hold the round's DeviceMesh (sharding
+    propagation: Python lru_caches and a C++ cache keyed by specs; the redistribute
+    plans and planners; the mesh topology), and the mesh holds the group: emptied, or
+    the old round's group, its sockets and its model's specs live on (found with the
+    example's FSDP2 model). Rebuilt by the next round's first ops."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return
+
+    def module(name):
+        return __import__(name, fromlist=["_"])
+
+    steps = (
+        lambda: module("torch.distributed.tensor.debug")._clear_sharding_prop_cache(),
+        lambda: module("torch.distributed.tensor._redistribute").clear_redistribute_planner_cache(),
+        lambda: module("torch.distributed.tensor._redistribute")._gen_transform_infos.cache_clear(),
+        lambda: module("torch.distributed.tensor._sharding_prop").ShardingPropagator
+        ._propagate_tensor_meta_cached.cache_clear(),
+        lambda: module("torch.distributed.tensor._collective_utils").MeshTopoInfo.build_from_mesh.cache_clear(),
+    )
+    for step in steps:
+        with contextlib.suppress(Exception):  # (private APIs of torch: each one best effort)
+            step()
+
+
 def _referrer_kinds(obj) -> set[str]:
     """The types of what refers to ``obj`` (an instance's ``__dict__`` named by its owner)."""
     kinds = set()
-    for r in gc.get_referrers(obj):
-        if inspect.isframe(r) or isinstance(r, weakref.ref):
+    here = sys._getframe()
+    gc.unfreeze()  # (get_referrers does not see frozen objects: module-level caches made at import)
+    try:
+        referrers = gc.get_referrers(obj)
+    finally:
+        gc.freeze()
+    for r in referrers:
+        if r is here or isinstance(r, weakref.ref):
+            continue
+        if inspect.isframe(r):  # a live frame (another thread's, or one above this call)
+            kinds.add(f"frame of {r.f_code.co_name} ({os.path.basename(r.f_code.co_filename)})")
             continue
         if isinstance(r, dict):
             owners = [o for o in gc.get_referrers(r) if getattr(o, "__dict__", None) is r]

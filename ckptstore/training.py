@@ -114,6 +114,7 @@ class Checkpointer:
         if self._reporter is not None:
             guard_worker()
             lifecycle.on_wait(self._on_wait)
+        inprocess.at_round_end(self.close)  # (in-job mode: the handlers go with the round)
         self._last_step_time: float | None = None
         self._step_s: float | None = None  # smoothed training step time
         self._recent_steps: deque = deque(maxlen=STEP_WINDOW)  # the last step times (stragglers)
@@ -360,11 +361,13 @@ class Checkpointer:
         if threading.current_thread() is not threading.main_thread():
             return  # signal handlers can only be set from the main thread
 
+        signalled = self._signalled  # (not self: a handler left installed must not keep the model alive)
+
         def on_signal(signum, frame):
             # Idempotent: a scheduler and the launcher may both send one (Slurm signals
             # every process of the job, torchrun forwards its own); the launcher's
             # SIGKILL after its grace is the backstop for a loop that never gets back.
-            self._signalled.set()
+            signalled.set()
 
         lifecycle.install_hooks()  # first: our handler replaces its SIGTERM drain while we run
         for signum in signals:

@@ -6,6 +6,8 @@ fence, verdict. Real processes, real gloo groups, real SIGKILL / SIGSTOP."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import queue
 import signal
@@ -26,13 +28,14 @@ from ckptstore.supervisor import injob
 
 WORKER = Path(__file__).parent / "procs" / "inprocess_worker.py"
 ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "docs" / "examples" / "fault_tolerant_training.py"
 GUARD_S = 60.0  # bounds every wait: a hang becomes a failure, never a timing (below the
 # workers' gloo timeout, CKPTSTORE_INJOB_TIMEOUT: without the abort shim a test fails)
 
 
 class Worker:
     def __init__(self, env: dict, argv: list[str]):
-        self.proc = subprocess.Popen([sys.executable, str(WORKER), *argv], env=env, stdout=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, *argv], env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, start_new_session=True)
         self.lines: list[str] = []
         self._q: queue.Queue = queue.Queue()
@@ -66,6 +69,12 @@ class Worker:
             self.lines.append(line)
         return code
 
+    def drain(self) -> list[str]:
+        with contextlib.suppress(queue.Empty):
+            while (line := self._q.get(timeout=1)) is not None:
+                self.lines.append(line)
+        return self.lines
+
     def kill(self):
         if self.proc.poll() is None:
             self.proc.kill()
@@ -74,12 +83,12 @@ class Worker:
 class FakeAgent:
     """One node's agent and the leader, reduced to what a test needs."""
 
-    def __init__(self, scenario: str, final_round: int, world: int, spares: int = 0, **extra_env):
+    def __init__(self, scenario: str, final_round: int, world: int, spares: int = 0, script=WORKER, **extra_env):
         self.server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                     timeout=timedelta(seconds=GUARD_S))
         self.prefix = "ckptstore/test/0"
         self.store = injob.attempt_store(self.server, self.prefix)
-        self.argv = [scenario, str(final_round)]
+        self.argv = [str(script), scenario, str(final_round)] if script == WORKER else [str(script), *scenario]
         self.base = {k: v for k, v in os.environ.items() if not k.startswith(("CKPTSTORE_", "RANK", "WORLD_SIZE"))}
         self.base.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra_env)
         self.base.update({injob.ENV_STORE: f"127.0.0.1:{self.server.port}", injob.ENV_PREFIX: self.prefix,
@@ -114,7 +123,10 @@ class FakeAgent:
         injob.post_fault(self.store, round_, ranks=failed, cause=cause, detected_by=detected_by)
         survivors = [r for r in self.ranks if r not in failed]
         left = injob.wait_left(self.store, round_, survivors, GUARD_S)
-        assert sorted(left) == survivors, f"left: {sorted(left)} of {survivors}"
+        if sorted(left) != survivors:
+            self.dump_stacks()
+            raise AssertionError(f"left: {sorted(left)} of {survivors}:\n" + "\n".join(
+                f"rank {r}: {w.proc.poll()}: " + "\n".join(w.drain()) for r, w in self.ranks.items()))
         for rank in failed:
             worker, proc = self.spares.pop(0)
             assert injob.wait_for(self.store, [injob.hello_key(worker)], GUARD_S), "the spare never said hello"
@@ -125,6 +137,13 @@ class FakeAgent:
         injob.set_fence(self.store, round_ + 1)
         injob.post_verdict(self.store, round_, "continue", next_round=round_ + 1)
         self.left = left
+
+    def dump_stacks(self):
+        """Each live worker's stacks on its output (faulthandler on SIGUSR1, see the worker env)."""
+        for w in self.ranks.values():
+            if w.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(w.proc.pid, signal.SIGUSR1)
 
     def close(self):
         injob.end(self.store, "test over")
@@ -204,7 +223,7 @@ def test_sleep_is_interrupted_atomic_defers_the_abort_and_a_kept_group_warns(age
     assert not any(l.startswith("aborted inside-atomic") for l in a0.lines)
     assert "aborted atomic-exit RoundAborted" in a0.lines
     assert "aborted 1 RoundAborted" in a1.lines  # woken from time.sleep by the async exception
-    kept = [l for l in a1.lines if "the old process group is still referred to (by Holder)" in l]
+    kept = [l for l in a1.lines if "round 0: its process group is still referred to (by Holder)" in l]
     assert len(kept) == 1 and "RuntimeWarning" in kept[0] and "built outside the training function" in kept[0]
     assert not any("still referred to" in l for l in a0.lines)
 
@@ -285,3 +304,45 @@ def test_abandon_aborts_settles_and_hides_an_in_flight_save(tmp_path):
         future._future.set_exception(CommitError(f"attempt {attempt} was aborted"))
     lifecycle.raise_earlier_failure()  # seen: the next save does not raise it
     assert future not in lifecycle._failures.unseen()
+
+
+def test_the_example_recovers_in_job_bit_identical(agents, tmp_path):
+    """docs/examples/fault_tolerant_training.py under the fake agent: rank 0 SIGKILLed
+    mid-run, the warm spare takes rank 0, rank 1 keeps its process; the result equals
+    an in-job run without a fault, bit for bit."""
+    import torch
+
+    def example(name, spares, **env):
+        # (the step delay keeps the job running for 2 s after the kill's step: the kill lands mid-run)
+        args = [str(tmp_path / name), "--steps", "40", "--every", "2", "--step-delay", "0.05",
+                "--final", str(tmp_path / f"{name}.pt")]
+        return agents(args, None, world=2, spares=spares, script=EXAMPLE, **env)
+
+    clean = example("clean", 0)
+    for rank, w in clean.ranks.items():
+        assert w.finish() == 0 and f"rank {rank}: done" in w.lines, "\n".join(w.lines)
+    progress = tmp_path / "progress"
+    progress.mkdir()
+    agent = example("faulted", 1, CKPTSTORE_PROGRESS_DIR=str(progress))
+    spare_worker, spare = agent.spares[0]
+    assert injob.wait_for(agent.store, [injob.hello_key(spare_worker)], GUARD_S)
+    assert injob.get(agent.store, injob.hello_key(spare_worker))["warm_s"] > 0  # build_model_once ran
+    victim, survivor = agent.ranks[0], agent.ranks[1]
+    victim.expect("rank 0: step 5 pid")
+    victim.proc.kill()
+    victim.proc.wait(timeout=GUARD_S)
+    agent.recover(0, [0], "SIGKILL")
+    for rank, w in agent.ranks.items():
+        assert w.finish() == 0 and f"rank {rank}: done" in w.lines, "\n".join(w.lines)
+        assert not any("still referred to" in l for l in w.lines), "\n".join(w.lines)
+    restored = injob.marks(agent.store, 1, "restored", [0, 1])
+    assert sorted(restored) == [0, 1] and restored[0]["step"] == restored[1]["step"] >= 2
+    assert sorted(injob.marks(agent.store, 1, "first", [0, 1])) == [0, 1]
+    assert "resumed at step" in "\n".join(survivor.lines)
+    records = {r: json.loads((progress / f"rank-{r}.json").read_text()) for r in (0, 1)}
+    assert records[0]["pid"] == spare.proc.pid and records[1]["pid"] == survivor.proc.pid
+    assert records[0]["round"] == records[1]["round"] == 1
+    got, want = torch.load(tmp_path / "faulted.pt"), torch.load(tmp_path / "clean.pt")
+    assert sorted(got) == sorted(want)
+    for k in want:
+        assert torch.equal(got[k].view(torch.int32), want[k].view(torch.int32)), k
