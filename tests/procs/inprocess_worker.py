@@ -7,11 +7,11 @@ function then returns and the process exits 0. In earlier rounds the round fails
 
   ring      rank $VICTIM prints "ready" and sleeps (the test SIGKILLs or SIGSTOPs it);
             the others print "ready" and block in an all_reduce the victim never joins.
-  sleepers  rank 0 waits inside inprocess.atomic() until the abort is deferred ("deferred"),
-            then leaves it; rank 1 sleeps, keeping the group in a module-level object.
-            Both print "aborted <where> <exception>".
-  rounds    rank 0 blocks in an all_reduce, rank 1 sleeps, until the fault notice;
-            each prints "aborted <rank> <exception>,<exceptions it was raised in handling>".
+  rounds    round 0: rank 0 waits inside inprocess.atomic() until the abort is deferred
+            ("deferred"), then leaves it ("aborted atomic-exit ..."); rank 1 sleeps, keeping
+            the group in a module-level object. Later rounds: rank 0 blocks in an all_reduce,
+            rank 1 sleeps, until the fault notice. Each prints
+            "aborted <rank> <exception>,<exceptions it was raised in handling>".
 """
 
 import os
@@ -29,7 +29,7 @@ victim = int(os.environ.get("VICTIM", "0"))
 
 
 def say(line: str) -> None:
-    print(line, flush=True)
+    os.write(1, (line + "\n").encode())  # one write: an async RoundAborted cannot split the line
 
 
 def warmup() -> None:
@@ -105,8 +105,8 @@ def main() -> str:
         return f"done {rank}"
     if scenario == "ring":
         (sleep_forever if rank == victim else block_in_collective)(rank, r)
-    elif scenario == "sleepers":
-        if rank == 1:  # a group kept outside the function: the wrapper warns after the round
+    elif scenario == "rounds" and r == 0:
+        if rank == 1:  # a group kept outside the function: the wrapper warns a round later
             KEPT.group = dist.distributed_c10d._get_default_group()
         in_atomic(r) if rank == 0 else sleep_forever(rank, r)
     elif scenario == "rounds":
