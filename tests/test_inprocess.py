@@ -75,6 +75,9 @@ class Worker:
                 self.lines.append(line)
         return self.lines
 
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
     def kill(self):
         if self.proc.poll() is None:
             self.proc.kill()
@@ -218,9 +221,10 @@ def test_many_rounds_in_one_process_atomic_sleep_and_no_leaks(agents):
     """Round 0: rank 0 inside atomic() (the abort waits for its end), rank 1 in time.sleep
     (woken by the async exception) keeping the group in a module-level object (warned of
     once). Rounds 1-7: rank 0 in a collective (woken by the shim), rank 1 asleep. The
-    same two processes throughout, with constant fd and thread counts."""
+    same two processes throughout, with constant fd and thread counts. Round 8: rank 1's
+    own error ends it; rank 0 leaves and stops at the verdict; the spare ends quietly."""
     rounds = 8
-    agent = agents("rounds", rounds, world=2)
+    agent = agents("rounds", rounds, world=2, spares=1)
     a0, a1 = agent.ranks[0], agent.ranks[1]
     pids, fds, threads, lost = {0: set(), 1: set()}, {0: [], 1: []}, {0: [], 1: []}, []
     for r in range(rounds + 1):
@@ -241,7 +245,18 @@ def test_many_rounds_in_one_process_atomic_sleep_and_no_leaks(agents):
         else:
             assert "RuntimeError" in a0.expect("aborted 0 ").split()[2]  # in the collective: the shim
         assert a1.expect("aborted 1 ").split()[2] == "RoundAborted"  # in time.sleep
-    finish_all(agent)
+    # the final round: rank 1's own error ends its process (no left record); rank 0's
+    # collective fails, it leaves and is told to stop
+    assert a1.finish() == 1 and "ValueError: a bug of the program" in a1.output()
+    assert injob.wait_left(agent.store, rounds, [0], GUARD_S).keys() == {0}
+    assert injob.get(agent.store, injob.round_key(rounds, "left", 1)) is None
+    assert [f["detected_by"] for f in injob.faults(agent.store, rounds)] == ["rank:collective"]
+    injob.post_verdict(agent.store, rounds, "stop", "rank 1: a deterministic error")
+    assert a0.finish() == 1
+    assert f"the job stops after round {rounds}: rank 1: a deterministic error" in a0.output()
+    injob.end(agent.store, "stopped", 10)
+    spare = agent.spares[0][1]
+    assert spare.finish() == 0 and spare.lines == []  # never assigned: exits quietly at the end
     assert all(len(p) == 1 for p in pids.values())
     for rank in (0, 1):
         assert len(set(fds[rank][1:])) == 1, f"rank {rank} fds per round: {fds[rank]}"

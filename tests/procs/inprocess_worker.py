@@ -11,7 +11,8 @@ function then returns and the process exits 0. In earlier rounds the round fails
             ("deferred"), then leaves it ("aborted atomic-exit ..."); rank 1 sleeps, keeping
             the group in a module-level object. Later rounds: rank 0 blocks in an all_reduce,
             rank 1 sleeps, until the fault notice. Each prints
-            "aborted <rank> <exception>,<exceptions it was raised in handling>".
+            "aborted <rank> <exception>,<exceptions it was raised in handling>". In the final
+            round rank 1 raises a ValueError of its own.
 """
 
 import os
@@ -101,6 +102,8 @@ def main() -> str:
     say(f"first {r} {rank} {time.time():.6f} {t[0].item():g} {fds} {threads} {os.getpid()} "
         f"{leave.get('teardown_s', 0):.4f} {leave.get('gc_s', 0):.4f} {os.environ['RANK']} {os.environ['CKPTSTORE_INJOB_ROUND']}")
     if r >= final_round:
+        if scenario == "rounds" and rank == 1:
+            raise ValueError("a bug of the program")  # not recovered in-process: the process ends with it
         dist.barrier()
         return f"done {rank}"
     if scenario == "ring":
