@@ -109,7 +109,14 @@ class atomic:
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
             with _state.lock:
-                _state.atomic += 1
+                pending = _state.injected and _state.armed and not _state.atomic
+                if pending:  # set just before: raised here rather than inside
+                    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(threading.get_ident()), None)
+                    _state.injected = False
+                else:
+                    _state.atomic += 1
+            if pending:
+                raise RoundAborted(f"in-job round {round()} failed")
         return self
 
     def __exit__(self, exc_type, exc, tb):
@@ -212,23 +219,33 @@ def _socket_inodes() -> set[int]:
     return out
 
 
-def _fds_of(inodes: set[int]) -> list[int]:
-    fds = []
+def _fds_of(inodes: set[int]) -> dict[int, int]:
+    """{fd: socket inode} of this process's sockets among ``inodes``."""
+    fds = {}
     for fd in os.listdir("/proc/self/fd"):
         try:
             target = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:
             continue
         if target.startswith("socket:[") and int(target[8:-1]) in inodes:
-            fds.append(int(fd))
+            fds[int(fd)] = int(target[8:-1])
     return fds
 
 
-def _sock(fd: int) -> socket.socket | None:
+def _sock(fd: int, inode: int) -> socket.socket | None:
+    """A socket object over a duplicate of ``fd``, if it still is socket ``inode`` (the fd
+    may have been closed and reused since it was listed)."""
     try:
-        return socket.socket(fileno=os.dup(fd))
+        dup = os.dup(fd)
     except OSError:
         return None
+    try:
+        if os.fstat(dup).st_ino == inode:
+            return socket.socket(fileno=dup)
+    except OSError:
+        pass
+    os.close(dup)
+    return None
 
 
 class _GroupSockets:
@@ -246,8 +263,8 @@ class _GroupSockets:
         peer_ports: set[tuple] = set()
         candidates = _socket_inodes() - self.before
         socks = {}
-        for fd in _fds_of(candidates):
-            s = _sock(fd)
+        for fd, inode in _fds_of(candidates).items():
+            s = _sock(fd, inode)
             if s is None or s.family not in (socket.AF_INET, socket.AF_INET6):
                 if s is not None:
                     s.close()
@@ -407,6 +424,8 @@ class _InJob:
                 "inprocess.run: a default process group exists already (created at import time or before run()); "
                 "create it inside the training function (`if not dist.is_initialized(): "
                 "dist.init_process_group(...)`): inprocess.run makes one per round")
+        if backend == "nccl":  # (NVRx's advice; untested here) the abort, not NCCL's watchdog, ends a round
+            os.environ.setdefault("TORCH_NCCL_RETHROW_CUDA_ERRORS", "0")
         self.backend = backend
         self.timeout_s = float(timeout) if timeout is not None else _env_float(injob.ENV_TIMEOUT, DEFAULT_TIMEOUT_S)
         self.abort_timeout_s = _env_float(injob.ENV_ABORT_TIMEOUT, DEFAULT_ABORT_TIMEOUT_S)
