@@ -657,7 +657,11 @@ class _InJob:
         next_round = v.get("next_round", round_ + 1)
         if not isinstance(next_round, int) or next_round <= round_:
             raise InJobEnded(_ended(f"round {round_}'s verdict names no next round ({next_round!r})"))
-        mine = injob.members(store, next_round).get(rank)
+        members = injob.members(store, next_round)
+        mine = members.get(rank)
+        if members and mine is None:
+            raise InJobEnded(_ended(f"rank {rank} is no member of round {next_round}; this process ({self.worker}) "
+                                    "was dropped"))
         if mine is not None and mine.get("worker") not in (None, self.worker):
             raise InJobEnded(_ended(f"rank {rank} went to worker {mine.get('worker')} in round {next_round}; "
                                     f"this process ({self.worker}) was dropped"))
