@@ -649,8 +649,8 @@ class _InJob:
             time.sleep(injob.POLL_S)
         action, reason = v["action"], v.get("reason", "")
         if action == "stop":
-            raise InJobEnded(_ended(f"the job stops after round {round_}: {reason or 'a deterministic error on a peer'}",
-                                    v.get("code")))
+            why = reason or "a deterministic error on a peer"
+            raise InJobEnded(_ended(f"the job stops after round {round_}: {why}", v.get("code")))
         if action == "cold":
             raise InJobEnded(_ended(f"in-job recovery gave up after round {round_} ({reason or 'no reason given'}); "
                                     "the agent relaunches the job cold", v.get("code")))

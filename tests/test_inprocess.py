@@ -227,6 +227,7 @@ def test_many_rounds_in_one_process_atomic_sleep_and_no_leaks(agents):
     agent = agents("rounds", rounds, world=2, spares=1)
     a0, a1 = agent.ranks[0], agent.ranks[1]
     pids, fds, threads, lost = {0: set(), 1: set()}, {0: [], 1: []}, {0: [], 1: []}, []
+    t_fault = 0.0  # (set when a round's fault is posted, read in the next round)
     for r in range(rounds + 1):
         for rank, f in firsts(agent, r).items():
             pids[rank].add(f[7])

@@ -2,8 +2,9 @@
 gives it the in-job environment and plays the leader).
 
 argv: scenario, final round. Every round starts with one all_reduce of the group (the
-line "first <round> <rank> <time> <sum> <fds> <threads> <pid>"); in the final round the
-function then returns and the process exits 0. In earlier rounds the round fails:
+line "first <round> <rank> <time> <sum> <fds> <threads> <pid> <teardown s> <gc s> <RANK>
+<CKPTSTORE_INJOB_ROUND>"); in the final round the function then returns and the process
+exits 0. In earlier rounds the round fails:
 
   ring      rank $VICTIM prints "ready" and sleeps (the test SIGKILLs or SIGSTOPs it);
             the others print "ready" and block in an all_reduce the victim never joins.
@@ -94,13 +95,14 @@ KEPT = Holder()
 
 
 def main() -> str:
-    r, rank, world = inprocess.round(), dist.get_rank(), dist.get_world_size()
+    r, rank = inprocess.round(), dist.get_rank()
     t = torch.ones(4) * (rank + 1)
     dist.all_reduce(t)
     fds, threads = len(os.listdir("/proc/self/fd")), threading.active_count()
     leave = inprocess.last_leave()
     say(f"first {r} {rank} {time.time():.6f} {t[0].item():g} {fds} {threads} {os.getpid()} "
-        f"{leave.get('teardown_s', 0):.4f} {leave.get('gc_s', 0):.4f} {os.environ['RANK']} {os.environ['CKPTSTORE_INJOB_ROUND']}")
+        f"{leave.get('teardown_s', 0):.4f} {leave.get('gc_s', 0):.4f} {os.environ['RANK']} "
+        f"{os.environ['CKPTSTORE_INJOB_ROUND']}")
     if r >= final_round:
         if scenario == "rounds" and rank == 1:
             raise ValueError("a bug of the program")  # not recovered in-process: the process ends with it
