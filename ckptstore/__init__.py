@@ -43,6 +43,7 @@ from .resume import (  # noqa: E402
 )
 from .rng import rng_state, set_rng_state  # noqa: E402
 from .training import Checkpointer  # noqa: E402
+from . import inprocess  # noqa: E402 (ckptstore.inprocess.run: in-job restart)
 from .tiers import PromotionWarning, TierFallbackWarning  # noqa: E402
 
 __all__ = ["CheckpointRejected", "CheckpointSkippedWarning", "Checkpointer", "Config", "ConfigError", "KeepBest",

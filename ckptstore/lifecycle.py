@@ -405,3 +405,44 @@ def install_hooks() -> None:
 
     if previous in (signal.SIG_DFL, None) or callable(previous):
         signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def abandon(reason: str, timeout: float) -> list[int | None]:
+    """In-job restart (ckptstore.inprocess): this process's round failed, so none of its
+    in-flight saves and promotions can commit (a peer's vote will never come). Write each
+    one's abort marker (the commit's waits on every rank end at it), wait up to
+    ``timeout`` seconds in all until each is settled, and count them seen: the next save
+    does not raise them, ``wait()`` and the exit report do not name them. Returns their
+    steps (the journal lists them). Without it the one commit thread of the process
+    would wait ``commit_timeout`` for the dead rank's vote and hold every later commit
+    behind it."""
+    from .checkpoint.votes import abort
+
+    with _lock:
+        pending = [f for f in _inflight if not f.settled()]
+        for f in pending:
+            f.observed = True
+    if not pending:
+        return []
+    # Exit mode while it waits: each attempt's heartbeat looks for its abort marker and
+    # settles the save when it sees it, whatever stage the save is in.
+    was_exiting = exiting.active()
+    exiting.enter()
+    try:
+        for f in pending:
+            if f.storage is not None:
+                abort(f.storage, f.attempt, reason)
+            f.watch_exit()  # (beats and looks now)
+        deadline = time.monotonic() + timeout
+        for f in pending:
+            f.wait_settled(max(0.0, deadline - time.monotonic()))
+    finally:
+        if not was_exiting:
+            exiting.leave()
+    with _lock:
+        for f in pending:
+            f.observed = True
+            if not f.settled():
+                _abandoned.add(f)  # (the exit drain does not wait for it again)
+                _reported.add(f)
+    return [f.step for f in pending]

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from . import format as fmt
+from . import inprocess
 from . import lifecycle
 from . import names
 from .store import Store
@@ -115,6 +116,7 @@ class Checkpointer:
         if self._reporter is not None:
             guard_worker()
             lifecycle.on_wait(self._on_wait)
+        inprocess.at_round_end(self.close)  # (in-job mode: the handlers go with the round)
         self._last_step_time: float | None = None
         self._step_s: float | None = None  # smoothed training step time
         self._recent_steps: deque = deque(maxlen=STEP_WINDOW)  # the last step times (stragglers)
@@ -137,6 +139,7 @@ class Checkpointer:
         self.info = info
         if self._reporter is not None:
             self._reporter.note_longest("resume", time.monotonic() - began)
+        inprocess.note_restored(info.step, info.tier, time.monotonic() - began)  # (in-job mode only)
         self._report("train", None if info.step is None else info.step, force=True, section="step",
                      resumed_step=info.step,
                      resumed_tier=info.tier, resumed_age_s=info.age_s, skipped=[s.step for s in info.skipped])
@@ -165,6 +168,7 @@ class Checkpointer:
                 self._reporter.note_longest("step", took)
         first = self._last_step_time is None
         self._last_step_time = now
+        inprocess.note_step(step)  # (in-job mode only: the round's first step is the recovery's end)
         if first:  # the supervisor measures launch-to-first-step from this
             self._report("train", step, force=True, section="step", first_step_t=time.time())
             if self.prepare:
@@ -209,8 +213,9 @@ class Checkpointer:
         (:meth:`Store.save`); default each device's current stream."""
         began = time.monotonic()
         self._report("saving", step, section="save")  # a supervisor does not take a long staging copy for a hang
-        future = self.store.save(step, self._state_dict(), metrics, replicated=self.replicated, durable=durable,
-                                 stream=stream)
+        with inprocess.atomic():  # an in-job abort waits for the staging copy (a failing collective does not)
+            future = self.store.save(step, self._state_dict(), metrics, replicated=self.replicated,
+                                     durable=durable, stream=stream)
         self._save_blocking_s = time.monotonic() - began
         if self._reporter is not None:
             self._reporter.note_longest("save", self._save_blocking_s)
@@ -239,6 +244,8 @@ class Checkpointer:
     def _report(self, state: str, step: int | None = None, force: bool = False, **fields) -> None:
         if self._reporter is not None:
             median = statistics.median(self._recent_steps) if self._recent_steps else None
+            if inprocess.active():
+                fields["round"] = inprocess.round()
             self._reporter.report(state, step, force, step_s=self._step_s, step_median_s=median,
                                   save_blocking_s=self._save_blocking_s, **fields)
 
@@ -358,11 +365,13 @@ class Checkpointer:
         if threading.current_thread() is not threading.main_thread():
             return  # signal handlers can only be set from the main thread
 
+        signalled = self._signalled  # (not self: a handler left installed must not keep the model alive)
+
         def on_signal(signum, frame):
             # Idempotent: a scheduler and the launcher may both send one (Slurm signals
             # every process of the job, torchrun forwards its own); the launcher's
             # SIGKILL after its grace is the backstop for a loop that never gets back.
-            self._signalled.set()
+            signalled.set()
 
         lifecycle.install_hooks()  # first: our handler replaces its SIGTERM drain while we run
         for signum in signals:

@@ -39,7 +39,7 @@ def batch(samples: int, rank: int, rows: int):
     return x, x[:, :4].sin() + 0.1 * torch.randn(rows, 4, generator=g)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("store", help="a path or s3:// URL that outlives the node")
     p.add_argument("--steps", type=int, default=60)
@@ -48,18 +48,37 @@ def main() -> None:
     p.add_argument("--final", help="write the trained parameters here (rank 0) when done")
     p.add_argument("--hidden", type=int, default=64, help="width of the model's hidden layer")
     p.add_argument("--step-delay", type=float, default=0.0, help="simulated compute per step, seconds")
-    args = p.parse_args()
+    return p.parse_args()
 
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world,))
+
+def build_model(hidden: int):
+    """The FSDP2 model and its optimizer, over the default group."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     torch.manual_seed(0)  # the same initial model on every rank
-    model = nn.Sequential(nn.Linear(16, args.hidden), nn.ReLU(), nn.Dropout(0.1), nn.Linear(args.hidden, 4))
+    model = nn.Sequential(nn.Linear(16, hidden), nn.ReLU(), nn.Dropout(0.1), nn.Linear(hidden, 4))
     for layer in model:
         if isinstance(layer, nn.Linear):
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def build_model_once() -> None:
+    """A spare's warm-up under `ckptstore run --in-job` (a one-rank group): FSDP's and the
+    optimizer's first-call costs are paid before the spare takes a failed rank's place."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, opt = build_model(parse_args().hidden)
+    get_state_dict(model, opt)
+
+
+def main(args: argparse.Namespace) -> None:
+    # Everything that holds the process group is built here: under `ckptstore run --in-job`
+    # main runs again in this process after a peer's failure, in a re-formed group.
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model, opt = build_model(args.hidden)
     warmup = 10
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
@@ -111,4 +130,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # torchrun, `ckptstore run`, python: main(args) once; `ckptstore run --in-job`: again after each recovery
+    ckptstore.inprocess.run(main, parse_args(), warmup=build_model_once)
