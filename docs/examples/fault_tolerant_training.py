@@ -1,6 +1,7 @@
 """A fault-tolerant training loop with ckptstore (docs/training.md).
 
     torchrun --nproc-per-node 2 fault_tolerant_training.py STORE [--steps 60] [--every 5]
+    ckptstore run --store STORE --in-job --nproc-per-node 2 fault_tolerant_training.py STORE --every 1
 
 Kill it at any moment (a rank, the launcher, during a save) and start it again with
 the same command: it resumes from the newest step that every rank can load, and ends
@@ -39,11 +40,15 @@ def batch(samples: int, rank: int, rows: int):
     return x, x[:, :4].sin() + 0.1 * torch.randn(rows, 4, generator=g)
 
 
+def _every(value: str):
+    return value if value == "auto" else int(value)
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("store", help="a path or s3:// URL that outlives the node")
     p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--every", type=int, default=5, help="save every N steps")
+    p.add_argument("--every", type=_every, default=5, help="save every N steps, or 'auto' (from the save cost and MTBF)")
     p.add_argument("--global-batch", type=int, default=16)
     p.add_argument("--final", help="write the trained parameters here (rank 0) when done")
     p.add_argument("--hidden", type=int, default=64, help="width of the model's hidden layer")
@@ -86,7 +91,9 @@ def main(args: argparse.Namespace) -> None:
     torch.manual_seed(1000 + rank)  # dropout draws differ per rank; the RNG state is checkpointed
 
     ckpt = ckptstore.Checkpointer(
-        ckptstore.Store(args.store), model=model, optimizer=opt,
+        # memory="auto": under `ckptstore run --in-job` every save commits to the node's memory
+        # first (a replaced rank restores from there); elsewhere the store has one tier.
+        ckptstore.Store(args.store, memory="auto"), model=model, optimizer=opt,
         state={"scheduler": sched, "progress": progress}, every=args.every,
         on_commit=lambda s: say(f"rank {rank}: committed step {s}"))
     start = ckpt.resume()  # collective: every rank starts from the same step
