@@ -73,4 +73,4 @@ def save(self, step, *args, **kwargs):
 
 ckptstore.Store.save = save
 sys.argv[0] = EXAMPLE
-example.main()
+ckptstore.inprocess.run(example.main, example.parse_args(), warmup=example.build_model_once)
