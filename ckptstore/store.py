@@ -414,9 +414,12 @@ class Store:
             holders = self._copies(chosen[0])
             if not holders:
                 raise CheckpointNotFoundError(f"{self.location(chosen[0]).describe()}: no committed checkpoint")
-            return load_first(holders, chosen[0], reading, functools.partial(
+            obj, info = load_first(holders, chosen[0], reading, functools.partial(
                 load_once, map_location=map_location, weights_only=weights_only, rank=rank, pickle_load_args=None,
                 template=template, group=self.process_group, step=chosen[0], reading=reading))
+            if self._tiers is not None:  # ("peer": the memory tier's copy came from a replica)
+                info = dataclasses.replace(info, tier=self._tiers.tier_of_copy(info.tier, chosen[0], info))
+            return obj, info
 
         def chosen_gone() -> bool:
             # The latest step, retired by retention while we read it: the latest is another now.

@@ -49,6 +49,7 @@ ENV_ABORT_TIMEOUT = "CKPTSTORE_INJOB_ABORT_TIMEOUT"  # seconds a survivor may ta
 ENV_MEMORY_DIR = "CKPTSTORE_MEMORY_DIR"      # node-local tmpfs directory owned by the supervisor
 ENV_MEMORY_BUDGET = "CKPTSTORE_MEMORY_BUDGET"  # bytes the memory tier of this node may hold
 ENV_ROUND = "CKPTSTORE_INJOB_ROUND"          # set by inprocess.run for fn: the current round
+ENV_PEER_REPLICA = "CKPTSTORE_PEER_REPLICA"  # host:port of the partner node's replica server (replica.py)
 
 VERDICTS = ("continue", "stop", "cold")
 POLL_S = 0.005  # a wait's poll interval: store checks are ~0.1 ms round trips on loopback
