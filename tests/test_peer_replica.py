@@ -162,6 +162,9 @@ def child(phase: str, rank: int, durable: str) -> None:
         replicator = store._tiers.replicator
         ok = replicator.wait_for(3, 120)
         print(f"rank {rank}: replicated {ok} {replicator.replicated}", flush=True)
+        sys.stdin.readline()  # the test stops the replica servers: step 4 is committed, never replicated
+        ck.save(4).result()
+        print(f"rank {rank}: committed 4", flush=True)
         dist.barrier()
         ck.close()
         dist.destroy_process_group()
@@ -187,7 +190,7 @@ def _ranks(phase: str, durable: Path, dirs: list[Path], job: dict, round_: int, 
         if peers is not None:
             env[injob.ENV_PEER_REPLICA] = peers[rank]
         procs.append(subprocess.Popen([sys.executable, "-W", "ignore", __file__, phase, str(rank), str(durable)],
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env))
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env))
     return procs
 
 
@@ -211,6 +214,15 @@ def _finish(procs) -> list[str]:
     return outs
 
 
+def _line(proc: subprocess.Popen, word: str) -> str:
+    seen = []
+    for line in proc.stdout:  # (the hang guard: the test's timeout, and the kill in the callers' finally)
+        seen.append(line)
+        if word in line:
+            return line.strip()
+    raise AssertionError(f"no {word!r} line; output:\n{''.join(seen)[-4000:]}")
+
+
 def _said(out: str, word: str) -> str:
     lines = [line for line in out.splitlines() if word in line]
     assert lines, f"no {word!r} line; output:\n{out[-4000:]}"
@@ -226,25 +238,38 @@ def test_a_lost_node_restores_from_its_partners_replica_without_the_durable_stor
     node_a, node_b = tmp_path / "shm" / "node0", tmp_path / "shm" / "node1"
     replicas = [ReplicaServer(d, budget_bytes=64 << 20, host="127.0.0.1") for d in (node_a, node_b)]
     ports = [r.start() for r in replicas]
+    # node k's partner is node (k+1) mod 2: rank 0 (node A) replicates to B, rank 1 to A
+    procs = _ranks("save", durable, [node_a, node_b], job, 0,
+                   peers=[f"127.0.0.1:{ports[1]}", f"127.0.0.1:{ports[0]}"])
+    saved = {}
     try:
-        # node k's partner is node (k+1) mod 2: rank 0 (node A) replicates to B, rank 1 to A
-        outs = _finish(_ranks("save", durable, [node_a, node_b], job, 0,
-                              peers=[f"127.0.0.1:{ports[1]}", f"127.0.0.1:{ports[0]}"]))
+        for rank, proc in enumerate(procs):
+            saved[rank] = _line(proc, "committed 3").split()[-1]
+            assert "replicated True" in _line(proc, "replicated")
+        for r in replicas:  # the servers go (their live connections too): step 4 is never replicated
+            r.close()
+        for p in procs:
+            p.stdin.write("\n")
+            p.stdin.flush()
+        outs = _finish(procs)
     finally:
         for r in replicas:
             r.close()
-    saved = {}
-    for rank, out in enumerate(outs):
-        saved[rank] = _said(out, "committed 3").split()[-1]
-        assert "replicated True" in _said(out, "replicated"), out[-3000:]
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert all("committed 4" in out for out in outs), outs
     assert Path(marker_path(str(node_b), 3, 0)).is_file() and Path(marker_path(str(node_a), 3, 1)).is_file()
+    assert not Path(marker_path(str(node_b), 4, 0)).exists()
     assert list(node_b.rglob("data-r00000-*.bin")), "rank 0's replica is not on node B"
     assert not [p for p in durable.rglob("*") if "step-" in p.name]  # nothing promoted: memory only
 
     shutil.rmtree(node_a)  # node A lost, with its memory
     durable.rename(tmp_path / "durable-gone")  # and the durable store unreadable
     durable.write_text("not a store")
-    # Rank 0 is a spare on node B now (the partner); rank 1 a survivor there.
+    # Rank 0 is a spare on node B now (the partner); rank 1 a survivor there. Step 4 was
+    # never replicated: the retention kept step 3, the newest replicated one, its records
+    # and rank 1's files of it, so both ranks resume step 3.
     outs = _finish(_ranks("resume", durable, [node_b, node_b], job, 1))
     assert _said(outs[0], "restored") == f"rank 0: restored 3 {saved[0]} tier=peer"
     assert _said(outs[1], "restored") == f"rank 1: restored 3 {saved[1]} tier=memory"

@@ -153,6 +153,7 @@ class ReplicaServer:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # (budget checks and markers: one request at a time decides)
         self._reserved = 0  # bytes of puts accepted and not written yet
+        self._open: set[socket.socket] = set()  # connections being served (closed by close())
         self.errors: list[str] = []  # the last refusals, newest last (for tests and logs)
 
     def start(self) -> int:
@@ -178,14 +179,25 @@ class ReplicaServer:
         return self._server.server_address[1]
 
     def close(self) -> None:
+        """Stop accepting, and end the connections being served (a put in progress is
+        not written)."""
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+        with self._lock:
+            live = list(self._open)
+        for sock in live:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     # ------------------------------------------------------------------ a connection
     def _serve(self, sock: socket.socket) -> None:
         sock.settimeout(self.timeout_s)
+        with self._lock:
+            self._open.add(sock)
         try:
             while True:
                 request = _recv_json(sock, eof_ok=True)
@@ -206,9 +218,11 @@ class ReplicaServer:
                     _send_json(sock, {"ok": False, "error": str(e)})
                     return  # (the rest of the connection cannot be trusted to be in step)
                 _send_json(sock, reply)
-        except (OSError, ValueError, ReplicaError, ConnectionError) as e:  # garbage, a timeout, a reset
+        except Exception as e:  # garbage, a timeout, a reset: this connection only
             self._note(f"connection dropped: {type(e).__name__}: {e}")
         finally:
+            with self._lock:
+                self._open.discard(sock)
             try:
                 sock.close()
             except OSError:
