@@ -137,6 +137,16 @@ def test_a_connection_sending_garbage_is_dropped_and_the_server_keeps_serving(se
     assert srv.errors  # each bad connection was noted
 
 
+def test_each_node_finds_its_partners_replica_server_in_the_in_job_store():
+    store = torch.distributed.HashStore()
+    for node in range(3):
+        injob.post_replica_server(store, node, f"10.0.0.{node}", 7000 + node)
+    assert [injob.partner_replica(store, node, 3, 1.0) for node in range(3)] == \
+        ["10.0.0.1:7001", "10.0.0.2:7002", "10.0.0.0:7000"]
+    assert injob.partner_replica(store, 0, 1, 1.0) is None  # one node: no partner
+    assert injob.partner_replica(torch.distributed.HashStore(), 0, 2, 0.05) is None  # never said
+
+
 # ---------------------------------------------------------------------------- two nodes, one lost
 def _digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.detach().numpy().tobytes()).hexdigest()[:16]

@@ -22,6 +22,7 @@ Keys (values are small JSON objects; *create* = create-only, the first writer wi
 ``pg/<r>/...``              torch         round r's process-group bootstrap
 ``fence``                   leader        the current round (the memory tier's commit fence)
 ``end``                     agents        the attempt is over: every worker exits
+``replica/<node>``          each agent    its replica server's host:port (peer replicas)
 ==========================  ============  ===============================================
 
 Invariants (kept by the callers, tested in tests/test_injob_protocol.py): a round's
@@ -283,3 +284,25 @@ def end(store, reason: str, code: int = 0) -> None:
 
 def ended(store) -> dict | None:
     return get(store, END_KEY)
+
+
+# --- peer replicas (supervisor/replica.py) -------------------------------------------
+
+def replica_key(node: int) -> str:
+    return f"replica/{node}"
+
+
+def post_replica_server(store, node: int, host: str, port: int) -> None:
+    """Node ``node``'s agent says where its replica server listens."""
+    put(store, replica_key(node), {"address": f"{host}:{port}"})
+
+
+def partner_replica(store, node: int, nnodes: int, timeout_s: float) -> str | None:
+    """The ``host:port`` of the replica server of node ``node``'s partner (node rank
+    (node+1) mod nnodes), the value of ``CKPTSTORE_PEER_REPLICA`` for node ``node``'s
+    workers; None on one node, or when the partner has not said within ``timeout_s``."""
+    if nnodes < 2:
+        return None
+    record = wait_record(store, replica_key((node + 1) % nnodes), timeout_s)
+    address = record.get("address") if record else None
+    return address if isinstance(address, str) else None
