@@ -243,7 +243,7 @@ def is_replica(data_root: str, step: int, rank: int, attempt: str) -> bool:
     from .supervisor.replica import read_marker
 
     found = read_marker(data_root, step, rank)
-    return found is not None and found.get("attempt") == attempt
+    return found is not None and found.get("sealed") is True and found.get("attempt") == attempt
 
 
 # The replicators with a thread. At exit each is given a moment to finish the step it

@@ -49,14 +49,20 @@ def test_a_put_lands_at_its_relative_path_and_a_seal_marks_it(server, tmp_path):
     source.write_bytes(data[:1000])
     client.put_file(PATH.replace("-s00", "-s01"), str(source))
     assert (tmp_path / "node1" / PATH.replace("-s00", "-s01")).read_bytes() == data[:1000]
-    client.seal(7, 3, ATTEMPT, [PATH])
-    marker = json.loads(Path(marker_path(str(tmp_path / "node1"), 7, 3)).read_text())
-    assert marker["attempt"] == ATTEMPT and marker["files"] == [PATH]
+    marker = Path(marker_path(str(tmp_path / "node1"), 7, 3))
+    assert json.loads(marker.read_text())["sealed"] is False  # named before written, not sealed yet
+    both = [PATH, PATH.replace("-s00", "-s01")]
+    client.seal(7, 3, ATTEMPT, both)
+    record = json.loads(marker.read_text())
+    assert record["attempt"] == ATTEMPT and record["files"] == both and record["sealed"] is True
     with pytest.raises(ReplicaError, match="not a file of rank"):
         client.seal(7, 4, ATTEMPT, [PATH])
-    # retire: the rank's replicas of steps below 8 go, with their marker
-    assert client.retire(3, 8) == 1
-    assert not (tmp_path / "node1" / PATH).exists() and not Path(marker_path(str(tmp_path / "node1"), 7, 3)).exists()
+    # A replica abandoned halfway (never sealed) is retired all the same.
+    half = PATH.replace("000000000007", "000000000006")
+    ReplicaClient("127.0.0.1", port).put_file(half, b"half")
+    # retire: the rank's replicas of steps below 8 go, with their markers
+    assert ReplicaClient("127.0.0.1", port).retire(3, 8) == 3
+    assert not [p for p in (tmp_path / "node1").rglob("*") if p.is_file()]
 
 
 def _raw_put(port: int, header: dict, body: bytes) -> dict:
@@ -91,7 +97,7 @@ def test_bad_hash_path_escapes_and_the_budget_are_refused_and_nothing_is_written
     reply = _raw_put(port, {"op": "put", "path": PATH, "length": len(data), "xxh3": digest(b"other")}, data)
     assert not reply["ok"] and "hash" in reply["error"]
     assert not (root / PATH).exists()
-    assert not [p for p in root.rglob("*") if p.is_file()]  # no temporary left either
+    assert not [p for p in root.rglob("*") if p.is_file() and "replicas" not in p.parts]  # no temporary either
     for bad in ("/etc/passwd", f"../{PATH}", f"step-000000000007/../../x/{PATH}", "tier-binding.json",
                 f"step-000000000007/attempts/{ATTEMPT}/vote-r00003.json"):
         reply = _raw_put(port, {"op": "put", "path": bad, "length": 1, "xxh3": digest(b"a")}, b"a")
@@ -104,6 +110,12 @@ def test_bad_hash_path_escapes_and_the_budget_are_refused_and_nothing_is_written
     reply = _raw_put(port, {"op": "put", "path": link_path, "length": 1, "xxh3": digest(b"a")}, b"a")
     assert not reply["ok"] and "symlink" in reply["error"]
     assert list(outside.iterdir()) == []
+    own = PATH.replace("r00003", "r00001")  # a file of this node's own ranks: never overwritten
+    (root / own).parent.mkdir(parents=True, exist_ok=True)
+    (root / own).write_bytes(b"mine")
+    reply = _raw_put(port, {"op": "put", "path": own, "length": 1, "xxh3": digest(b"a")}, b"a")
+    assert not reply["ok"] and "of its own" in reply["error"] and (root / own).read_bytes() == b"mine"
+    (root / own).unlink()
     big = 2 << 20  # over the 1 MiB budget
     reply = _raw_put(port, {"op": "put", "path": PATH, "length": big, "xxh3": "0" * 32}, b"")
     assert not reply["ok"] and "budget" in reply["error"]

@@ -241,9 +241,29 @@ class ReplicaServer:
                     pass
         return total
 
+    def _write_marker(self, step: int, rank: int, record: dict) -> None:
+        marker = marker_path(self.root, step, rank)
+        os.makedirs(os.path.dirname(marker), mode=0o700, exist_ok=True)
+        tmp = f"{marker}.{uuid.uuid4().hex[:8]}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(record, f)
+        os.replace(tmp, marker)
+
+    def _note_file(self, step: int, rank: int, attempt: str, path: str) -> None:
+        """Name ``path`` in the replica's marker before it is written (unsealed): a
+        replica abandoned halfway is deleted by ``retire`` all the same."""
+        found = read_marker(self.root, step, rank) or {}
+        if found.get("attempt") != attempt:
+            found = {"step": step, "rank": rank, "attempt": attempt, "files": [], "sealed": False,
+                     "older": sorted(set(found.get("files", [])) | set(found.get("older", [])))}
+        if path not in found["files"]:
+            found["files"].append(path)
+            found["sealed"] = False
+            self._write_marker(step, rank, found)
+
     def _put(self, sock: socket.socket, request: dict) -> dict:
         path, length, want = request.get("path"), request.get("length"), request.get("xxh3")
-        check_replica_path(path)
+        step, attempt, rank = check_replica_path(path)
         if not isinstance(length, int) or isinstance(length, bool) or length < 0:
             raise ReplicaError(f"{path}: bad length {length!r}")
         if not isinstance(want, str) or len(want) != 32:
@@ -252,6 +272,11 @@ class ReplicaServer:
             if self.budget is not None and self._usage() + self._reserved + length > self.budget:
                 raise ReplicaError(f"{path}: {length} bytes would pass this node's memory budget ({self.budget} "
                                    f"bytes, {self._usage()} held): the replica is refused")
+            found = read_marker(self.root, step, rank) or {}
+            if os.path.lexists(os.path.join(self.root, path)) and path not in found.get("files", []):
+                raise ReplicaError(f"{path}: this node holds that file of its own (is CKPTSTORE_PEER_REPLICA this "
+                                   "node's own server?): refused, nothing overwritten")
+            self._note_file(step, rank, attempt, path)
             self._reserved += length
         try:
             parts = path.split("/")
@@ -306,13 +331,13 @@ class ReplicaServer:
                 raise ReplicaError(f"seal: {path!r} is not a file of rank {rank}'s attempt {attempt} of step {step}")
             if not os.path.isfile(os.path.join(self.root, path)):
                 raise ReplicaError(f"seal: {path} has not arrived")
-        marker = marker_path(self.root, step, rank)
         with self._lock:
-            os.makedirs(os.path.dirname(marker), mode=0o700, exist_ok=True)
-            tmp = f"{marker}.{uuid.uuid4().hex[:8]}.tmp"
-            with open(tmp, "w") as f:
-                json.dump({"step": step, "rank": rank, "attempt": attempt, "files": files}, f)
-            os.replace(tmp, marker)
+            found = read_marker(self.root, step, rank) or {}
+            if found.get("attempt") != attempt or not set(files) <= set(found.get("files", [])):
+                raise ReplicaError(f"seal: rank {rank}'s files of step {step} were not all sent as a replica")
+            self._write_marker(step, rank, {**found, "files": files, "sealed": True,
+                                            "older": sorted(set(found["files"]) - set(files)
+                                                            | set(found.get("older", [])))})
         return {"ok": True}
 
     def _retire(self, request: dict) -> dict:
@@ -326,8 +351,8 @@ class ReplicaServer:
                 step = names.parse_step_dir_name(entry)
                 if step is None or step >= below:
                     continue
-                found = read_marker(self.root, step, rank)
-                for path in (found or {}).get("files", []):
+                found = read_marker(self.root, step, rank) or {}
+                for path in found.get("files", []) + found.get("older", []):
                     try:
                         check_replica_path(path)
                         os.unlink(os.path.join(self.root, path))
