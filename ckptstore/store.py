@@ -86,7 +86,11 @@ class Store:
     one) is promoted; ``memory_keep`` its retention (default the last step, besides
     the one in flight and those waiting for promotion); ``memory_budget`` the bytes it
     may hold on the node (default ``CKPTSTORE_MEMORY_BUDGET``; None: no limit): a save
-    that would pass it goes to the durable tier instead, with one RuntimeWarning.
+    that would pass it goes to the durable tier instead, with one RuntimeWarning. On
+    several nodes under ``ckptstore run --in-job`` each memory commit is also copied, in
+    the background, to the partner node's memory (``CKPTSTORE_PEER_REPLICA``; docs/tiers.md,
+    "Peer replicas"), from which a spare there restores a lost node's ranks
+    (``LoadInfo.tier == "peer"``).
     """
 
     def __init__(self, url, *, process_group=None, compression: str | CompressionPolicy = "auto",

@@ -300,11 +300,14 @@ class Tiers:
             storage = SplitStorage(places["local_shared"], storage)
         self.durable, self.durable_every, self.name, self.budget = durable, durable_every, name, budget
         # Peer replicas (peers.py): on several nodes (records every node reads), when the
-        # agent named the partner node's replica server.
-        address = peers.enabled() if name == "memory" and local_shared is not None else None
+        # agent named the partner node's replica server. Retention keeps the newest
+        # replicated step whatever this process does (rank 0 may be a spare without a
+        # partner while the other nodes' replicas still count).
+        several = name == "memory" and local_shared is not None
+        address = peers.enabled() if several else None
         role = UpperTier(name, durable.storage, self._promoting,
                          rounds=RoundFence.from_env() if name == "memory" else None,
-                         also_kept=self._peer_kept if address else None)
+                         also_kept=self._peer_kept if several else None)
         default_keep = Retention(last=1) if name == "memory" else Retention(last=2)
         self.upper = durable.upper_tier(url, storage, role, keep=local_keep if local_keep is not None else default_keep)
         self.local = self.upper  # (the name this module's code uses for the tier above the durable one)
