@@ -129,7 +129,10 @@ def test_a_connection_sending_garbage_is_dropped_and_the_server_keeps_serving(se
     for garbage in (b"\xff\xff\xff\xff" + b"z" * 100, b"\x00\x00\x00\x05hello", b"GET / HTTP/1.0\r\n\r\n"):
         with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
             s.sendall(garbage)
-            s.shutdown(socket.SHUT_WR)
+            try:
+                s.shutdown(socket.SHUT_WR)
+            except OSError:  # (the server reset it already)
+                pass
             got = b""
             while True:  # until the server closes it (the socket's timeout bounds the wait)
                 try:
