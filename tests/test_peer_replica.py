@@ -162,6 +162,40 @@ def test_each_node_finds_its_partners_replica_server_in_the_in_job_store():
     assert injob.partner_replica(torch.distributed.HashStore(), 0, 2, 0.05) is None  # never said
 
 
+def test_retention_keeps_the_newest_replicated_step_and_the_partner_drops_older_replicas(tmp_path, monkeypatch):
+    """One process, records in a HashStore as on several nodes: steps 1-3 replicated,
+    then the partner gone; step 4 commits but is not replicated, so step 3 (the newest
+    replicated one) stays in the memory tier beside it, and the partner holds only the
+    replica of step 3."""
+    from ckptstore.peers import PeerReplicaWarning
+    from ckptstore.storage.c10d import C10dStorage
+
+    partner = ReplicaServer(tmp_path / "partner", host="127.0.0.1")
+    monkeypatch.setenv(injob.ENV_PEER_REPLICA, f"127.0.0.1:{partner.start()}")
+    monkeypatch.delenv(injob.ENV_ROUND, raising=False)
+    records = C10dStorage(torch.distributed.HashStore(), "mem/")
+    store = ckptstore.Store(tmp_path / "durable", memory=tmp_path / "mine", local_shared=records,
+                            durable_every=1000)
+    replicator = store._tiers.replicator
+    try:
+        for step in (1, 2, 3):
+            store.save(step, {"w": torch.full((1000,), float(step))}).result()
+        assert replicator.wait_for(3, 60) and replicator.wait_idle(60)
+    finally:
+        partner.close()
+    assert Path(marker_path(str(tmp_path / "partner"), 3, 0)).is_file()
+    left = sorted(p.relative_to(tmp_path / "partner").parts[0] for p in (tmp_path / "partner").rglob("*.bin"))
+    assert left == ["step-000000000003"], left  # older replicas retired
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        store.save(4, {"w": torch.full((1000,), 4.0)}).result()
+        store.save(5, {"w": torch.full((1000,), 5.0)}).result()
+        assert replicator.wait_idle(60)
+    assert any(issubclass(w.category, PeerReplicaWarning) for w in caught)
+    assert store.memory.steps()[0] == 3 and store.memory.steps()[-1] == 5  # 3: the newest replicated
+    assert store.load(3)["w"][0].item() == 3.0
+
+
 # ---------------------------------------------------------------------------- two nodes, one lost
 def _digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.detach().numpy().tobytes()).hexdigest()[:16]
