@@ -17,11 +17,13 @@ else takes the newest committed step.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import threading
 import time
 import warnings
+import weakref
 
 from . import names
 from .checkpoint.manifests import latest_manifest
@@ -169,7 +171,8 @@ class PeerReplicator:
         steps, newest, above, records = replica_state(self.tier, world)
         joinable = [s for s in above[-IN_FLIGHT_KEPT:] if rank not in records[s]["done"]]
         step = joinable[0] if joinable else due
-        if step not in steps or (newest is not None and step <= newest) or rank in records.get(step, {}).get("done", ()):
+        done_here = rank in records.get(step, {}).get("done", ())
+        if step not in steps or (newest is not None and step <= newest) or done_here:
             return None  # retired meanwhile, or replicated already
         location = self.tier.location(step)
         try:
@@ -248,9 +251,6 @@ def is_replica(data_root: str, step: int, rank: int, attempt: str) -> bool:
 
 # The replicators with a thread. At exit each is given a moment to finish the step it
 # sends (a daemon thread inside a TCPStore call when the interpreter ends aborts it).
-import atexit  # noqa: E402
-import weakref  # noqa: E402
-
 _THREADS: "weakref.WeakSet[PeerReplicator]" = weakref.WeakSet()
 EXIT_WAIT_S = 10.0
 

@@ -249,7 +249,8 @@ def _ranks(phase: str, durable: Path, dirs: list[Path], job: dict, round_: int, 
         if peers is not None:
             env[injob.ENV_PEER_REPLICA] = peers[rank]
         procs.append(subprocess.Popen([sys.executable, "-W", "ignore", __file__, phase, str(rank), str(durable)],
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env))
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True, env=env))
     return procs
 
 
