@@ -57,6 +57,9 @@ def test_a_put_lands_at_its_relative_path_and_a_seal_marks_it(server, tmp_path):
     assert record["attempt"] == ATTEMPT and record["files"] == both and record["sealed"] is True
     with pytest.raises(ReplicaError, match="not a file of rank"):
         client.seal(7, 4, ATTEMPT, [PATH])
+    client.put_file(PATH, data)  # a resend of a replica's file: allowed (named in its marker)
+    srv.drop_connections()  # as the server's idle timeout would between two steps
+    client.seal(7, 3, ATTEMPT, both)  # the client reconnects once
     # A replica abandoned halfway (never sealed) is retired all the same.
     half = PATH.replace("000000000007", "000000000006")
     ReplicaClient("127.0.0.1", port).put_file(half, b"half")

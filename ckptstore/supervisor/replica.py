@@ -185,6 +185,10 @@ class ReplicaServer:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+        self.drop_connections()
+
+    def drop_connections(self) -> None:
+        """End the connections being served (as the idle timeout does); clients reconnect."""
         with self._lock:
             live = list(self._open)
         for sock in live:
@@ -401,16 +405,21 @@ class ReplicaClient:
             self._sock = None
 
     def _request(self, header: dict, body=None) -> dict:
-        try:
-            sock = self._connect()
-            _send_json(sock, header)
-            reply = _recv_json(sock)
-            if reply.get("ok") and body is not None:
-                body(sock)
+        for retry in (True, False):  # a kept connection the server ended (its idle timeout): once more, anew
+            reused = retry and self._sock is not None
+            try:
+                sock = self._connect()
+                _send_json(sock, header)
                 reply = _recv_json(sock)
-        except (OSError, ValueError) as e:
-            self.close()
-            raise ReplicaError(f"the replica server at {self.host}:{self.port}: {type(e).__name__}: {e}") from e
+                if reply.get("ok") and body is not None:
+                    body(sock)
+                    reply = _recv_json(sock)
+                break
+            except (OSError, ValueError) as e:
+                self.close()
+                if reused and isinstance(e, OSError):
+                    continue
+                raise ReplicaError(f"the replica server at {self.host}:{self.port}: {type(e).__name__}: {e}") from e
         if not reply.get("ok"):
             self.close()  # (the server closed its side)
             raise ReplicaError(f"the replica server at {self.host}:{self.port} refused: {reply.get('error')}")
