@@ -359,9 +359,16 @@ class ReplicaServer:
                 for path in found.get("files", []) + found.get("older", []):
                     try:
                         check_replica_path(path)
+                    except ReplicaError:
+                        continue  # (never from this server: its markers name checked paths only)
+                    try:
                         os.unlink(os.path.join(self.root, path))
                         deleted += 1
-                    except (ReplicaError, OSError):
+                    except OSError:
+                        pass
+                    try:  # its attempt's directory, once empty (unique to that save: no writer races it)
+                        os.rmdir(os.path.join(self.root, os.path.dirname(path)))
+                    except OSError:
                         pass
                 for leftover in (marker_path(self.root, step, rank),):
                     try:
