@@ -112,7 +112,7 @@ def test_bad_hash_path_escapes_and_the_budget_are_refused_and_nothing_is_written
     link_path = PATH.replace("000000000007", "000000000008")
     reply = _raw_put(port, {"op": "put", "path": link_path, "length": 1, "xxh3": digest(b"a")}, b"a")
     assert not reply["ok"] and "symlink" in reply["error"]
-    assert list(outside.iterdir()) == []
+    assert list(outside.iterdir()) == [] and not Path(marker_path(str(root), 8, 3)).exists()
     own = PATH.replace("r00003", "r00001")  # a file of this node's own ranks: never overwritten
     (root / own).parent.mkdir(parents=True, exist_ok=True)
     (root / own).write_bytes(b"mine")

@@ -111,6 +111,14 @@ def _recv_json(sock: socket.socket, eof_ok: bool = False) -> dict | None:
     return obj
 
 
+def _lexists(leaf: str, dir_fd: int) -> bool:
+    try:
+        os.stat(leaf, dir_fd=dir_fd, follow_symlinks=False)
+        return True
+    except FileNotFoundError:
+        return False
+
+
 def _open_dir(root_fd: int, parts: list[str], create: bool) -> int:
     """An fd of the directory ``parts`` below ``root_fd``, each component opened without
     following a symlink (created with mode 0700 when missing and ``create``)."""
@@ -272,32 +280,35 @@ class ReplicaServer:
             raise ReplicaError(f"{path}: bad length {length!r}")
         if not isinstance(want, str) or len(want) != 32:
             raise ReplicaError(f"{path}: bad xxh3 {str(want)[:40]!r}")
-        with self._lock:
-            if self.budget is not None and self._usage() + self._reserved + length > self.budget:
-                raise ReplicaError(f"{path}: {length} bytes would pass this node's memory budget ({self.budget} "
-                                   f"bytes, {self._usage()} held): the replica is refused")
-            found = read_marker(self.root, step, rank) or {}
-            if os.path.lexists(os.path.join(self.root, path)) and path not in found.get("files", []):
-                raise ReplicaError(f"{path}: this node holds that file of its own (is CKPTSTORE_PEER_REPLICA this "
-                                   "node's own server?): refused, nothing overwritten")
-            self._note_file(step, rank, attempt, path)
-            self._reserved += length
+        parts = path.split("/")
+        dir_fd = self._dir_of(parts, create=True)  # (no symlink on the way: refused before anything is noted)
         try:
-            parts = path.split("/")
-            root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
-            try:
-                dir_fd = _open_dir(root_fd, parts[:-1], create=True)
-            finally:
-                os.close(root_fd)
+            with self._lock:
+                if self.budget is not None and self._usage() + self._reserved + length > self.budget:
+                    raise ReplicaError(f"{path}: {length} bytes would pass this node's memory budget "
+                                       f"({self.budget} bytes, {self._usage()} held): the replica is refused")
+                found = read_marker(self.root, step, rank) or {}
+                if _lexists(parts[-1], dir_fd) and path not in found.get("files", []):
+                    raise ReplicaError(f"{path}: this node holds that file of its own (is CKPTSTORE_PEER_REPLICA "
+                                       "this node's own server?): refused, nothing overwritten")
+                self._note_file(step, rank, attempt, path)
+                self._reserved += length
             try:
                 _send_json(sock, {"ok": True})  # go on: send the bytes
                 self._receive(sock, dir_fd, parts[-1], length, want, path)
             finally:
-                os.close(dir_fd)
+                with self._lock:
+                    self._reserved -= length
         finally:
-            with self._lock:
-                self._reserved -= length
+            os.close(dir_fd)
         return {"ok": True}
+
+    def _dir_of(self, parts: list[str], create: bool) -> int:
+        root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            return _open_dir(root_fd, parts[:-1], create=create)
+        finally:
+            os.close(root_fd)
 
     def _receive(self, sock: socket.socket, dir_fd: int, leaf: str, length: int, want: str, path: str) -> None:
         tmp = names.temp_name(leaf)  # (a name gc knows for a temporary: deleted after the grace if left)
@@ -361,14 +372,25 @@ class ReplicaServer:
                         check_replica_path(path)
                     except ReplicaError:
                         continue  # (never from this server: its markers name checked paths only)
+                    parts = path.split("/")
+                    try:  # (through directories opened without following a symlink, as a put)
+                        dir_fd = self._dir_of(parts, create=False)
+                    except (OSError, ReplicaError):
+                        continue
                     try:
-                        os.unlink(os.path.join(self.root, path))
+                        os.unlink(parts[-1], dir_fd=dir_fd)
                         deleted += 1
                     except OSError:
                         pass
+                    finally:
+                        os.close(dir_fd)
                     try:  # its attempt's directory, once empty (unique to that save: no writer races it)
-                        os.rmdir(os.path.join(self.root, os.path.dirname(path)))
-                    except OSError:
+                        parent = self._dir_of(parts[:-1], create=False)
+                        try:
+                            os.rmdir(parts[-2], dir_fd=parent)
+                        finally:
+                            os.close(parent)
+                    except (OSError, ReplicaError):
                         pass
                 for leftover in (marker_path(self.root, step, rank),):
                     try:
