@@ -86,7 +86,11 @@ class Store:
     one) is promoted; ``memory_keep`` its retention (default the last step, besides
     the one in flight and those waiting for promotion); ``memory_budget`` the bytes it
     may hold on the node (default ``CKPTSTORE_MEMORY_BUDGET``; None: no limit): a save
-    that would pass it goes to the durable tier instead, with one RuntimeWarning.
+    that would pass it goes to the durable tier instead, with one RuntimeWarning. On
+    several nodes under ``ckptstore run --in-job`` each memory commit is also copied, in
+    the background, to the partner node's memory (``CKPTSTORE_PEER_REPLICA``; docs/tiers.md,
+    "Peer replicas"), from which a spare there restores a lost node's ranks
+    (``LoadInfo.tier == "peer"``).
     """
 
     def __init__(self, url, *, process_group=None, compression: str | CompressionPolicy = "auto",
@@ -414,9 +418,12 @@ class Store:
             holders = self._copies(chosen[0])
             if not holders:
                 raise CheckpointNotFoundError(f"{self.location(chosen[0]).describe()}: no committed checkpoint")
-            return load_first(holders, chosen[0], reading, functools.partial(
+            obj, info = load_first(holders, chosen[0], reading, functools.partial(
                 load_once, map_location=map_location, weights_only=weights_only, rank=rank, pickle_load_args=None,
                 template=template, group=self.process_group, step=chosen[0], reading=reading))
+            if self._tiers is not None:  # ("peer": the memory tier's copy came from a replica)
+                info = dataclasses.replace(info, tier=self._tiers.tier_of_copy(info.tier, chosen[0], info))
+            return obj, info
 
         def chosen_gone() -> bool:
             # The latest step, retired by retention while we read it: the latest is another now.

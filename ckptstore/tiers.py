@@ -44,7 +44,7 @@ from collections import deque
 from typing import Callable
 
 from . import format as fmt
-from . import lifecycle, names
+from . import lifecycle, names, peers
 from .checkpoint.fencing import check_fence, check_round_fence
 from .checkpoint.flatten import _is_dtensor
 from .checkpoint.walk import tensors_in
@@ -226,10 +226,11 @@ class UpperTier:
     fence, which its commits check instead of the durable tier's epochs."""
 
     def __init__(self, name: str, durable: Storage, kept: Callable[[], set[int]],
-                 rounds: RoundFence | None = None):
+                 rounds: RoundFence | None = None, also_kept: Callable[[], dict[int, str]] | None = None):
         self.name = name
         self.durable = durable  # where the run's epochs are claimed
         self._kept = kept
+        self._also_kept = also_kept  # (a memory tier's peer replicas: peers.kept_steps)
         self.rounds = rounds
 
     def commit_fence(self, url: str, epoch: int | None):
@@ -262,7 +263,9 @@ class UpperTier:
 
     def kept(self) -> dict[int, str]:
         """Steps this tier's retention keeps whatever its policy says, and why."""
-        return {step: "promotion in flight" for step in self._kept()}
+        kept = self._also_kept() if self._also_kept is not None else {}
+        kept.update({step: "promotion in flight" for step in self._kept()})
+        return kept
 
 
 class Tiers:
@@ -296,12 +299,20 @@ class Tiers:
         if local_shared is not None:
             storage = SplitStorage(places["local_shared"], storage)
         self.durable, self.durable_every, self.name, self.budget = durable, durable_every, name, budget
+        # Peer replicas (peers.py): on several nodes (records every node reads), when the
+        # agent named the partner node's replica server. Retention keeps the newest
+        # replicated step whatever this process does (rank 0 may be a spare without a
+        # partner while the other nodes' replicas still count).
+        several = name == "memory" and local_shared is not None
+        address = peers.enabled() if several else None
         role = UpperTier(name, durable.storage, self._promoting,
-                         rounds=RoundFence.from_env() if name == "memory" else None)
+                         rounds=RoundFence.from_env() if name == "memory" else None,
+                         also_kept=self._peer_kept if several else None)
         default_keep = Retention(last=1) if name == "memory" else Retention(last=2)
         self.upper = durable.upper_tier(url, storage, role, keep=local_keep if local_keep is not None else default_keep)
         self.local = self.upper  # (the name this module's code uses for the tier above the durable one)
         self.promoter = Promoter(self.local, durable, promote_bandwidth, commit_timeout)
+        self.replicator = peers.PeerReplicator(self.local, url, address) if address else None
         self.chain = [(name, self.local), ("durable", durable)]
         self.full = False  # the last save skipped the memory tier (over its budget)
         self._warned_full = False
@@ -312,6 +323,19 @@ class Tiers:
 
     def _promoting(self) -> set[int]:
         return self.promoter.pending_steps()
+
+    def _peer_kept(self) -> dict[int, str]:
+        return peers.kept_steps(self.local, rank_and_world(self.durable.process_group)[1])
+
+    def tier_of_copy(self, tier: str | None, step: int, info) -> str | None:
+        """``tier`` of a load's LoadInfo, or ``"peer"`` when the memory tier served it
+        from a replica of the loading rank's files that this node's replica server wrote
+        (a spare on the partner node restoring a lost node's rank)."""
+        if tier != "memory" or info.manifest is None or self.name != "memory":
+            return tier
+        if peers.is_replica(self.data_root, step, info.rank_state_of, info.manifest.attempt):
+            return "peer"
+        return tier
 
     def upper_steps(self) -> set[int]:
         """The steps committed in the tiers above the durable one."""
@@ -387,7 +411,7 @@ class Tiers:
         self._saves += 1  # first: a save that raises on one rank only must not skew the ranks' counts
         future = self.local.save(step, state, metrics, replicated=replicated, stream=stream)
         if split:
-            future.add_done_callback(lambda f, r=rank: self._after_local_commit(f, r))
+            future.add_done_callback(lambda f, r=rank, w=world: self._after_local_commit(f, r, w))
         if durable or self._saves % self.durable_every == 0:
             fence = None if epoch is None else functools.partial(check_fence, self.durable.storage, epoch)
             self.promoter.schedule(future, rank, world, fence, first=durable)
@@ -432,13 +456,16 @@ class Tiers:
             return 0  # (the durable tier unreadable: count from here)
         return min(since, self.durable_every - 1)
 
-    def _after_local_commit(self, future: SaveFuture, rank: int) -> None:
+    def _after_local_commit(self, future: SaveFuture, rank: int, world: int) -> None:
         """A local save on several nodes committed: sweep this rank's files that no
         checkpoint of the local tier needs any more, on its own node
-        (sweep_own_data), off the commit thread; one sweep at a time."""
+        (sweep_own_data), off the commit thread; one sweep at a time. A memory tier's
+        commit also queues its peer replication (peers.py; never waits for it)."""
         if future._future.exception() is not None:
             return  # only after a commit: a failed save's files are gc's rule (grace) to judge
         self._committed_here.add(future.attempt)
+        if self.replicator is not None:
+            self.replicator.submit(future.step, rank, world)
         if self._sweeping.acquire(blocking=False):
             with _SWEEPS_LOCK:
                 if _EXITING:  # (the interpreter is ending: the next start sweeps)

@@ -22,6 +22,7 @@ Keys (values are small JSON objects; *create* = create-only, the first writer wi
 ``pg/<r>/...``              torch         round r's process-group bootstrap
 ``fence``                   leader        the current round (the memory tier's commit fence)
 ``end``                     agents        the attempt is over: every worker exits
+``replica/<node>``          each agent    its replica server's host:port (peer replicas)
 ==========================  ============  ===============================================
 
 Invariants (kept by the callers, tested in tests/test_injob_protocol.py): a round's
@@ -49,6 +50,7 @@ ENV_ABORT_TIMEOUT = "CKPTSTORE_INJOB_ABORT_TIMEOUT"  # seconds a survivor may ta
 ENV_MEMORY_DIR = "CKPTSTORE_MEMORY_DIR"      # node-local tmpfs directory owned by the supervisor
 ENV_MEMORY_BUDGET = "CKPTSTORE_MEMORY_BUDGET"  # bytes the memory tier of this node may hold
 ENV_ROUND = "CKPTSTORE_INJOB_ROUND"          # set by inprocess.run for fn: the current round
+ENV_PEER_REPLICA = "CKPTSTORE_PEER_REPLICA"  # host:port of the partner node's replica server (replica.py)
 
 VERDICTS = ("continue", "stop", "cold")
 POLL_S = 0.005  # a wait's poll interval: store checks are ~0.1 ms round trips on loopback
@@ -282,3 +284,25 @@ def end(store, reason: str, code: int = 0) -> None:
 
 def ended(store) -> dict | None:
     return get(store, END_KEY)
+
+
+# --- peer replicas (supervisor/replica.py) -------------------------------------------
+
+def replica_key(node: int) -> str:
+    return f"replica/{node}"
+
+
+def post_replica_server(store, node: int, host: str, port: int) -> None:
+    """Node ``node``'s agent says where its replica server listens."""
+    put(store, replica_key(node), {"address": f"{host}:{port}"})
+
+
+def partner_replica(store, node: int, nnodes: int, timeout_s: float) -> str | None:
+    """The ``host:port`` of the replica server of node ``node``'s partner (node rank
+    (node+1) mod nnodes), the value of ``CKPTSTORE_PEER_REPLICA`` for node ``node``'s
+    workers; None on one node, or when the partner has not said within ``timeout_s``."""
+    if nnodes < 2:
+        return None
+    record = wait_record(store, replica_key((node + 1) % nnodes), timeout_s)
+    address = record.get("address") if record else None
+    return address if isinstance(address, str) else None
