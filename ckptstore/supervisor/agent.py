@@ -334,7 +334,7 @@ class InJobAgent:
         r = self.round
         unaware = [w for w in self.members.values() if w.hello is None and w.returncode is None]
         finished = [w for w in self.members.values() if w.returncode == 0]
-        primary_node = dead.node if dead is not None else self.node
+        primary_node = self.node  # the failed rank's node (below), else the leader's
         if dead is not None:
             detected_by = dead.detected_by
             record = self._record(dead)
@@ -370,6 +370,7 @@ class InJobAgent:
         step = self._step(left)
         if failed:
             primary = dead.rank if dead is not None else min(failed)
+            primary_node = self.members[primary].node
             record = failed[primary]
             verdict = classify_one(record, primary, step, self.previous_signature)
             if self.members[primary].killed_for == "not left":
