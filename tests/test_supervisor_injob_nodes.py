@@ -105,5 +105,6 @@ def test_the_leaders_node_lost_sends_every_node_cold_and_the_run_finishes(tmp_pa
     failures = nodes.events("failure")
     assert failures and failures[0]["attempt"] == 0 and failures[0]["class"] == "transient", failures
     assert "in-job store lost" in failures[0]["reason"], failures
-    started = sorted(e["attempt"] for e in nodes.events("attempt_start"))
-    assert started.count(0) == 2 and max(started) >= 1 and started.count(max(started)) == 2, started
+    # (the restarted node 0 may first join attempt 0, still open for it, until node 1's end of it)
+    started = sorted(e["attempt"] for e in nodes.events("attempt_start") if e["attempt"] > 0)
+    assert started == sorted(list(range(1, len(failures) + 1)) * 2), started  # both nodes in every relaunch
