@@ -20,6 +20,8 @@ import os
 import sys
 from pathlib import Path
 
+import psutil
+
 from ckptstore.storage import open_storage
 from ckptstore.supervisor import runner
 from ckptstore.supervisor.journal import Journal
@@ -90,6 +92,24 @@ def test_node_1_lost_whole_is_replaced_by_node_0s_spare_detected_by_its_beat(tmp
     assert (rec["attempt"], rec["round"], rec["ranks"], rec["node"]) == (0, 1, [1], 1), rec
     assert "node 1 lost: its agent's beat stood still" in rec["reason"], rec
     assert [(k, s["node"], s["worker"].startswith("n0-")) for k, s in rec["spares"].items()] == [("1", 0, True)]
+
+
+def test_node_1s_agent_killed_its_supervisor_alive_the_leader_recovers_and_node_1_follows(tmp_path):
+    """Node 1's agent alone SIGKILLed: its workers die with it (PDEATHSIG), its beat
+    stops, node 0's spare takes rank 1; node 1's supervisor does not relaunch everyone:
+    it waits for the run's verdict on the attempt, which node 0 writes when it finishes."""
+    nodes = InJobNodes(tmp_path)
+    nodes.jobs[1].at_step(1, 8)
+    [agent] = [p for p in psutil.Process(nodes.jobs[1].proc.pid).children()
+               if "ckptstore.supervisor.agent" in " ".join(p.cmdline())]
+    agent.kill()
+    assert nodes.finish() == [runner.EXIT_FINISHED] * 2, nodes.output()
+    assert nodes.total() == TOTAL
+    assert sorted(e["attempt"] for e in nodes.events("attempt_start")) == [0, 0]
+    assert nodes.events("failure") == []
+    [rec] = nodes.events("recovery")
+    assert (rec["ranks"], rec["node"], [s["node"] for s in rec["spares"].values()]) == ([1], 1, [0]), rec
+    assert "the leader (node 0) recovers without this node" in nodes.jobs[1].output()
 
 
 def test_the_leaders_node_lost_sends_every_node_cold_and_the_run_finishes(tmp_path):
