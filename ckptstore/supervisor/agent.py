@@ -12,8 +12,18 @@ the runner classifies and relaunches as before; ``EVENTS.jsonl`` gets one JSON l
 in-job event (``recovery``, ``recovery_failed``, ``in_job_gave_up``), which the runner
 journals as it reads them.
 
-One node only for now (``--standalone`` or ``--nnodes 1``): the agent hosts the in-job
-TCPStore itself (127.0.0.1, a free port) and is the leader. Workers start through
+On one node (``--standalone`` or ``--nnodes 1``) the agent hosts the in-job TCPStore
+itself (127.0.0.1, a free port) and is the leader. On several nodes (``--nnodes N``,
+fixed) node 0's agent is the leader and hosts it, the others connect (the address is
+agreed in the attempt's rendezvous: injob_nodes.py); node k runs global ranks
+k*nproc .. k*nproc+nproc-1. Each agent publishes ``agent/<node>`` (members, live spares)
+and beats; the others report their workers' ends (``exited/<worker>``, then the round's
+fault for a dead rank), kill what the leader asks (``kill/<worker>``), adopt the
+membership the leader posts and end on its verdicts (``stop``, ``cold``) or ``end``; the
+leader counts a node whose beat stood still for ``injob.NODE_SILENT_S`` lost, with every
+rank on it (``agent:node``), and picks spares on the rank's node, then its partner node,
+then any. The leader's store lost -> the others end their workers (``launcher_error``:
+"in-job store lost"): the runners relaunch cold. Workers start through
 bootstrap.py (error files as under torchrun), each in a session of its own; spares at
 nice 5. The loop looks at every child each :data:`TICK_S` (``Popen.poll``: one
 ``waitpid(WNOHANG)`` each).
@@ -72,6 +82,7 @@ HANG_CHECK_S = 0.25  # how often the progress files are read for hangs
 SPARE_NICE = 5  # spares warm up beside training: lower CPU priority
 END_GRACE_S = 10.0  # members and spares told to end (the ``end`` key, SIGTERM) before SIGKILL
 MAX_SPARE_DEATHS = 3  # spares that died before their hello, in a row, before no more are started
+EXITS_KEY = "exited"  # several nodes: a counter the agents bump after each ``exited/<worker>`` record
 
 
 def command(result_path: str, events_path: str, launcher_args: list[str]) -> list[str]:
@@ -152,6 +163,7 @@ class InJobAgent:
         self.lost_nodes: set[int] = set()
         self.agent_hosts: dict[int, str] = {}
         self.published = None
+        self.exits_seen = -1  # the leader's last look at EXITS_KEY (-1: look once at the start)
         self.workers: dict[str, Worker] = {}
         self.members: dict[int, Worker] = {}  # rank -> the worker holding it in the current round
         self.round = 0
@@ -280,8 +292,12 @@ class InJobAgent:
             time.sleep(TICK_S)
 
     def _poll_all(self) -> None:
+        remote = False
+        if self.leader and self.nnodes > 1:  # another node's worker ended: its agent bumped the counter
+            count = self.store.add(EXITS_KEY, 0)
+            remote, self.exits_seen = count != self.exits_seen, count
         for w in list(self.workers.values()):
-            if w.returncode is not None:
+            if w.returncode is not None or (w.proc is None and not remote):
                 continue
             if w.proc is None:  # another node's worker: its agent says how it ended
                 rec = injob.get(self.store, injob.exited_key(w.wid))
@@ -703,6 +719,7 @@ class InJobAgent:
         record = exited(w.rank if w.rank is not None else -1, w.pid, _status(w.returncode), w.error_file)
         injob.put(self.store, injob.exited_key(w.wid), {"returncode": w.returncode, "t": w.exit_t,
                                                         "record": record})
+        self.store.add(EXITS_KEY, 1)  # after the record: the leader looks when the count moves
         if w.rank is not None and w.returncode != 0:
             injob.post_fault(self.store, self.round, ranks=[w.rank], detected_by="agent:exit",
                              cause=record.get("error") or _how(record), t=w.exit_t)
