@@ -70,7 +70,8 @@ def test_a_rank_killed_on_node_1_is_replaced_by_node_1s_spare_within_the_attempt
     os.kill(nodes.jobs[1].pids[1], 9)
     assert nodes.finish() == [runner.EXIT_FINISHED] * 2, nodes.output()
     assert nodes.total() == TOTAL  # no step lost or counted twice across the recovery
-    assert sorted(e["attempt"] for e in nodes.events("attempt_start")) == [0, 0]
+    assert sorted(e["attempt"] for e in nodes.events("attempt_start")) == [0, 0], \
+        (nodes.events("failure"), nodes.output())
     assert nodes.events("failure") == []
     [rec] = nodes.events("recovery")  # journaled once, by the leader's node, not once per node
     assert (rec["attempt"], rec["round"], rec["ranks"], rec["signal"], rec["node"]) == (0, 1, [1], "SIGKILL", 1)

@@ -767,12 +767,15 @@ class InJobAgent:
     def _adopt(self, round_: int) -> None:
         """Round ``round_``'s membership: this node's spares the leader assigned are members."""
         self.round = round_
+        self.members = {}  # a rank of this node given to another node's spare is no longer ours
         for rank, m in injob.members(self.store, round_).items():
             w = self.workers.get(str(m.get("worker")))
-            if w is not None and m.get("node") == self.node and w.rank is None:
+            if w is None or m.get("node") != self.node:
+                continue
+            if w.rank is None:
                 a = injob.get(self.store, injob.assign_key(w.wid)) or {}
                 w.rank, w.local_rank = rank, a.get("local_rank")
-                self.members[rank] = w
+            self.members[rank] = w
         self.watch = ProgressWatch(time.monotonic())
 
     def _watch_hang(self) -> None:
@@ -790,7 +793,7 @@ class InJobAgent:
     def _leader_ended(self, how: str, reason: str) -> int:
         """The leader's verdict ended the attempt (``stop``, ``cold``) or it said ``end``."""
         self._end_workers(how, kill=how == "cold")
-        mine = [w for w in self.workers.values() if w.rank is not None]
+        mine = list(self.members.values())  # this node's members of the current round
         if how == "end" and mine and all(w.returncode == 0 for w in mine):
             write(self.result_path, {"ok": True, "failures": {}})
             return 0
@@ -806,7 +809,7 @@ class InJobAgent:
     def _store_lost(self, why: str) -> int:
         """The leader's host is gone (its store with it): this node's workers end; the
         runners relaunch cold. Members that had all finished: the job is done."""
-        mine = [w for w in self.workers.values() if w.rank is not None]
+        mine = list(self.members.values())  # this node's members of the current round
         done = bool(mine) and all(w.returncode == 0 for w in mine)
         self._end_workers("store lost", kill=True)
         if done:
