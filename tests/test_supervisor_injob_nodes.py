@@ -129,3 +129,22 @@ def test_the_leaders_node_lost_sends_every_node_cold_and_the_run_finishes(tmp_pa
     # (the restarted node 0 may first join attempt 0, still open for it, until node 1's end of it)
     started = sorted(e["attempt"] for e in nodes.events("attempt_start") if e["attempt"] > 0)
     assert started == sorted(list(range(1, len(failures) + 1)) * 2), started  # both nodes in every relaunch
+
+
+def test_spares_are_chosen_on_the_ranks_node_then_its_partner_then_anywhere(tmp_path):
+    from types import SimpleNamespace
+
+    from ckptstore.supervisor.agent import Conf, InJobAgent, Worker
+    from ckptstore.supervisor.injob_nodes import advertised_host
+
+    args = SimpleNamespace(nproc_per_node=2, nnodes="4", node_rank=0)
+    agent = InJobAgent(args, Conf(), str(tmp_path / "result.json"), str(tmp_path / "events.jsonl"), env={})
+    spare = {name: Worker(name, None, "", spare=True, started_t=t, node=node)
+             for name, node, t in [("on-0", 0, 1.0), ("on-2", 2, 2.0), ("on-3-old", 3, 0.5), ("on-3", 3, 3.0)]}
+    # rank 5 lives on node 2 (2 ranks a node): its own node; rank 3 on node 1: its partner, node 2
+    assert {k: w.wid for k, w in agent._choose([5], list(spare.values())).items()} == {5: "on-2"}
+    assert {k: w.wid for k, w in agent._choose([3], [spare["on-0"], spare["on-2"]]).items()} == {3: "on-2"}
+    # rank 1 on node 0 and rank 7 on node 3 (partner node 0): own nodes first, then the longest warm
+    chosen = agent._choose([1, 7, 2], [spare["on-3"], spare["on-0"], spare["on-3-old"]])
+    assert {k: w.wid for k, w in chosen.items()} == {1: "on-0", 7: "on-3-old", 2: "on-3"}
+    assert advertised_host("127.0.0.1") == advertised_host("localhost") == "127.0.0.1"
