@@ -66,7 +66,7 @@ class NodesStore:
         endpoint = _endpoint(args)
         params = RendezvousParameters(backend=args.rdzv_backend, endpoint=endpoint, run_id=args.rdzv_id,
                                       min_nodes=nnodes, max_nodes=nnodes, local_addr=args.local_addr, **conf)
-        self.handler = get_rendezvous_handler(params)  # kept: its keep-alive runs for the attempt
+        self.handler = get_rendezvous_handler(params)  # kept: its store (on one node) for the attempt
         info = self.handler.next_rendezvous()
         from torch.distributed import PrefixStore
 
@@ -90,6 +90,13 @@ class NodesStore:
             self.address = rdzv.get("leader").decode()
             self.base = injob.connect(self.address, max(30.0, timeout_s))
         self.host = self.address.rpartition(":")[0]
+        # Torch's keep-alive of this rendezvous is not needed past this point (the attempt
+        # never re-forms it; a node's liveness is our Beat), and its store lives in
+        # whichever agent bound the endpoint: without this, that agent's end logs errors
+        # in every other agent.
+        stop = getattr(self.handler, "_stop_heartbeats", None)
+        if callable(stop):
+            stop()
 
 
 class Beat(threading.Thread):
