@@ -136,9 +136,9 @@ def in_job_problem(opts, nnodes: str) -> str | None:
     if high and low != high:
         return (f"--in-job with --nnodes {nnodes}: elastic membership is not supported in-job; "
                 "give a fixed number of nodes (--nnodes N)")
-    if (high or low) != "1":
-        return f"--in-job runs on one node for now (--nnodes {nnodes}); run without --in-job, or on one node"
-    return None
+    if not (high or low).isdigit() or int(high or low) < 1:
+        return f"--in-job needs a fixed number of nodes (--nnodes N), not {nnodes!r}"
+    return None  # several nodes: node 0 hosts the in-job store (supervisor/injob_nodes.py)
 
 
 class _Refused(Exception):

@@ -12,8 +12,18 @@ the runner classifies and relaunches as before; ``EVENTS.jsonl`` gets one JSON l
 in-job event (``recovery``, ``recovery_failed``, ``in_job_gave_up``), which the runner
 journals as it reads them.
 
-One node only for now (``--standalone`` or ``--nnodes 1``): the agent hosts the in-job
-TCPStore itself (127.0.0.1, a free port) and is the leader. Workers start through
+On one node (``--standalone`` or ``--nnodes 1``) the agent hosts the in-job TCPStore
+itself (127.0.0.1, a free port) and is the leader. On several nodes (``--nnodes N``,
+fixed) node 0's agent is the leader and hosts it, the others connect (the address is
+agreed in the attempt's rendezvous: injob_nodes.py); node k runs global ranks
+k*nproc .. k*nproc+nproc-1. Each agent publishes ``agent/<node>`` (members, live spares)
+and beats; the others report their workers' ends (``exited/<worker>``, then the round's
+fault for a dead rank), kill what the leader asks (``kill/<worker>``), adopt the
+membership the leader posts and end on its verdicts (``stop``, ``cold``) or ``end``; the
+leader counts a node whose beat stood still for ``injob.NODE_SILENT_S`` lost, with every
+rank on it (``agent:node``), and picks spares on the rank's node, then its partner node,
+then any. The leader's store lost -> the others end their workers (``launcher_error``:
+"in-job store lost"): the runners relaunch cold. Workers start through
 bootstrap.py (error files as under torchrun), each in a session of its own; spares at
 nice 5. The loop looks at every child each :data:`TICK_S` (``Popen.poll``: one
 ``waitpid(WNOHANG)`` each).
@@ -60,7 +70,7 @@ from dataclasses import dataclass, field
 
 from . import injob
 from .classify import Verdict, classify_one
-from .launch import ENV_SUPERVISOR, through_bootstrap
+from .launch import ENV_SUPERVISOR, rendezvous, through_bootstrap
 from .progress import ENV_DIR, die_with_parent, read_progress
 from .progress_watch import ProgressWatch
 from .results import exited, write
@@ -72,6 +82,7 @@ HANG_CHECK_S = 0.25  # how often the progress files are read for hangs
 SPARE_NICE = 5  # spares warm up beside training: lower CPU priority
 END_GRACE_S = 10.0  # members and spares told to end (the ``end`` key, SIGTERM) before SIGKILL
 MAX_SPARE_DEATHS = 3  # spares that died before their hello, in a row, before no more are started
+EXITS_KEY = "exited"  # several nodes: a counter the agents bump after each ``exited/<worker>`` record
 
 
 def command(result_path: str, events_path: str, launcher_args: list[str]) -> list[str]:
@@ -104,8 +115,10 @@ class Conf:
 
 @dataclass
 class Worker:
+    """A worker of the attempt: this node's own (``proc``), or, on the leader, one of
+    another node (``proc`` None; its agent reports its end in ``exited/<worker>``)."""
     wid: str
-    proc: subprocess.Popen
+    proc: subprocess.Popen | None
     error_file: str
     spare: bool
     started_t: float
@@ -115,6 +128,13 @@ class Worker:
     returncode: int | None = None
     killed_for: str | None = None  # "hang", "not left": why the agent killed it
     exit_t: float | None = None
+    node: int = 0
+    record: dict | None = None  # how it ended, from its own agent (another node's worker)
+    detected_by: str = "agent:exit"  # "agent:node": its node went silent
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else (self.hello or {}).get("pid")
 
 
 @dataclass
@@ -134,6 +154,16 @@ class InJobAgent:
         self.errors_dir = os.path.join(os.path.dirname(os.path.abspath(result_path)), "errors")
         os.makedirs(self.errors_dir, exist_ok=True)
         self.nproc = int(args.nproc_per_node)
+        self.nnodes = int(str(args.nnodes).split(":")[-1]) if str(args.nnodes).split(":")[-1].isdigit() else 1
+        self.node = int(args.node_rank or 0) if self.nnodes > 1 else 0
+        self.world = self.nproc * self.nnodes
+        self.leader = self.node == 0
+        self.nodes = None  # injob_nodes.NodesStore (several nodes)
+        self.beat = None
+        self.lost_nodes: set[int] = set()
+        self.agent_hosts: dict[int, str] = {}
+        self.published = None
+        self.exits_seen = -1  # the leader's last look at EXITS_KEY (-1: look once at the start)
         self.workers: dict[str, Worker] = {}
         self.members: dict[int, Worker] = {}  # rank -> the worker holding it in the current round
         self.round = 0
@@ -153,10 +183,20 @@ class InJobAgent:
 
         from torch.distributed import TCPStore
 
+        self.prefix = injob.attempt_prefix(self.conf.run, self.conf.attempt)
+        if self.nnodes > 1:  # the leader's store, found through the attempt's rendezvous (injob_nodes.py)
+            from .injob_nodes import Beat, NodesStore
+
+            rendezvous(self.args, self.env)
+            self.nodes = NodesStore(self.args, self.node, self.nnodes, self.conf.reform_timeout_s)
+            self.base, self.address, self.host = self.nodes.base, self.nodes.address, self.nodes.host
+            self.store = injob.attempt_store(self.base, self.prefix)
+            self.beat = Beat(self.address, self.prefix, self.node)
+            self.beat.start()
+            return
         self.base = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                              timeout=timedelta(seconds=max(30.0, self.conf.reform_timeout_s)))
-        self.address = f"127.0.0.1:{self.base.port}"
-        self.prefix = injob.attempt_prefix(self.conf.run, self.conf.attempt)
+        self.address, self.host = f"127.0.0.1:{self.base.port}", "127.0.0.1"
         self.store = injob.attempt_store(self.base, self.prefix)
 
     def _cmd(self) -> list[str]:
@@ -166,12 +206,12 @@ class InJobAgent:
         return [sys.executable, "-u", *(["-m"] if a.module else []), a.training_script, *a.training_script_args]
 
     def _start(self, *, rank: int | None) -> Worker:
-        wid = f"n0-w{self.started}"
+        wid = f"n{self.node}-w{self.started}"
         self.started += 1
         error_file = os.path.join(self.errors_dir, f"{wid}.json")
         env = dict(self.env)
         env.update({injob.ENV_STORE: self.address, injob.ENV_PREFIX: self.prefix, injob.ENV_WORKER: wid,
-                    injob.ENV_NODE: "0", injob.ENV_TIMEOUT: f"{self.conf.reform_timeout_s:g}",
+                    injob.ENV_NODE: str(self.node), injob.ENV_TIMEOUT: f"{self.conf.reform_timeout_s:g}",
                     injob.ENV_ABORT_TIMEOUT: f"{self.conf.abort_timeout_s:g}",
                     injob.ENV_MEMORY_DIR: self.conf.memory_dir,
                     injob.ENV_MEMORY_BUDGET: str(self.conf.memory_budget),
@@ -181,7 +221,7 @@ class InJobAgent:
                     "TORCHELASTIC_MAX_RESTARTS": "0",
                     # a plain init_process_group() (env://) joins this store, as under torch's agent
                     "TORCHELASTIC_USE_AGENT_STORE": "True",
-                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.base.port)})
+                    "MASTER_ADDR": self.host, "MASTER_PORT": self.address.rpartition(":")[2]})
         if self.nproc > 1 and "OMP_NUM_THREADS" not in env:
             env["OMP_NUM_THREADS"] = "1"  # torchrun's default
         env.pop(ENV_SUPERVISOR, None)
@@ -195,7 +235,7 @@ class InJobAgent:
         proc = subprocess.Popen(self._cmd(), env=env, start_new_session=True,
                                 preexec_fn=(lambda: os.nice(SPARE_NICE)) if rank is None else None)
         w = Worker(wid, proc, error_file, spare=rank is None, started_t=time.time(), rank=rank,
-                   local_rank=rank)
+                   local_rank=None if rank is None else rank % self.nproc, node=self.node)
         self.workers[wid] = w
         if rank is not None:
             self.members[rank] = w
@@ -207,20 +247,27 @@ class InJobAgent:
         return given if given != "none" else f"{self.conf.run}-a{self.conf.attempt}"
 
     def _rank_env(self, rank: int) -> dict:
-        n = str(self.nproc)
-        return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": n, "LOCAL_WORLD_SIZE": n,
-                "GROUP_RANK": "0", "ROLE_RANK": str(rank), "ROLE_NAME": "default", "ROLE_WORLD_SIZE": n,
-                "GROUP_WORLD_SIZE": "1"}
+        """torchrun's variables for global ``rank`` of this node (node k holds ranks
+        k * nproc .. k * nproc + nproc - 1)."""
+        world = str(self.world)
+        return {"RANK": str(rank), "LOCAL_RANK": str(rank % self.nproc), "WORLD_SIZE": world,
+                "LOCAL_WORLD_SIZE": str(self.nproc), "GROUP_RANK": str(self.node), "ROLE_RANK": str(rank),
+                "ROLE_NAME": "default", "ROLE_WORLD_SIZE": world, "GROUP_WORLD_SIZE": str(self.nnodes)}
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> int:
         self._open_store()
-        for r in range(self.nproc):
+        for r in range(self.node * self.nproc, (self.node + 1) * self.nproc):
             self._start(rank=r)
-        self._post_members(0)
-        injob.set_fence(self.store, 0)
         for _ in range(self.conf.spares):
             self._start(rank=None)
+        if self.nnodes > 1:
+            self._publish()
+            if not self.leader:
+                return self._follow()
+            self._await_nodes()
+        self._post_members(0)
+        injob.set_fence(self.store, 0)
         next_hang_check = 0.0
         while True:
             if self.stop_signal is not None:
@@ -245,11 +292,29 @@ class InJobAgent:
             time.sleep(TICK_S)
 
     def _poll_all(self) -> None:
-        for w in self.workers.values():
-            if w.returncode is None and w.proc.poll() is not None:
+        remote = False
+        if self.leader and self.nnodes > 1:  # another node's worker ended: its agent bumped the counter
+            count = self.store.add(EXITS_KEY, 0)
+            remote, self.exits_seen = count != self.exits_seen, count
+        for w in list(self.workers.values()):
+            if w.returncode is not None or (w.proc is None and not remote):
+                continue
+            if w.proc is None:  # another node's worker: its agent says how it ended
+                rec = injob.get(self.store, injob.exited_key(w.wid))
+                if rec is None:
+                    continue
+                w.returncode, w.exit_t = int(rec.get("returncode", 1)), _num(rec.get("t")) or time.time()
+                w.record = rec.get("record") if isinstance(rec.get("record"), dict) else None
+            elif w.proc.poll() is not None:
                 w.returncode, w.exit_t = w.proc.returncode, time.time()
-                if w.spare and w.rank is None:
-                    self.spare_deaths = self.spare_deaths + 1 if w.hello is None else 0
+                if self.nnodes > 1 and not self.leader:
+                    self._report_exit(w)
+            else:
+                continue
+            if w.spare and w.rank is None:
+                self.spare_deaths = self.spare_deaths + 1 if w.hello is None else 0
+        if self.leader and self.nnodes > 1:
+            self._sync_nodes()
 
     def _note_hellos(self) -> None:
         for w in self.workers.values():
@@ -265,14 +330,15 @@ class InJobAgent:
     def _replenish(self) -> None:
         """Keep ``spares`` spare processes (warm or warming) alive; a spare that keeps
         dying before its hello (a script without inprocess.run) is not restarted."""
-        alive = [w for w in self.workers.values() if w.spare and w.rank is None and w.returncode is None]
+        alive = [w for w in self.workers.values()
+                 if w.spare and w.rank is None and w.returncode is None and w.proc is not None]
         if self.spare_deaths >= MAX_SPARE_DEATHS:
             return
         for _ in range(self.conf.spares - len(alive)):
             self._start(rank=None)
 
     def _post_members(self, round_: int) -> None:
-        injob.post_members(self.store, round_, {r: {"worker": w.wid, "node": 0, "pid": w.proc.pid}
+        injob.post_members(self.store, round_, {r: {"worker": w.wid, "node": w.node, "pid": w.pid}
                                                 for r, w in sorted(self.members.items())})
 
     # ------------------------------------------------------------------ a failed round
@@ -284,15 +350,20 @@ class InJobAgent:
         r = self.round
         unaware = [w for w in self.members.values() if w.hello is None and w.returncode is None]
         finished = [w for w in self.members.values() if w.returncode == 0]
+        primary_node = self.node  # the failed rank's node (below), else the leader's
         if dead is not None:
-            detected_by = "agent:exit"
-            record = exited(dead.rank, dead.proc.pid, _status(dead.returncode), dead.error_file)
+            detected_by = dead.detected_by
+            record = self._record(dead)
             fault_t = dead.exit_t or time.time()
             what = record.get("error") or _how(record)
-            if not injob.post_fault(self.store, r, ranks=[dead.rank], cause=what, detected_by=detected_by, t=fault_t):
+            failed = {dead.rank: record}
+            for w in self.members.values():  # dead with it (a node lost: every rank on it)
+                if w is not dead and w.returncode not in (None, 0):
+                    failed[w.rank] = self._record(w)
+            if not injob.post_fault(self.store, r, ranks=sorted(failed), cause=what, detected_by=detected_by,
+                                    t=fault_t):
                 first = injob.get(self.store, injob.round_key(r, "fault")) or {}  # a rank saw it first
                 detected_by = str(first.get("detected_by") or detected_by)[:64]
-            failed = {dead.rank: record}
         else:
             notice = injob.get(self.store, injob.round_key(r, "fault")) or {}
             detected_by = str(notice.get("detected_by") or "rank")[:64]
@@ -315,6 +386,7 @@ class InJobAgent:
         step = self._step(left)
         if failed:
             primary = dead.rank if dead is not None else min(failed)
+            primary_node = self.members[primary].node
             record = failed[primary]
             verdict = classify_one(record, primary, step, self.previous_signature)
             if self.members[primary].killed_for == "not left":
@@ -346,9 +418,14 @@ class InJobAgent:
                               f"{self.conf.reform_timeout_s:g}s (--spares {self.conf.spares})")
         nxt = r + 1
         for rank, w in spares.items():
-            injob.assign(self.store, w.wid, round_=nxt, rank=rank, local_rank=rank, world=self.nproc,
-                         local_world=self.nproc, node=0)
-            w.rank = w.local_rank = rank
+            # its local rank on its own node: the replaced rank's own on its home node, else the
+            # lowest one free there (nproc and up beside that node's members)
+            taken = {m.local_rank for k, m in self.members.items()
+                     if m.node == w.node and k not in failed and m.returncode is None}
+            local = next(i for i in range(self.nproc + len(spares) + 1) if i not in taken)
+            injob.assign(self.store, w.wid, round_=nxt, rank=rank, local_rank=local, world=self.world,
+                         local_world=len(taken) + 1, node=w.node)
+            w.rank, w.local_rank = rank, local
             self.members[rank] = w
         self._post_members(nxt)
         injob.set_fence(self.store, nxt)
@@ -361,14 +438,14 @@ class InJobAgent:
         event = {"attempt": self.conf.attempt, "round": nxt, "ranks": sorted(failed), "class": verdict.klass,
                  "reason": verdict.reason, "signal": record.get("signal"), "exit_code": record.get("exitcode"),
                  "traceback": (record.get("traceback") or None) and record["traceback"][-4000:],
-                 "detected_by": detected_by, "node": 0, "step": step, "step_s": self._step_s(),
+                 "detected_by": detected_by, "node": primary_node, "step": step, "step_s": self._step_s(),
                  "detect_s": max(0.0, notice_t - first_fault), "teardown_s": max(0.0, teardown_end - notice_t),
                  # the last survivor left -> the verdict: classification and the wait for a warm spare
                  "decide_s": max(0.0, (_num(verdict_rec.get("t")) or time.time()) - teardown_end),
                  "verdict_t": _num(verdict_rec.get("t")) or time.time(),
                  "abandoned_steps": sorted({s for rec in left.values() for s in (rec.get("abandoned") or [])
                                             if isinstance(s, int)}),
-                 "spares": {str(k): {"host": _host(), "worker": w.wid,
+                 "spares": {str(k): {"host": self._host_of(w), "node": w.node, "worker": w.wid,
                                      "warm_s": _num((w.hello or {}).get("warm_s"))} for k, w in spares.items()}}
         self.pending = Pending(nxt, event, first_fault, sorted(self.members))
         return None
@@ -388,14 +465,14 @@ class InJobAgent:
                     pending.discard(k)
                 elif w.returncode is not None:
                     pending.discard(k)
-                    failed[k] = exited(k, w.proc.pid, _status(w.returncode), w.error_file)
-                    injob.post_fault(self.store, r, ranks=[k], cause=_how(failed[k]), detected_by="agent:exit")
+                    failed[k] = self._record(w)
+                    injob.post_fault(self.store, r, ranks=[k], cause=_how(failed[k]), detected_by=w.detected_by)
             if pending and time.monotonic() >= deadline:
                 for k in pending:
                     w = self.members[k]
                     w.killed_for = "not left"
-                    _kill(w)
-                    failed[k] = {"local_rank": k, "pid": w.proc.pid, "exitcode": -9, "signal": "SIGKILL",
+                    self._kill(w)
+                    failed[k] = {"local_rank": w.local_rank, "pid": w.pid, "exitcode": -9, "signal": "SIGKILL",
                                  "error": None, "first": None, "traceback": None, "timestamp": int(time.time())}
                 break
             time.sleep(TICK_S)
@@ -410,7 +487,7 @@ class InJobAgent:
             self._replenish()
             warm = sorted(self._warm_spares(), key=lambda w: w.started_t)
             if len(warm) >= len(ranks):
-                return dict(zip(ranks, warm))
+                return self._choose(ranks, warm)
             if time.monotonic() >= deadline or (self.conf.spares == 0) or self.spare_deaths >= MAX_SPARE_DEATHS:
                 return None
             time.sleep(TICK_S)
@@ -520,23 +597,229 @@ class InJobAgent:
 
     def _end_workers(self, reason: str, kill: bool = False) -> None:
         """Say ``end`` (waiting workers exit 0), wait for every worker a bounded time, then
-        kill what is left: no process of the attempt outlives it."""
-        try:
-            injob.end(self.store, reason)
-        except Exception:  # noqa: BLE001 - the store is ours; if it fails, the kills below still end them
-            pass
-        live = [w for w in self.workers.values() if w.returncode is None]
+        kill what is left: no process of the attempt outlives it. Only the leader says
+        ``end`` (the whole attempt's); another node kills its own spares instead. The
+        leader then waits, bounded, for the other agents' ``done``: its store must
+        outlive their last look at it."""
+        if self.leader:
+            try:
+                injob.end(self.store, reason)
+            except Exception:  # noqa: BLE001 - the store is ours; if it fails, the kills below still end them
+                pass
+        live = [w for w in self.workers.values() if w.returncode is None and w.proc is not None]
         for w in live:  # a spare still starting (no hello yet) would read ``end`` only once warm
-            if kill or (w.rank is None and w.hello is None):
-                _kill(w)
+            if kill or (w.rank is None and (w.hello is None or not self.leader)):
+                self._kill(w)
         deadline = time.monotonic() + END_GRACE_S
         for w in live:
             try:
                 w.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                _kill(w)
+                self._kill(w)
                 w.proc.wait()
             w.returncode = w.proc.returncode
+        if self.nnodes > 1 and not self.leader:
+            try:
+                self.store.set(injob.agent_key(self.node, "done"), reason)
+            except Exception:  # noqa: BLE001 - the leader's store is gone: nobody waits for this
+                pass
+        elif self.nnodes > 1:
+            others = [injob.agent_key(k, "done") for k in range(1, self.nnodes) if k not in self.lost_nodes]
+            injob.wait_for(self.store, others, END_GRACE_S + 5.0)
+
+    def _kill(self, w: Worker) -> None:
+        """SIGKILL a worker: this node's own, or another node's through its agent."""
+        if w.proc is not None:
+            _signal(w, signal.SIGKILL)
+        elif w.node not in self.lost_nodes:
+            self.store.set(injob.kill_key(w.wid), "1")
+
+    def _record(self, w: Worker) -> dict:
+        """How a dead worker ended: its agent's record (another node), else its exit here."""
+        if w.record is not None:
+            return w.record
+        return exited(w.rank, w.pid or 0, _status(w.returncode or 0), w.error_file)
+
+    def _host_of(self, w: Worker) -> str:
+        return _host() if w.node == self.node else self.agent_hosts.get(w.node, f"node {w.node}")
+
+    # ------------------------------------------------------------------ several nodes: the leader
+    def _choose(self, ranks: list[int], warm: list[Worker]) -> dict[int, Worker]:
+        """A warm spare per rank: on the rank's own node first, else on its partner node
+        ((k + 1) mod nnodes: it holds node k's peer replicas), else anywhere; the longest
+        warm first."""
+        pool, out = list(warm), {}
+        for rank in ranks:
+            home = rank // self.nproc
+            near = [home, (home + 1) % self.nnodes]
+            best = min(pool, key=lambda w: (near.index(w.node) if w.node in near else 2, w.started_t))
+            pool.remove(best)
+            out[rank] = best
+        return out
+
+    def _await_nodes(self) -> None:
+        """The other agents' records (their members and spares), bounded by the reform timeout."""
+        from .injob_nodes import BeatWatch
+
+        deadline = time.monotonic() + self.conf.reform_timeout_s
+        for k in range(1, self.nnodes):
+            rec = injob.wait_record(self.store, injob.agent_key(k), max(0.0, deadline - time.monotonic()))
+            if rec is None:
+                raise RuntimeError(f"node {k}'s agent joined the rendezvous but never published its workers "
+                                   f"within {self.conf.reform_timeout_s:g}s")
+            for rank, m in (rec.get("members") or {}).items():
+                w = Worker(str(m["worker"]), None, "", spare=False, started_t=time.time(), rank=int(rank),
+                           local_rank=int(rank) % self.nproc, node=k)
+                self.workers[w.wid] = self.members[w.rank] = w
+        self.beats = BeatWatch(self.store, list(range(1, self.nnodes)))
+        self.next_sync = 0.0
+        self._sync_nodes()
+
+    def _sync_nodes(self) -> None:
+        """The other nodes' spares (their agents' records) and beats."""
+        if time.monotonic() < self.next_sync:
+            return
+        self.next_sync = time.monotonic() + 0.05
+        for k in range(1, self.nnodes):
+            if k in self.lost_nodes:
+                continue
+            rec = injob.get(self.store, injob.agent_key(k)) or {}
+            self.agent_hosts[k] = str(rec.get("host") or f"node {k}")
+            for wid in rec.get("spares") or []:
+                if isinstance(wid, str) and wid not in self.workers:
+                    self.workers[wid] = Worker(wid, None, "", spare=True, started_t=time.time(), node=k)
+        for k in self.beats.silent():
+            self._node_lost(k)
+
+    def _node_lost(self, k: int) -> None:
+        """Node k's beat stood still: every worker on it is dead (its ranks fail)."""
+        self.lost_nodes.add(k)
+        why = (f"node {k} lost: its agent's beat stood still for {injob.NODE_SILENT_S:g}s "
+               "(the node, its supervisor or its agent died)")
+        for w in self.workers.values():
+            if w.node == k and w.returncode is None:
+                w.returncode, w.exit_t, w.detected_by = -int(signal.SIGKILL), time.time(), "agent:node"
+                w.record = {"local_rank": w.local_rank, "pid": w.pid, "exitcode": -9, "signal": "SIGKILL",
+                            "error": why, "first": None, "traceback": None, "timestamp": int(time.time())}
+
+    # ------------------------------------------------------------------ several nodes: the others
+    def _publish(self) -> None:
+        """``agent/<node>``: this node's host, members and live unassigned spares."""
+        rec = {"host": _host(), "pid": os.getpid(),
+               "members": {str(w.rank): {"worker": w.wid, "pid": w.pid} for w in self.workers.values()
+                           if w.rank is not None and w.returncode is None},
+               "spares": sorted(w.wid for w in self.workers.values()
+                                if w.spare and w.rank is None and w.returncode is None)}
+        if rec != self.published:
+            injob.put(self.store, injob.agent_key(self.node), rec)
+            self.published = rec
+
+    def _report_exit(self, w: Worker) -> None:
+        """Tell the leader how this node's worker ended; a member's death fails the round."""
+        record = exited(w.rank if w.rank is not None else -1, w.pid, _status(w.returncode), w.error_file)
+        injob.put(self.store, injob.exited_key(w.wid), {"returncode": w.returncode, "t": w.exit_t,
+                                                        "record": record})
+        self.store.add(EXITS_KEY, 1)  # after the record: the leader looks when the count moves
+        if w.rank is not None and w.returncode != 0:
+            injob.post_fault(self.store, self.round, ranks=[w.rank], detected_by="agent:exit",
+                             cause=record.get("error") or _how(record), t=w.exit_t)
+
+    def _follow(self) -> int:
+        """A node other than the leader's: run this node's workers, report their ends,
+        follow the leader's membership and verdicts; the leader's store lost -> end."""
+        next_hang_check = 0.0
+        while True:
+            if self.stop_signal is not None:
+                return self._preempted()
+            try:
+                code = self._follow_tick()
+                if code is not None:
+                    return code
+                if time.monotonic() >= next_hang_check and self.progress_dir:
+                    next_hang_check = time.monotonic() + HANG_CHECK_S
+                    self._watch_hang()
+            except Exception as e:  # noqa: BLE001 - the leader's store failed: its host is gone
+                return self._store_lost(f"{type(e).__name__}: {str(e)[:300]}")
+            if self.beat.lost.is_set():
+                return self._store_lost("the beat could not be written")
+            time.sleep(TICK_S)
+
+    def _follow_tick(self) -> int | None:
+        self._poll_all()
+        self._note_hellos()
+        for w in self.workers.values():
+            if w.returncode is None and self.store.check([injob.kill_key(w.wid)]):
+                w.killed_for = "not left"
+                self._kill(w)
+        f = injob.fence(self.store)
+        if f is not None and f > self.round:
+            self._adopt(f)
+        self._replenish()
+        self._publish()
+        v = injob.verdict(self.store, self.round)
+        if v is not None and v["action"] in ("stop", "cold"):
+            return self._leader_ended(v["action"], str(v.get("reason") or ""))
+        e = injob.ended(self.store)
+        if e is not None:
+            return self._leader_ended("end", str(e.get("reason") or ""))
+        return None
+
+    def _adopt(self, round_: int) -> None:
+        """Round ``round_``'s membership: this node's spares the leader assigned are members."""
+        self.round = round_
+        self.members = {}  # a rank of this node given to another node's spare is no longer ours
+        for rank, m in injob.members(self.store, round_).items():
+            w = self.workers.get(str(m.get("worker")))
+            if w is None or m.get("node") != self.node:
+                continue
+            if w.rank is None:
+                a = injob.get(self.store, injob.assign_key(w.wid)) or {}
+                w.rank, w.local_rank = rank, a.get("local_rank")
+            self.members[rank] = w
+        self.watch = ProgressWatch(time.monotonic())
+
+    def _watch_hang(self) -> None:
+        """This node's ranks' progress; a hang is posted as the round's fault (the leader decides)."""
+        self.watch.update(read_progress(self.progress_dir))
+        from .decide import Policy
+
+        why = self.watch.hung(Policy(hang_timeout_s=self.conf.hang_timeout_s,
+                                     first_progress_timeout_s=self.conf.first_progress_timeout_s))
+        if why is not None:
+            injob.post_fault(self.store, self.round, ranks=[], cause=f"hang on node {self.node}: {why}",
+                             detected_by="agent:hang")
+            self.watch = ProgressWatch(time.monotonic())
+
+    def _leader_ended(self, how: str, reason: str) -> int:
+        """The leader's verdict ended the attempt (``stop``, ``cold``) or it said ``end``."""
+        self._end_workers(how, kill=how == "cold")
+        mine = list(self.members.values())  # this node's members of the current round
+        if how == "end" and mine and all(w.returncode == 0 for w in mine):
+            write(self.result_path, {"ok": True, "failures": {}})
+            return 0
+        if how == "stop":
+            write(self.result_path, {"ok": False, "failures": {}, "stop_reason": reason})
+        elif how == "cold":
+            write(self.result_path, {"ok": False, "failures": {}, "in_job_gave_up": reason})
+        else:
+            write(self.result_path, {"ok": False, "failures": {},
+                                     "launcher_error": f"the in-job leader (node 0) ended the attempt: {reason}"})
+        return 1
+
+    def _store_lost(self, why: str) -> int:
+        """The leader's host is gone (its store with it): this node's workers end; the
+        runners relaunch cold. Members that had all finished: the job is done."""
+        mine = list(self.members.values())  # this node's members of the current round
+        done = bool(mine) and all(w.returncode == 0 for w in mine)
+        self._end_workers("store lost", kill=True)
+        if done:
+            write(self.result_path, {"ok": True, "failures": {}})
+            return 0
+        write(self.result_path, {"ok": False, "failures": {},
+                                 "launcher_error": f"in-job store lost: node 0 (the leader, {self.address}) is "
+                                                   f"gone ({why}); this node's workers were ended, the attempt "
+                                                   "is relaunched cold"})
+        return 1
 
     def _emit(self, kind: str, **fields) -> None:
         with open(self.events_path, "a") as f:
@@ -554,11 +837,9 @@ def _how(record: dict) -> str:
     return f"exited with code {record.get('exitcode')}"
 
 
-def _kill(w: Worker) -> None:
-    _signal(w, signal.SIGKILL)
-
-
 def _signal(w: Worker, signum: int) -> None:
+    if w.proc is None:  # another node's: its own supervisor signals it
+        return
     try:
         w.proc.send_signal(signum)
     except ProcessLookupError:

@@ -84,6 +84,31 @@ def connect(address: str, timeout_s: float = 60.0):
     return TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
 
 
+# --- several nodes (agent.py, injob_nodes.py): the node agents' own records ------------
+#
+# ``agent/<node>``         each agent   host, pid, members (rank -> worker), live spares
+# ``agent/<node>/beat``    each agent   a counter it bumps every BEAT_S: the leader's
+#                                       clock, not the agent's, times its silence
+# ``agent/<node>/done``    each agent   it ended its workers and is exiting
+# ``exited/<worker>``      its agent    how a worker ended (results.exited's record)
+# ``kill/<worker>``        leader       its agent must SIGKILL it (R3: a rank that did not leave)
+
+BEAT_S = 0.5
+NODE_SILENT_S = 3.0  # a node whose beat stood still this long is lost, with every rank on it
+
+
+def agent_key(node: int, what: str | None = None) -> str:
+    return f"agent/{node}" if what is None else f"agent/{node}/{what}"
+
+
+def exited_key(worker: str) -> str:
+    return f"exited/{worker}"
+
+
+def kill_key(worker: str) -> str:
+    return f"kill/{worker}"
+
+
 # --- records -------------------------------------------------------------------------
 
 def put(store, key: str, record: dict) -> None:

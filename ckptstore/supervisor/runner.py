@@ -294,6 +294,7 @@ class Supervisor:
         finally:
             self._reap()
             self._drain_events(events_path)
+        self._await_leader(attempt, result_path)
         progress = read_progress(progress_dir)
         watch.update(progress)
         if not resumed_logged:  # the first step came after the last look (a short attempt)
@@ -344,6 +345,20 @@ class Supervisor:
                 "max_rounds_in_a_row": p.max_rounds_in_a_row, "hang_timeout_s": p.hang_timeout_s,
                 "first_progress_timeout_s": p.first_progress_timeout_s,
                 "memory_dir": self._memory_path, "memory_budget": self._memory_budget}
+
+    def _await_leader(self, attempt: int, result_path: str) -> None:
+        """In-job on a node other than 0: this node's agent died (killed, no RESULT.json)
+        while the leader lives on; the leader replaces this node's ranks with spares
+        elsewhere (agent.py, its beat watch) and the attempt goes on without this node. Its
+        end is the leader's node's to report: wait for the run's verdict on it, then settle
+        as it says (finish, relaunch, give up), rather than relaunching everyone now."""
+        if not (self.policy.in_job and self.shared is not None and self.node_rank not in (None, 0)
+                and (self._proc.returncode or 0) < 0 and not os.path.exists(result_path)):
+            return
+        say(f"the in-job agent of attempt {attempt} died here; the leader (node 0) recovers without this "
+            "node: waiting for the run's verdict on the attempt")
+        while self._stop_signal is None and self._shared_call(self.shared.verdict, attempt) is None:
+            time.sleep(PEER_POLL_S)
 
     def _drain_events(self, path: str) -> None:
         """Journal the agent's in-job events (EVENTS.jsonl) written since the last look:

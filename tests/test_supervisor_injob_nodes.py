@@ -1,0 +1,150 @@
+"""``ckptstore run --in-job`` on several nodes (issue 36; docs/design/in-job-restart.md,
+sections 5.1 and 9): simulated nodes on one machine, one ``ckptstore run`` each
+(``--nnodes 2 --node-rank K``, c10d rendezvous on 127.0.0.1, one rank and one spare per
+node, one store), over tests/procs/injob_fake_worker.py (it all-reduces ``step + 1``
+every step: the final total shows a step lost or counted twice).
+
+- a rank on node 1 SIGKILLed: node 1's agent reports it, the leader (node 0) gives the
+  rank to node 1's own spare, in the same attempt; one ``recovery`` journaled, once;
+- node 1's whole supervisor tree SIGKILLed: its beat stops, the leader counts its rank
+  failed and gives it to node 0's spare, in the same attempt;
+- node 0's (the leader's, the in-job store's host) tree SIGKILLed and restarted: node 1
+  loses the store, ends its workers ("in-job store lost"), and both nodes relaunch cold
+  through the run's shared verdict.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import psutil
+
+from ckptstore.storage import open_storage
+from ckptstore.supervisor import runner
+from ckptstore.supervisor.journal import Journal
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from jobutil import Job  # noqa: E402
+from test_supervisor_nodes import Nodes as _Nodes, free_port  # noqa: E402 (its kill_node, restart, finish)
+
+WORKER = Path(__file__).resolve().parent / "procs" / "injob_fake_worker.py"
+RUN = "injob-nodes"
+STEPS = 20
+TOTAL = 2 * sum(range(1, STEPS + 1))  # 2 ranks all-reduce step + 1 at every step
+
+
+class InJobNodes(_Nodes):
+    """Two nodes of one in-job run, one rank and ``--spares 1`` each."""
+
+    def __init__(self, tmp: Path, *opts, fault: str = "none:-1"):
+        port = free_port()
+        self.store, self.tmp, self.final = tmp / "store", tmp, tmp / "final.json"
+        (tmp / "work").mkdir()
+        self.jobs, self.cmds, self.envs = [], [], []
+        for k in range(2):
+            self.cmds.append(
+                [sys.executable, "-m", "ckptstore.cli", "run", "--nnodes", "2", "--node-rank", str(k),
+                 "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                 "--store", str(self.store), "--run-id", RUN, "--backoff", "0.05", "--decision-wait", "10",
+                 "--join-timeout", "30", "--health-interval", "0", "--straggler-report", "0",
+                 "--in-job", "--spares", "1", "--memory-dir", str(tmp / "mem"), "--reform-timeout", "30", *opts,
+                 str(WORKER), str(tmp / "work"), "--steps", str(STEPS), "--step-delay", "0.05",
+                 "--final", str(self.final)])
+            self.envs.append({"FAULT": fault})
+            self.jobs.append(Job(self.cmds[k], env=self.envs[k]))
+
+    def events(self, kind: str | None = None) -> list[dict]:
+        events = Journal(open_storage(str(self.store)), RUN).events()
+        return [e for e in events if kind is None or e["kind"] == kind]
+
+    def total(self) -> float:
+        return json.loads(self.final.read_text())["total"]
+
+
+def test_a_rank_killed_on_node_1_is_replaced_by_node_1s_spare_within_the_attempt(tmp_path):
+    nodes = InJobNodes(tmp_path)
+    nodes.jobs[1].at_step(1, 8)
+    os.kill(nodes.jobs[1].pids[1], 9)
+    assert nodes.finish() == [runner.EXIT_FINISHED] * 2, nodes.output()
+    assert nodes.total() == TOTAL  # no step lost or counted twice across the recovery
+    assert sorted(e["attempt"] for e in nodes.events("attempt_start")) == [0, 0], \
+        (nodes.events("failure"), nodes.output())
+    assert nodes.events("failure") == []
+    [rec] = nodes.events("recovery")  # journaled once, by the leader's node, not once per node
+    assert (rec["attempt"], rec["round"], rec["ranks"], rec["signal"], rec["node"]) == (0, 1, [1], "SIGKILL", 1)
+    assert rec["detected_by"] in ("agent:exit", "rank:collective"), rec  # whichever saw it first
+    assert [(k, s["node"], s["worker"].startswith("n1-")) for k, s in rec["spares"].items()] == [("1", 1, True)]
+
+
+def test_node_1_lost_whole_is_replaced_by_node_0s_spare_detected_by_its_beat(tmp_path):
+    nodes = InJobNodes(tmp_path)
+    lost = nodes.jobs[1]
+    lost.at_step(1, 8)
+    nodes.kill_node(1)
+    assert lost.finish() == -9
+    assert nodes.jobs[0].finish() == runner.EXIT_FINISHED, nodes.output()
+    assert nodes.total() == TOTAL
+    assert sorted(e["attempt"] for e in nodes.events("attempt_start")) == [0, 0]
+    assert nodes.events("failure") == []
+    [rec] = nodes.events("recovery")
+    assert (rec["attempt"], rec["round"], rec["ranks"], rec["node"]) == (0, 1, [1], 1), rec
+    assert "node 1 lost: its agent's beat stood still" in rec["reason"], rec
+    assert [(k, s["node"], s["worker"].startswith("n0-")) for k, s in rec["spares"].items()] == [("1", 0, True)]
+
+
+def test_node_1s_agent_killed_its_supervisor_alive_the_leader_recovers_and_node_1_follows(tmp_path):
+    """Node 1's agent alone SIGKILLed: its workers die with it (PDEATHSIG), its beat
+    stops, node 0's spare takes rank 1; node 1's supervisor does not relaunch everyone:
+    it waits for the run's verdict on the attempt, which node 0 writes when it finishes."""
+    nodes = InJobNodes(tmp_path)
+    nodes.jobs[1].at_step(1, 8)
+    [agent] = [p for p in psutil.Process(nodes.jobs[1].proc.pid).children()
+               if "ckptstore.supervisor.agent" in " ".join(p.cmdline())]
+    agent.kill()
+    assert nodes.finish() == [runner.EXIT_FINISHED] * 2, nodes.output()
+    assert nodes.total() == TOTAL
+    assert sorted(e["attempt"] for e in nodes.events("attempt_start")) == [0, 0]
+    assert nodes.events("failure") == []
+    [rec] = nodes.events("recovery")
+    assert (rec["ranks"], rec["node"], [s["node"] for s in rec["spares"].values()]) == ([1], 1, [0]), rec
+    assert "the leader (node 0) recovers without this node" in nodes.jobs[1].output()
+
+
+def test_the_leaders_node_lost_sends_every_node_cold_and_the_run_finishes(tmp_path):
+    nodes = InJobNodes(tmp_path)
+    lost = nodes.jobs[0]
+    nodes.jobs[1].at_step(1, 8)
+    nodes.kill_node(0)
+    nodes.restart(0)
+    assert lost.finish() == -9
+    assert nodes.finish() == [runner.EXIT_FINISHED] * 2, nodes.output()
+    assert nodes.total() == TOTAL
+    assert nodes.events("recovery") == []
+    failures = nodes.events("failure")
+    assert failures and failures[0]["attempt"] == 0 and failures[0]["class"] == "transient", failures
+    assert "in-job store lost" in failures[0]["reason"], failures
+    # (the restarted node 0 may first join attempt 0, still open for it, until node 1's end of it)
+    started = sorted(e["attempt"] for e in nodes.events("attempt_start") if e["attempt"] > 0)
+    assert started == sorted(list(range(1, len(failures) + 1)) * 2), started  # both nodes in every relaunch
+
+
+def test_spares_are_chosen_on_the_ranks_node_then_its_partner_then_anywhere(tmp_path):
+    from types import SimpleNamespace
+
+    from ckptstore.supervisor.agent import Conf, InJobAgent, Worker
+    from ckptstore.supervisor.injob_nodes import advertised_host
+
+    args = SimpleNamespace(nproc_per_node=2, nnodes="4", node_rank=0)
+    agent = InJobAgent(args, Conf(), str(tmp_path / "result.json"), str(tmp_path / "events.jsonl"), env={})
+    spare = {name: Worker(name, None, "", spare=True, started_t=t, node=node)
+             for name, node, t in [("on-0", 0, 1.0), ("on-2", 2, 2.0), ("on-3-old", 3, 0.5), ("on-3", 3, 3.0)]}
+    # rank 5 lives on node 2 (2 ranks a node): its own node; rank 3 on node 1: its partner, node 2
+    assert {k: w.wid for k, w in agent._choose([5], list(spare.values())).items()} == {5: "on-2"}
+    assert {k: w.wid for k, w in agent._choose([3], [spare["on-0"], spare["on-2"]]).items()} == {3: "on-2"}
+    # rank 1 on node 0 and rank 7 on node 3 (partner node 0): own nodes first, then the longest warm
+    chosen = agent._choose([1, 7, 2], [spare["on-3"], spare["on-0"], spare["on-3-old"]])
+    assert {k: w.wid for k, w in chosen.items()} == {1: "on-0", 7: "on-3-old", 2: "on-3"}
+    assert advertised_host("127.0.0.1") == advertised_host("localhost") == "127.0.0.1"
