@@ -6,8 +6,9 @@ side in one run.
 Modes (``--modes``, a comma list; each mode's command is one entry of ``MODES``):
 
 1. ``torchrun``: ``torchrun --max-restarts 50`` (torch's in-place restarts), ``--every 10``;
-2. ``relaunch``: ``ckptstore run`` (today's cold relaunch), ``--every 10``;
-3. ``in-job``: ``ckptstore run --in-job --spares 1``, ``--every 1``;
+2. ``relaunch``: ``ckptstore run --no-in-job`` (the cold relaunch), ``--every 10``;
+3. ``in-job``: ``ckptstore run`` (its default for the example, which calls
+   ``ckptstore.inprocess.run``: in-job recovery, one warm spare), ``--every 1``;
 4. ``in-job-auto``: the same with ``--every auto``.
 
 A mode whose launcher does not know its options (``--help`` does not name them), or
@@ -111,9 +112,10 @@ class Mode:
 
 MODES = {m.name: m for m in (
     Mode("torchrun", "torchrun", "10", ("--max-restarts", "50")),
-    Mode("relaunch", "ckptstore", "10"),
-    Mode("in-job", "ckptstore", "1", ("--in-job", "--spares", "1"), needs=("--in-job", "--spares")),
-    Mode("in-job-auto", "ckptstore", "auto", ("--in-job", "--spares", "1"), needs=("--in-job", "--spares")),
+    Mode("relaunch", "ckptstore", "10", ("--no-in-job",)),
+    # ckptstore run's default for the example (it calls ckptstore.inprocess.run): in-job, 1 spare
+    Mode("in-job", "ckptstore", "1", (), needs=("--in-job", "--spares")),
+    Mode("in-job-auto", "ckptstore", "auto", (), needs=("--in-job", "--spares")),
 )}
 SCHEDULES = ("kill", "hang", "node")
 

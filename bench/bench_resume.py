@@ -41,7 +41,7 @@ EXAMPLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs",
 
 
 def launch(store: str, args, steps: int, supervised: bool = False) -> subprocess.Popen:
-    launcher = ([sys.executable, "-m", "ckptstore.cli", "run", "--store", store] if supervised
+    launcher = ([sys.executable, "-m", "ckptstore.cli", "run", "--no-in-job", "--store", store] if supervised
                 else [sys.executable, "-m", "torch.distributed.run"])
     cmd = [*launcher, "--standalone", "--nproc-per-node", str(args.nproc),
            EXAMPLE, store, "--steps", str(steps), "--every", str(args.every), "--hidden", str(args.hidden)]

@@ -50,7 +50,7 @@ def torchrun(*extra) -> list[str]:
 
 
 def supervised(store: str, backoff: float, *extra) -> list[str]:
-    return [sys.executable, "-m", "ckptstore.cli", "run", "--standalone", "--nproc-per-node", "2",
+    return [sys.executable, "-m", "ckptstore.cli", "run", "--no-in-job", "--standalone", "--nproc-per-node", "2",
             "--store", store, "--backoff", f"{backoff:g}", *extra]
 
 

@@ -163,7 +163,9 @@ def test_each_mode_is_one_command_with_its_options_and_every():
     assert tr[tr.index("--every") + 1] == "10" and tr[tr.index("--step-delay") + 1] == "0.1"
     inj = bg.command(bg.MODES["in-job-auto"], A, "S", "F.pt", "hang")
     i = inj.index(bg.EXAMPLE)
-    assert inj[1:4] == ["-m", "ckptstore.cli", "run"] and {"--in-job", "--spares", "--backoff"} <= set(inj[:i])
+    # in-job is ckptstore run's default for the example; the relaunch mode turns it off
+    assert inj[1:4] == ["-m", "ckptstore.cli", "run"] and "--backoff" in inj[:i] and "--no-in-job" not in inj
+    assert "--no-in-job" in bg.command(bg.MODES["relaunch"], A, "S", "F.pt", "kill")
     assert inj[inj.index("--hang-timeout") + 1] == "5" and inj[inj.index("--every") + 1] == "auto"
     assert "--hang-timeout" not in bg.command(bg.MODES["relaunch"], A, "S", "F.pt", "kill")
     node = bg.command(bg.MODES["relaunch"], A, "S", "F.pt", "node", node_rank=1, port=29999, run_id="r")

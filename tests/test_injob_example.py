@@ -15,8 +15,9 @@ from test_supervisor import Supervised, journal, kinds, reference, status  # noq
 
 
 def _in_job(tmp_path, *extra, fault="none:-1") -> Supervised:
-    return Supervised(tmp_path / "store", tmp_path, "--in-job", "--spares", "1",
-                      "--memory-dir", str(tmp_path / "shm"), *extra, fault=fault)
+    # no --in-job: it is ckptstore run's default for a script that calls ckptstore.inprocess.run
+    return Supervised(tmp_path / "store", tmp_path, "--memory-dir", str(tmp_path / "shm"), *extra, fault=fault,
+                      in_job=True)
 
 
 def test_ranks_killed_three_times_recover_in_job_from_memory_bit_identical(tmp_path, reference):
@@ -31,6 +32,7 @@ def test_ranks_killed_three_times_recover_in_job_from_memory_bit_identical(tmp_p
                    and job.pids.get(rank) not in (None, victim), f"rank {rank} replaced, rank {1 - rank} kept")
         survivors.add(survivor)
     assert job.finish() == 0, job.output()[-3000:]
+    assert "ckptstore run: recovery: in-job" in job.output()  # the default, said at launch
     assert_bit_identical(job.final, reference)
     events = journal(tmp_path / "store")
     recoveries = kinds(events, "recovery")

@@ -34,12 +34,17 @@ STEPS = 30
 
 
 class Supervised(Job):
-    def __init__(self, store, tmp: Path, *policy, fault: str = "none:-1", nproc: int = 2, env=None):
+    def __init__(self, store, tmp: Path, *policy, fault: str = "none:-1", nproc: int = 2, env=None,
+                 in_job: bool = False):
         self.final = tmp / f"final-{random.getrandbits(32):08x}.pt"
         self.alerts = tmp / f"alerts-{random.getrandbits(32):08x}.jsonl"
         super().__init__([sys.executable, "-m", "ckptstore.cli", "run", "--standalone",
                           f"--nproc-per-node={nproc}", "--store", str(store), "--backoff", "0.1",
-                          "--alert", f"cat >> {self.alerts}; echo >> {self.alerts}", *policy, str(SCRIPT),
+                          "--alert", f"cat >> {self.alerts}; echo >> {self.alerts}",
+                          # the relaunch mode, unless the test asks for ckptstore run's default for the
+                          # example, in-job recovery (test_injob_example.py)
+                          *(() if in_job else ("--no-in-job",)),
+                          *policy, str(SCRIPT),
                           str(store), "--steps", str(STEPS), "--every", "5", "--final", str(self.final)],
                          env={"FAULT": fault, **(env or {})})
 

@@ -165,7 +165,9 @@ def test_recoveries_in_a_row_without_a_new_step_go_cold(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--spares", "1"], "--spares needs --in-job"),
+    (["--spares", "1"], "--spares needs in-job recovery (spares replace failed ranks only there); it is off: the "
+                        "script does not call ckptstore.inprocess.run"),
+    (["--no-in-job", "--spares", "1"], "it is off: --no-in-job"),
     (["--in-job", "--nnodes", "1:2"], "elastic membership is not supported in-job"),
     (["--in-job", "--memory-budget", "120%"], "at most 100"),
 ])

@@ -55,7 +55,8 @@ class Nodes:
                 [sys.executable, "-m", "ckptstore.cli", "run", "--nnodes", nnodes or str(n), "--node-rank", str(k),
                  "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
                  "--store", str(store), "--run-id", RUN, "--backoff", "0.05", "--decision-wait", "5",
-                 "--join-timeout", "5", "--alert", f"cat >> {self.alerts[k]}; echo >> {self.alerts[k]}", *policy,
+                 "--join-timeout", "5", "--alert", f"cat >> {self.alerts[k]}; echo >> {self.alerts[k]}",
+                 "--no-in-job", *policy,
                  *(options or {}).get(k, []),
                  str(SCRIPT), str(store), "--steps", str(STEPS), "--every", "5", "--final", str(self.final)])
             self.envs.append({"FAULT": fault or "none:-1", "FAULT_ANY_RANK": "1" if fault else ""})

@@ -14,6 +14,7 @@ import sys
 import click
 
 from ..errors import CkptStoreError
+from ..supervisor.mode import choose as choose_recovery
 from ..supervisor.preflight import detections, misplaced, script_problem
 
 
@@ -93,9 +94,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--decision-wait", type=_seconds(positive=True), default=d.decision_wait_s,
                    help="several nodes: seconds a failed attempt waits for the other nodes' reports before its "
                    "verdict")
-    p.add_argument("--in-job", action="store_true",
-                   help="replace a failed rank with a warm spare while the other ranks stay alive (one node; the "
-                   "script calls ckptstore.inprocess.run); a cold relaunch when that cannot be done")
+    p.add_argument("--in-job", action=argparse.BooleanOptionalAction, default=None,
+                   help="replace a failed rank with a warm spare while the other ranks stay alive (the script "
+                   "calls ckptstore.inprocess.run). Default: on for a script that does (seen in its source), on a "
+                   "fixed number of nodes; --no-in-job: relaunch the whole job after every failure")
     p.add_argument("--spares", type=_count(0), default=None,
                    help="--in-job: warm spare processes per node (default 1)")
     p.add_argument("--memory-dir", default=d.memory_dir,
@@ -126,11 +128,14 @@ def _budget(text: str) -> str:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def in_job_problem(opts, nnodes: str) -> str | None:
-    """Why the in-job options cannot run as given (refused before any launch), or None."""
-    if opts.spares is not None and not opts.in_job:
-        return "--spares needs --in-job (spares replace failed ranks only in in-job recovery)"
-    if not opts.in_job:
+def in_job_problem(opts, nnodes: str, in_job: bool | None = None) -> str | None:
+    """Why the in-job options cannot run as given (refused before any launch), or None.
+    ``in_job``: the recovery chosen (supervisor/mode.py); None: as ``opts`` asks."""
+    in_job = opts.in_job if in_job is None else in_job
+    if opts.spares is not None and not in_job:
+        return ("--spares needs in-job recovery (spares replace failed ranks only there); it is off: "
+                + ("--no-in-job" if opts.in_job is False else "the script does not call ckptstore.inprocess.run"))
+    if not in_job:
         return None
     low, _, high = str(nnodes).partition(":")
     if high and low != high:
@@ -227,7 +232,8 @@ def run_command(argv) -> None:
     if problem:  # refused before any launch: it would fail the same way on every attempt
         click.echo(f"ckptstore run: {problem}", err=True)
         sys.exit(2)
-    problem = in_job_problem(opts, launch_args.nnodes)
+    in_job, recovery = choose_recovery(opts.in_job, launch_args)
+    problem = in_job_problem(opts, launch_args.nnodes, in_job)
     if problem:
         click.echo(f"ckptstore run: {problem}", err=True)
         sys.exit(2)
@@ -243,7 +249,7 @@ def run_command(argv) -> None:
                     no_progress_restarts=opts.no_progress_restarts, alert=opts.alert,
                     resume_timeout_s=opts.resume_timeout, save_timeout_s=opts.save_timeout,
                     section_factor=opts.section_factor, health_interval_s=opts.health_interval,
-                    in_job=opts.in_job, spares=(1 if opts.spares is None else opts.spares) if opts.in_job else 0,
+                    in_job=in_job, spares=(1 if opts.spares is None else opts.spares) if in_job else 0,
                     memory_dir=opts.memory_dir, memory_budget=opts.memory_budget,
                     abort_timeout_s=opts.abort_timeout, reform_timeout_s=opts.reform_timeout,
                     max_rounds_in_a_row=opts.max_rounds_in_a_row,
@@ -259,6 +265,6 @@ def run_command(argv) -> None:
     except (ValueError, CkptStoreError) as e:  # a store URL or run id that cannot be used
         click.echo(f"ckptstore run: {e}", err=True)
         sys.exit(2)
-    for line in detections(launch_args, policy):
+    for line in [f"recovery: {recovery}", *detections(launch_args, policy)]:
         click.echo(f"ckptstore run: {line}", err=True)
     sys.exit(sup.run())
