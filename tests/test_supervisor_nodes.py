@@ -591,6 +591,7 @@ def test_a_stray_report_file_interrupts_nobody():
     assert a.interrupted(0) is None and b.interrupted(0) is None
     a.report(0, Verdict("transient", "rank 0 was killed by SIGKILL", signal="SIGKILL"), False, None)
     assert b.interrupted(0) == "attempt 0 ended on node a-0"
+    assert b.interrupted(0, in_job=True) is None
 
 
 def test_the_multi_node_defaults_live_in_the_policy():
@@ -632,6 +633,8 @@ def test_a_supervisor_that_stopped_beating_is_not_waited_for_and_stops_a_running
     a.beats.beat()
     why = a.interrupted(0)
     assert why is not None and why.startswith("node b-1's supervisor stopped beating at 20"), why
+    # in-job, a lost node's ranks are taken by spares inside the attempt: only a verdict stops it
+    assert a.interrupted(0, in_job=True) is None
     a.report(0, Verdict("transient", f"stopped: {why}"), False, None)
     settled = a.settle(0, policy)
     assert waits == [] and settled.mine, waits  # no wait for a report that will never come

@@ -494,14 +494,20 @@ class Shared:
         return min(times) if times else None
 
     # ------------------------------------------------------------------ during an attempt
-    def interrupted(self, attempt: int) -> str | None:
+    def interrupted(self, attempt: int, in_job: bool = False) -> str | None:
         """Why this node's attempt must stop although its launcher still runs: the
-        attempt's verdict is written, or another node reported its end."""
+        attempt's verdict is written, or another node reported its end or stopped
+        beating. ``in_job``: only the verdict counts: a lost node's ranks are taken by
+        spares inside the attempt (its leader, agent.py, decides; a node whose
+        supervisor is gone or restarted no longer counts), and an attempt that cannot go
+        on ends through the agent."""
         v = self.verdict(attempt)
         if v is not None and v["action"] == "finish":
             return None  # another node finished first: this one's ranks finish too (rank 0 may still write)
         if v is not None:
             return f"the run's verdict on attempt {attempt} ({v['action']}, by {v.get('node')})"
+        if in_job:
+            return None
         leaves = self._leaves(attempt)
         members = {m.group(1) for m in map(_MEMBER_RE.fullmatch, leaves) if m}
         if any(m and m.group(1) != self.node for m in map(_REPORT_RE.fullmatch, leaves)):

@@ -285,7 +285,7 @@ class Supervisor:
                     break
                 if self.shared is not None and time.monotonic() >= peer_check:
                     peer_check = time.monotonic() + PEER_POLL_S
-                    why = self._shared_call(self.shared.interrupted, attempt)
+                    why = self._shared_call(self.shared.interrupted, attempt, self.policy.in_job)
                     if why:  # the attempt ended elsewhere: this node's ranks wait for peers that are gone
                         self._kill(signal.SIGKILL)
                         verdict = Verdict("transient", f"stopped: {why}")
