@@ -40,6 +40,7 @@ from .supervisor.progress import STEP_WINDOW, ProgressReporter, guard_worker
 from .supervisor.status import PRIOR_MTBF_S, status, young_daly
 from .supervisor.injob import ENV_ROUND
 
+MEMORY_OVERHEAD_SAVES = 50  # every="auto" with a memory tier: a save at least every 50 save costs (2%)
 PROGRESS_EVERY = 10.0  # seconds between progress records (each is one small PUT)
 
 
@@ -324,10 +325,17 @@ class Checkpointer:
         one failure a day before any) and the cost of this run's last save (the first
         save comes at the first step, to measure it); never more than
         ``supervisor.status.MAX_INTERVAL_S`` (6 hours) nor less than
-        ``MIN_INTERVAL_SAVES`` (5) times that cost, whatever the journal claims."""
+        ``MIN_INTERVAL_SAVES`` (5) times that cost, whatever the journal claims.
+        With a memory tier, also never more than ``MEMORY_OVERHEAD_SAVES`` (50) times
+        that cost: a save costing milliseconds is worth 2% of the time whatever the
+        MTBF is believed to be (before the first failure the prior says a day, and
+        Young/Daly would let a minute of work be lost to it)."""
         if self._save_blocking_s is None:
             return 0.0
-        return young_daly(self._save_blocking_s, self._mtbf_s)
+        interval = young_daly(self._save_blocking_s, self._mtbf_s)
+        if getattr(self.store, "memory", None) is not None:
+            interval = min(interval, MEMORY_OVERHEAD_SAVES * self._save_blocking_s)
+        return interval
 
     def _agree(self, preempted: bool, due_time: bool) -> tuple[bool, bool]:
         """Every rank's view, combined (any rank signalled / any rank's clock says due),

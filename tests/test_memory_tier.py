@@ -272,7 +272,17 @@ def test_every_auto_with_memory_saves_and_in_job_failures_picks_a_few_steps(tmp_
     assert 5 * blocking <= interval < 2.0, (blocking, interval)  # design 7.4: ~0.39 s at C = 6.5 ms
     ck._save_blocking_s = 0.0065
     assert 0.3 < ck.auto_interval_s() < 0.5
+    # before any failure (the prior: one a day) Young/Daly would say ~34 s; a memory save
+    # this cheap is made at least every 50 save costs (2% of the time)
+    from ckptstore.supervisor.status import PRIOR_MTBF_S
+    ck._mtbf_s = PRIOR_MTBF_S
+    assert ck.auto_interval_s() == pytest.approx(50 * 0.0065)
     ck.close()
+    plain = ckptstore.Checkpointer(ckptstore.Store(tmp_path / "one"), state={"s": {"w": torch.zeros(10)}},
+                                   every="auto", rng=False)
+    plain._save_blocking_s, plain._mtbf_s = 0.0065, PRIOR_MTBF_S
+    assert plain.auto_interval_s() > 30  # one tier: Young/Daly alone
+    plain.close()
 
 
 # ---------------------------------------------------------------------------- two ranks, a SIGKILL
