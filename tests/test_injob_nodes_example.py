@@ -100,3 +100,46 @@ def test_a_lost_node_restores_from_its_partners_memory_and_node_0_finishes_alone
     assert rec["restored_step"] >= replicated, rec
     resumed = [line for line in nodes.jobs[0].lines if line.startswith("rank 1: resumed at step")]
     assert resumed and "saved by 2 ranks" in resumed[-1], nodes.output()
+
+
+def test_node_ks_replicas_go_where_the_leader_first_looks_for_a_spare_after_node_k(tmp_path):
+    """Node k's workers replicate to ``partner_replica(k)``; with no spare on node k the
+    leader takes one on that same node for node k's ranks."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from ckptstore.supervisor import injob
+    from ckptstore.supervisor.agent import Conf, InJobAgent, Worker
+
+    nnodes, store = 4, dist.HashStore()
+    for node in range(nnodes):
+        injob.post_replica_server(store, node, f"host{node}", 7000 + node)
+    agent = InJobAgent(SimpleNamespace(nproc_per_node=2, nnodes=str(nnodes), node_rank=0), Conf(),
+                       str(tmp_path / "result.json"), str(tmp_path / "events.jsonl"), env={})
+    for k in range(nnodes):
+        spares = [Worker(f"on-{j}", None, "", spare=True, started_t=float(j), node=j) for j in range(nnodes) if j != k]
+        chosen = agent._choose([2 * k], spares)[2 * k]  # (rank 2k: node k's first)
+        assert injob.partner_replica(store, k, nnodes, timeout_s=0) == f"host{chosen.node}:{7000 + chosen.node}"
+
+
+def test_a_spare_holding_a_lost_nodes_rank_keeps_the_memory_tiers_records_in_the_in_job_store(tmp_path, monkeypatch):
+    """Node 0's spare given rank 1 of two nodes has WORLD_SIZE == LOCAL_WORLD_SIZE (2):
+    before, its memory tier took itself for one node's (records in its directory), found
+    no commit of the survivors and restored nothing from memory."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from ckptstore.storage.c10d import C10dStorage
+    from ckptstore.supervisor import injob
+    from ckptstore.tiers import memory_place
+
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    for name, value in {injob.ENV_MEMORY_DIR: str(tmp_path / "mem"), injob.ENV_STORE: f"127.0.0.1:{server.port}",
+                        injob.ENV_PREFIX: "ckptstore/r/0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+                        "GROUP_WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(name, value)
+    assert memory_place("auto", None, None) == (str(tmp_path / "mem"), None)  # one node: records beside the files
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+    assert isinstance(memory_place("auto", None, None)[1], C10dStorage)
