@@ -23,7 +23,11 @@ membership the leader posts and end on its verdicts (``stop``, ``cold``) or ``en
 leader counts a node whose beat stood still for ``injob.NODE_SILENT_S`` lost, with every
 rank on it (``agent:node``), and picks spares on the rank's node, then its partner node,
 then any. The leader's store lost -> the others end their workers (``launcher_error``:
-"in-job store lost"): the runners relaunch cold. Workers start through
+"in-job store lost"): the runners relaunch cold. Each agent of several nodes runs a
+replica server (replica.py) for its memory directory, and gives every worker the
+address of its partner's (node (k+1) mod N, ``CKPTSTORE_PEER_REPLICA``): node k's
+memory commits are copied there, where a spare for a lost node k's rank restores them
+(peers.py; tier ``peer``). Workers start through
 bootstrap.py (error files as under torchrun), each in a session of its own; spares at
 nice 5. The loop looks at every child each :data:`TICK_S` (``Popen.poll``: one
 ``waitpid(WNOHANG)`` each).
