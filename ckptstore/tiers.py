@@ -110,7 +110,11 @@ def memory_place(memory, local, local_shared) -> tuple[str | None, object]:
         if memory is None:
             return None, local_shared
         world, local_world = os.environ.get("WORLD_SIZE"), os.environ.get("LOCAL_WORLD_SIZE")
-        if local_shared is None and world and local_world and world != local_world:
+        # (several nodes: a spare that took a lost node's rank holds WORLD_SIZE ranks on
+        # one node of several; GROUP_WORLD_SIZE, the node count, still says so)
+        nodes = os.environ.get("GROUP_WORLD_SIZE", "")
+        several = bool(world and local_world and world != local_world) or (nodes.isdigit() and int(nodes) > 1)
+        if local_shared is None and world and local_world and several:
             local_shared = in_job_records(world, local_world)
     return (os.fspath(memory) if not isinstance(memory, str) else memory), local_shared
 

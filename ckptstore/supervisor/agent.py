@@ -23,7 +23,11 @@ membership the leader posts and end on its verdicts (``stop``, ``cold``) or ``en
 leader counts a node whose beat stood still for ``injob.NODE_SILENT_S`` lost, with every
 rank on it (``agent:node``), and picks spares on the rank's node, then its partner node,
 then any. The leader's store lost -> the others end their workers (``launcher_error``:
-"in-job store lost"): the runners relaunch cold. Workers start through
+"in-job store lost"): the runners relaunch cold. Each agent of several nodes runs a
+replica server (replica.py) for its memory directory, and gives every worker the
+address of its partner's (node (k+1) mod N, ``CKPTSTORE_PEER_REPLICA``): node k's
+memory commits are copied there, where a spare for a lost node k's rank restores them
+(peers.py; tier ``peer``). Workers start through
 bootstrap.py (error files as under torchrun), each in a session of its own; spares at
 nice 5. The loop looks at every child each :data:`TICK_S` (``Popen.poll``: one
 ``waitpid(WNOHANG)`` each).
@@ -159,6 +163,7 @@ class InJobAgent:
         self.world = self.nproc * self.nnodes
         self.leader = self.node == 0
         self.nodes = None  # injob_nodes.NodesStore (several nodes)
+        self.store = None  # the attempt's in-job store (_open_store)
         self.beat = None
         self.lost_nodes: set[int] = set()
         self.agent_hosts: dict[int, str] = {}
@@ -176,6 +181,7 @@ class InJobAgent:
         self.pending: Pending | None = None
         self.progress_dir = self.env.get(ENV_DIR, "")
         self.watch = ProgressWatch(time.monotonic())
+        self.replica = None  # replica.ReplicaServer: this node's, for its partner's peer replicas
 
     # ------------------------------------------------------------------ set-up
     def _open_store(self) -> None:
@@ -193,11 +199,42 @@ class InJobAgent:
             self.store = injob.attempt_store(self.base, self.prefix)
             self.beat = Beat(self.address, self.prefix, self.node)
             self.beat.start()
+            self._serve_replicas()
             return
         self.base = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                              timeout=timedelta(seconds=max(30.0, self.conf.reform_timeout_s)))
         self.address, self.host = f"127.0.0.1:{self.base.port}", "127.0.0.1"
         self.store = injob.attempt_store(self.base, self.prefix)
+
+    def _serve_replicas(self) -> None:
+        """Several nodes: this node's replica server (node k-1's ranks copy their memory
+        commits to it) before any worker starts, and the partner's address (node k+1's
+        server) in every worker's environment, members and spares alike (a spare given a
+        rank later replicates too). Node k's replicas live on node k+1, where the leader's
+        spare choice (``_choose``) looks first after node k itself. The partner not there
+        in time: no replication (a warning), the attempt goes on (a lost node's ranks then
+        restore from the durable store)."""
+        from .replica import ReplicaServer
+
+        self.replica = ReplicaServer(self.conf.memory_dir, self.conf.memory_budget or None) \
+            if self.conf.memory_dir else None
+        if self.replica is None:
+            return  # (no memory tier: nothing to replicate)
+        injob.post_replica_server(self.store, self.node, self.nodes.own_host, self.replica.start())
+        wait_s = min(30.0, self.conf.reform_timeout_s)
+        partner = injob.partner_replica(self.store, self.node, self.nnodes, timeout_s=wait_s)
+        if partner is None:
+            print(f"ckptstore agent: node {(self.node + 1) % self.nnodes}'s replica server did not say where it "
+                  f"listens within {wait_s:g}s: node {self.node}'s memory commits are not replicated (if this "
+                  "node is lost, its ranks restore from the durable store)", file=sys.stderr, flush=True)
+            return
+        self.env[injob.ENV_PEER_REPLICA] = partner
+
+    def close(self) -> None:
+        """What the agent holds beyond its workers: the replica server."""
+        if self.replica is not None:
+            self.replica.close()
+            self.replica = None
 
     def _cmd(self) -> list[str]:
         a = self.args
@@ -215,6 +252,10 @@ class InJobAgent:
                     injob.ENV_ABORT_TIMEOUT: f"{self.conf.abort_timeout_s:g}",
                     injob.ENV_MEMORY_DIR: self.conf.memory_dir,
                     injob.ENV_MEMORY_BUDGET: str(self.conf.memory_budget),
+                    # the attempt's node count, to spares too: a spare given another node's rank
+                    # has WORLD_SIZE == LOCAL_WORLD_SIZE on one node of two, yet its memory
+                    # tier's records must stay in the in-job store (tiers.memory_place)
+                    "GROUP_WORLD_SIZE": str(self.nnodes),
                     "TORCHELASTIC_ERROR_FILE": error_file,
                     "TORCHELASTIC_RUN_ID": self._run_id(),
                     "TORCHELASTIC_RESTART_COUNT": str(self.conf.attempt),
@@ -256,6 +297,12 @@ class InJobAgent:
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> int:
+        try:
+            return self._run()
+        finally:
+            self.close()  # (after the workers ended on every path: their last replication is in)
+
+    def _run(self) -> int:
         self._open_store()
         for r in range(self.node * self.nproc, (self.node + 1) * self.nproc):
             self._start(rank=r)
@@ -623,7 +670,7 @@ class InJobAgent:
                 self.store.set(injob.agent_key(self.node, "done"), reason)
             except Exception:  # noqa: BLE001 - the leader's store is gone: nobody waits for this
                 pass
-        elif self.nnodes > 1:
+        elif self.nnodes > 1 and self.store is not None:  # (None: the agent failed before it had one)
             others = [injob.agent_key(k, "done") for k in range(1, self.nnodes) if k not in self.lost_nodes]
             injob.wait_for(self.store, others, END_GRACE_S + 5.0)
 

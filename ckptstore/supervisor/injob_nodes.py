@@ -64,6 +64,8 @@ class NodesStore:
         if args.rdzv_backend == "static":
             conf["rank"] = node
         endpoint = _endpoint(args)
+        # this node's address as the others reach it (its replica server's): as the leader's
+        self.own_host = advertised_host(endpoint.rpartition(":")[0] or endpoint)
         params = RendezvousParameters(backend=args.rdzv_backend, endpoint=endpoint, run_id=args.rdzv_id,
                                       min_nodes=nnodes, max_nodes=nnodes, local_addr=args.local_addr, **conf)
         self.handler = get_rendezvous_handler(params)  # kept: its store (on one node) for the attempt
@@ -80,7 +82,7 @@ class NodesStore:
         from torch.distributed import TCPStore
 
         if node == 0:
-            host = advertised_host(endpoint.rpartition(":")[0] or endpoint)
+            host = self.own_host
             self.base = TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=store_timeout)
             self.address = f"{host}:{self.base.port}"
             rdzv.set("leader", self.address)
