@@ -192,6 +192,14 @@ class Store:
             return self._tiers.save(step, state, metrics, replicated, durable, stream)
         return self.save_here(step, state, metrics, replicated=replicated, stream=stream)
 
+    def promote_newest(self) -> SaveFuture | None:
+        """With a memory tier: promote the newest save no promotion covers to the durable
+        tier (the memory tier does not outlive the job); its future, or None. Every rank
+        calls it alike. Other stores: None."""
+        if self._tiers is None or self._tiers.name != "memory":
+            return None
+        return self._tiers.promote_newest()
+
     def save_here(self, step: int, state: Any, metrics: dict | None = None, *,
                   replicated: list[str] | tuple[str, ...] = (), stream=None) -> SaveFuture:
         """``save`` to this store's own storage, whatever tiers it has above it (Tiers

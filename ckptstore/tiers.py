@@ -303,6 +303,7 @@ class Tiers:
         if local_shared is not None:
             storage = SplitStorage(places["local_shared"], storage)
         self.durable, self.durable_every, self.name, self.budget = durable, durable_every, name, budget
+        self._unpromoted = None  # the newest save no promotion covers (promote_newest)
         # Peer replicas (peers.py): on several nodes (records every node reads), when the
         # agent named the partner node's replica server. Retention keeps the newest
         # replicated step whatever this process does (rank 0 may be a spare without a
@@ -416,10 +417,24 @@ class Tiers:
         future = self.local.save(step, state, metrics, replicated=replicated, stream=stream)
         if split:
             future.add_done_callback(lambda f, r=rank, w=world: self._after_local_commit(f, r, w))
+        fence = None if epoch is None else functools.partial(check_fence, self.durable.storage, epoch)
         if durable or self._saves % self.durable_every == 0:
-            fence = None if epoch is None else functools.partial(check_fence, self.durable.storage, epoch)
             self.promoter.schedule(future, rank, world, fence, first=durable)
+            self._unpromoted = None
+        else:
+            self._unpromoted = (future, rank, world, fence)
         return future
+
+    def promote_newest(self) -> SaveFuture | None:
+        """Promote the newest save of this process that no promotion covers (None: there
+        is none). For a memory tier at the end of training: it is removed with the job,
+        so the last steps would be gone with it. Every rank calls it alike (the same
+        newest save), and its promotion is waited for as any (``ckptstore.wait()``, exit)."""
+        pending, self._unpromoted = self._unpromoted, None
+        if pending is None:
+            return None
+        future, rank, world, fence = pending
+        return self.promoter.schedule(future, rank, world, fence, first=True)
 
     def _fits(self, state, group, world: int) -> bool:
         """Whether this save fits the memory tier's budget on every rank: the node
@@ -438,6 +453,7 @@ class Tiers:
         """A save over the memory tier's budget: to the durable tier directly (the
         training step goes on), one warning per process."""
         self.full = True
+        self._unpromoted = None  # (this save goes to the durable tier itself)
         if not self._warned_full:
             self._warned_full = True
             warnings.warn(f"{self.local.url}: the memory tier's budget ({self.budget} bytes) would be passed by the "

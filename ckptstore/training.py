@@ -117,7 +117,7 @@ class Checkpointer:
         if self._reporter is not None:
             guard_worker()
             lifecycle.on_wait(self._on_wait)
-        inprocess.at_round_end(self.close)  # (in-job mode: the handlers go with the round)
+        inprocess.at_round_end(self._restore_handlers)  # (in-job mode: the handlers go with the round)
         self._last_step_time: float | None = None
         self._step_s: float | None = None  # smoothed training step time
         self._recent_steps: deque = deque(maxlen=STEP_WINDOW)  # the last step times (stragglers)
@@ -263,7 +263,14 @@ class Checkpointer:
             self._waiting_from = None
 
     def close(self) -> None:
-        """Restore the signal handlers; in-flight saves keep going (``ckptstore.wait()``)."""
+        """Restore the signal handlers; in-flight saves keep going (``ckptstore.wait()``
+        and the exit wait for them). With a memory tier, the newest save is promoted to
+        the durable tier now if no promotion covers it: the memory tier is removed with
+        the job (a collective in effect: every rank closes after the same saves)."""
+        self._restore_handlers()
+        self.store.promote_newest()
+
+    def _restore_handlers(self) -> None:
         for signum, previous in self._previous.items():
             if threading.current_thread() is threading.main_thread():
                 signal.signal(signum, previous)

@@ -64,6 +64,23 @@ def test_auto_saves_and_loads_through_the_memory_tier_in_job(tmp_path, in_job):
     assert (in_job / "tier-binding.json").is_file()
 
 
+def test_closing_the_checkpointer_promotes_the_newest_memory_step(tmp_path, in_job):
+    """The memory tier is removed with the job: the last steps must not go with it."""
+    store = ckptstore.Store(tmp_path / "durable", memory="auto", durable_every=1000)
+    ck = ckptstore.Checkpointer(store, state={"s": {"w": torch.zeros(8)}}, every=1, rng=False)
+    ck.resume()
+    for step in range(3):
+        ck.step(step)
+    ckptstore.wait()
+    assert store.committed_steps() == []  # none due for promotion (durable_every=1000)
+    ck.close()
+    ckptstore.wait()
+    assert store.committed_steps() == [2]
+    assert store.promote_newest() is None  # nothing left uncovered
+    one = ckptstore.Store(tmp_path / "one")
+    assert one.promote_newest() is None  # one tier: nothing to do
+
+
 def test_without_the_environment_auto_means_no_memory_tier(tmp_path, monkeypatch):
     monkeypatch.delenv(injob.ENV_MEMORY_DIR, raising=False)
     store = ckptstore.Store(tmp_path / "durable", memory="auto")
