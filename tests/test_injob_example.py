@@ -57,3 +57,16 @@ def test_a_hung_rank_is_woken_and_the_job_recovers_in_job(tmp_path, reference):
     assert_bit_identical(job.final, reference)
     recoveries = kinds(journal(tmp_path / "store"), "recovery")
     assert len(recoveries) == 1 and recoveries[0]["detected_by"] == "agent:hang", recoveries
+
+
+def test_a_stopped_rank_is_replaced_without_waiting_out_the_abort_timeout(tmp_path, reference):
+    """SIGSTOP: a process that runs no code cannot leave the round; the agent sees its
+    state and replaces it at once (an abort timeout of 10 min would otherwise hold the run)."""
+    job = _in_job(tmp_path, "--hang-timeout", "3", "--abort-timeout", "600")
+    job.at_step(1, 6)
+    os.kill(job.pids[1], 19)  # SIGSTOP
+    assert job.finish() == 0, job.output()[-3000:]
+    assert_bit_identical(job.final, reference)
+    [rec] = kinds(journal(tmp_path / "store"), "recovery")
+    assert rec["detected_by"] == "agent:hang" and rec["ranks"] == [1], rec
+    assert "was stopped (SIGSTOP or a tracer)" in rec["reason"], rec

@@ -130,7 +130,7 @@ class Worker:
     local_rank: int | None = None
     hello: dict | None = None
     returncode: int | None = None
-    killed_for: str | None = None  # "hang", "not left": why the agent killed it
+    killed_for: str | None = None  # "hang", "not left", "stopped": why the agent killed it
     exit_t: float | None = None
     node: int = 0
     record: dict | None = None  # how it ended, from its own agent (another node's worker)
@@ -438,6 +438,8 @@ class InJobAgent:
             verdict = classify_one(record, primary, step, self.previous_signature)
             if self.members[primary].killed_for == "not left":
                 verdict.reason = f"rank {primary} did not leave round {r} within {bound:g}s ({what[:500]}): killed"
+            elif self.members[primary].killed_for == "stopped":
+                verdict.reason = f"rank {primary} was stopped (SIGSTOP or a tracer) in round {r} ({what[:500]}): killed"
         else:  # every member left: the same members re-form
             primary, record = None, {}
             verdict = Verdict("transient", f"round {r} failed with no process lost: {what[:1000]}")
@@ -514,14 +516,20 @@ class InJobAgent:
                     pending.discard(k)
                     failed[k] = self._record(w)
                     injob.post_fault(self.store, r, ranks=[k], cause=_how(failed[k]), detected_by=w.detected_by)
-            if pending and time.monotonic() >= deadline:
-                for k in pending:
+            # A stopped process (SIGSTOP, a debugger) cannot leave whatever the wait: it
+            # is failed now, not after the whole bound.
+            frozen = {k for k in pending if _stopped(self.members[k])}
+            if frozen or (pending and time.monotonic() >= deadline):
+                for k in (frozen or pending):
                     w = self.members[k]
-                    w.killed_for = "not left"
+                    w.killed_for = "stopped" if k in frozen else "not left"
                     self._kill(w)
                     failed[k] = {"local_rank": w.local_rank, "pid": w.pid, "exitcode": -9, "signal": "SIGKILL",
                                  "error": None, "first": None, "traceback": None, "timestamp": int(time.time())}
-                break
+                pending -= frozen or pending
+                if not pending:
+                    break
+                continue
             time.sleep(TICK_S)
         return got
 
@@ -882,6 +890,20 @@ def _how(record: dict) -> str:
     if record.get("signal"):
         return f"killed by {record['signal']}"
     return f"exited with code {record.get('exitcode')}"
+
+
+def _stopped(w: Worker) -> bool:
+    """Whether this node's worker ``w`` is stopped (state T or t in /proc: SIGSTOP, a
+    tracer): it runs no code, so it will never leave a round."""
+    if w.proc is None or w.returncode is not None:
+        return False
+    try:
+        with open(f"/proc/{w.proc.pid}/stat", "rb") as fh:
+            stat = fh.read()
+    except OSError:
+        return False
+    end = stat.rfind(b")")  # (the command name may hold spaces and parentheses)
+    return stat[end + 2:end + 3] in (b"T", b"t")
 
 
 def _signal(w: Worker, signum: int) -> None:
