@@ -445,3 +445,38 @@ def test_on_two_nodes_the_ranks_commit_through_the_in_job_store_and_restore_from
 
 if __name__ == "__main__":
     child(sys.argv[1], int(sys.argv[2]), sys.argv[3])
+
+
+def test_c10d_listings_cost_what_is_live_not_what_was_ever_saved():
+    """A memory tier on several nodes saving every step: its commit records come and go.
+    A listing must not probe every object a long job ever wrote (it once made each
+    commit slower than the last: 1 s per step after 100 steps)."""
+    from ckptstore.storage.c10d import C10dStorage
+
+    class Counting:
+        def __init__(self):
+            self.inner, self.calls = torch.distributed.HashStore(), 0
+
+        def __getattr__(self, name):
+            method = getattr(self.inner, name)
+
+            def counted(*a):
+                self.calls += 1
+                return method(*a)
+            return counted
+
+    store = Counting()
+    storage = C10dStorage(store, "mem/")
+    for step in range(60):
+        for name in ("vote-0.json", "vote-1.json", "manifest.json"):
+            storage.put(f"step-{step:04d}/a/{name}", b"x")
+        if step >= 2:  # retention: the last two steps
+            for name in ("vote-0.json", "vote-1.json", "manifest.json"):
+                storage.delete(f"step-{step - 2:04d}/a/{name}")
+    store.calls = 0
+    assert storage.list() == ["step-0058/", "step-0059/"]
+    assert sorted(i.key for i in storage.walk()) == [f"step-{s:04d}/a/{n}" for s in (58, 59)
+                                                     for n in ("manifest.json", "vote-0.json", "vote-1.json")]
+    assert store.calls < 20, store.calls  # two live steps: a handful of requests, not hundreds
+    storage.put("step-0010/a/late.json", b"y")  # a directory that went comes back with a new child
+    assert "step-0010/" in storage.list() and storage.list("step-0010/a") == ["late.json"]

@@ -5,15 +5,20 @@ each node's tmpfs (storage/split.py). Design: docs/design/in-job-restart.md, 5.2
 
 Layout under the root ``<prefix>``: ``<prefix>o/<key>`` holds an object (a header of
 magic, nonce and mtime, then its bytes); ``<prefix>i/<dir>`` is the index of a
-directory, its children's names appended one by one, each ended by a NUL (a byte no key
-may hold: storage/base.check_key). Reads never block: a key is read with
+directory: entries appended one by one, ``+name`` when a child appears and ``-name``
+when it goes, each ended by a NUL (a byte no key may hold: storage/base.check_key); a
+subdirectory's name ends with ``/``. The live children are the replay of its entries,
+so a listing costs requests in proportion to what is there now, not to everything a
+long job ever saved (a job saving every step listed thousands of dead names). A
+directory whose last child went is marked gone in its parent, then its index is read
+again: a child added meanwhile (whose writer appends to the index first, then looks
+at the parent) is seen by one of the two, which marks the directory live again. Reads never block: a key is read with
 ``compare_set(key, PROBE, PROBE)``, which returns PROBE for a missing key and the value
 unchanged for any other (``get`` would wait for a missing key until the store's
 timeout). Create-only puts are ``compare_set(key, "", value)``: won iff the value
 returned is ours (every value carries a random nonce, so no two writers' are equal).
-Objects are capped at :data:`MAX_OBJECT_BYTES`; an index only grows (a deleted object's
-name stays in it, and listings leave it out), which suits the few hundred records of a
-job's memory tier.
+Objects are capped at :data:`MAX_OBJECT_BYTES`; an index only grows (by a few bytes
+per object ever written there), which suits a job's memory tier.
 """
 
 from __future__ import annotations
@@ -86,20 +91,37 @@ class C10dStorage(Storage):
                                       f"{MAX_OBJECT_BYTES} (commit records only: data files go elsewhere)")
         return _HEADER.pack(_MAGIC, os.urandom(8), time.time()) + data
 
+    def _entry(self, directory: str, sign: str, name: str) -> None:
+        with self._lock:
+            self._store.append(self._idx(directory), sign + name + SEP)
+
     def _index(self, full: str) -> None:
-        """Name ``full`` in its directory's index, and each directory above it in its
-        parent's, until one was indexed already (its index key existed)."""
+        """Name ``full`` live in its directory's index, then each directory above it in
+        its parent's, up to the first that its parent lists live already (appended to
+        the index first, the parent read after: see the module's note on races)."""
         parts = full.split("/")
-        for depth in range(len(parts) - 1, -1, -1):
-            directory, name = "/".join(parts[:depth]), parts[depth] + ("/" if depth < len(parts) - 1 else "")
-            key = self._idx(directory)
-            with self._lock:
-                existed = self._store.check([key])
-                self._store.append(key, name + SEP)
-            if existed:
+        self._entry("/".join(parts[:-1]), "+", parts[-1])
+        for depth in range(len(parts) - 2, -1, -1):
+            parent, name = "/".join(parts[:depth]), parts[depth] + "/"
+            if name in self._names(parent):
                 return
+            self._entry(parent, "+", name)
+
+    def _prune(self, full_dir: str) -> None:
+        """``full_dir`` lost a child: if it holds no live child, mark it gone in its
+        parent (and so on up), unless a child appeared meanwhile."""
+        while full_dir:
+            parent, _, name = full_dir.rpartition("/")
+            if self._names(full_dir):
+                return
+            self._entry(parent, "-", name + "/")
+            if self._names(full_dir):  # a writer added a child meanwhile: live again
+                self._entry(parent, "+", name + "/")
+                return
+            full_dir = parent
 
     def _names(self, full_dir: str) -> list[str]:
+        """The live children of ``full_dir`` (the replay of its index)."""
         try:
             with self._lock:
                 value = self._store.compare_set(self._idx(full_dir), PROBE, PROBE)
@@ -107,7 +129,13 @@ class C10dStorage(Storage):
             raise StorageError(f"{self.describe()}: the store cannot be read ({type(e).__name__}: {e})") from e
         if value == PROBE:
             return []
-        return sorted({n for n in bytes(value).decode().split(SEP) if n})
+        live: set[str] = set()
+        for entry in bytes(value).decode().split(SEP):
+            if entry[:1] == "+":
+                live.add(entry[1:])
+            elif entry[:1] == "-":
+                live.discard(entry[1:])
+        return sorted(live)
 
     # ------------------------------------------------------------------ the contract
     def put(self, key: str, data, *, if_absent: bool = False) -> None:
@@ -156,6 +184,11 @@ class C10dStorage(Storage):
         try:
             with self._lock:
                 self._store.delete_key(self._obj(full))
+            directory, _, name = full.rpartition("/")
+            self._entry(directory, "-", name)
+            self._prune(directory)
+        except StorageError:
+            raise
         except Exception as e:
             raise StorageError(f"{self.describe(key)}: the store cannot be written ({type(e).__name__}: {e})") from e
 
@@ -164,19 +197,9 @@ class C10dStorage(Storage):
         out = []
         for name in self._names(base):
             full = f"{base}/{name}" if base else name
-            if name.endswith("/"):
-                if self._holds_any(full.rstrip("/")):
-                    out.append(name)
-            elif self._raw(full) is not None:
+            if name.endswith("/") or self._raw(full) is not None:  # (a directory is listed live by its parent)
                 out.append(name)
         return out
-
-    def _holds_any(self, full_dir: str) -> bool:
-        for name in self._names(full_dir):
-            full = f"{full_dir}/{name}"
-            if self._holds_any(full.rstrip("/")) if name.endswith("/") else self._raw(full) is not None:
-                return True
-        return False
 
     def walk(self, prefix: str = "") -> Iterator[ObjectInfo]:
         base = self._full(self._check(prefix, prefix=True))  # checked now, not at the first next()
