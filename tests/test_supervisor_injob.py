@@ -87,7 +87,7 @@ def test_a_killed_rank_is_replaced_by_a_spare_within_the_attempt(tmp_path):
     assert st["recoveries"]["count"] == 1 and st["recoveries"]["restore_from"] == {"local": 2}
     assert st["recovery_s"] >= rec["first_step_s"]
     assert "in-job        1 recovery, median" in status(job.store)
-    run = latest_run(open_storage(str(job.store)))
+    run = memory.run_dir_name(latest_run(open_storage(str(job.store))), str(job.store))  # (its id, its store's digest)
     assert job.result()["memory_dir"] == str(job.mem / run / "0") and int(job.result()["memory_budget"]) > 0
     assert not (job.mem / run).exists()  # the memory directory went with the run
 

@@ -11,6 +11,7 @@ agent, which passes them to every worker (``injob.ENV_MEMORY_DIR``,
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
@@ -51,6 +52,13 @@ def budget_bytes(spec: str, meminfo: str = "/proc/meminfo") -> int:
     except (OSError, ValueError, IndexError):
         pass
     return 0
+
+
+def run_dir_name(run_id: str, store_url: str) -> str:
+    """The run's directory name under the memory root: its id and a digest of its store,
+    so that the same ``--run-id`` given to another store (a copied launch script, a
+    bench) never finds this store's memory tier, which its binding would refuse."""
+    return f"{run_id}-{hashlib.sha256(store_url.encode()).hexdigest()[:8]}"
 
 
 def node_dir(root: str, run_id: str, node: int | str) -> str:

@@ -330,13 +330,16 @@ class Supervisor:
             return
         self._memory_budget = memory.budget_bytes(self.policy.memory_budget)
         try:
-            self._memory_path = memory.claim_dir(self.policy.memory_dir, self.journal.run_id, self._node())
+            self._memory_path = memory.claim_dir(self.policy.memory_dir, self._memory_run(), self._node())
         except OSError as e:  # no tmpfs there: the ranks save without the memory tier
-            say(f"memory tier: cannot create {self.policy.memory_dir}/{self.journal.run_id}/{self._node()}: {e}")
+            say(f"memory tier: cannot create {self.policy.memory_dir}/{self._memory_run()}/{self._node()}: {e}")
+
+    def _memory_run(self) -> str:
+        return memory.run_dir_name(self.journal.run_id, self.store_url)
 
     def _release_memory(self) -> None:
         if getattr(self, "_memory_path", ""):
-            memory.release_dir(self.policy.memory_dir, self.journal.run_id, self._node())
+            memory.release_dir(self.policy.memory_dir, self._memory_run(), self._node())
 
     def _agent_conf(self, attempt: int) -> dict:
         p = self.policy
