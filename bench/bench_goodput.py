@@ -574,7 +574,11 @@ def run_one(mode: Mode, schedule: str, args, work: str, tag: str, faulted: bool)
     rcs = [la.proc.returncode for la in current]
     output = "\n".join(line for _, _, line in watch.lines)
     steps = watch.top + 1
-    finished = not timed_out and all(rc == 0 for rc in rcs)
+    # A node lost for good (--no-node-restart) ends by its kill: the job finished when the
+    # launchers still running (node 0's, which rank 0's --final comes from) exit 0.
+    lost = {i for i, la in enumerate(current) if schedule == "node" and not args.node_restart and faults
+            and la.proc.returncode is not None and la.proc.returncode < 0}
+    finished = not timed_out and all(rc == 0 for i, rc in enumerate(rcs) if i not in lost) and len(lost) < len(rcs)
     ends = [(end, rank, args.steps, -1) for rank in range(NRANKS)] if finished else []
     interval = args._interval.get((mode.name, nodes)) or args.step_delay
     losses = fault_losses(faults, watch.steps + ends, interval)
