@@ -101,7 +101,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--spares", type=_count(0), default=None,
                    help="--in-job: warm spare processes per node (default 1)")
     p.add_argument("--memory-dir", default=d.memory_dir,
-                   help="--in-job: where the node's memory tier lives (tmpfs; <dir>/<run>/<node>, removed at the end)")
+                   help="--in-job: where the node's memory tier lives (tmpfs; <dir>/<run>-<store digest>/<node>, removed at the end)")
     p.add_argument("--memory-budget", type=_budget, default=d.memory_budget,
                    help="--in-job: bytes the memory tier may hold, or N%% of the available memory at the start")
     p.add_argument("--abort-timeout", type=_seconds(positive=True), default=d.abort_timeout_s,

@@ -1,5 +1,5 @@
 """The node's memory directory for the memory tier (docs/design/in-job-restart.md,
-sections 5.1 and 7): ``<memory-dir>/<run>/<node>`` on tmpfs (default
+sections 5.1 and 7): ``<memory-dir>/<run>-<store digest>/<node>`` on tmpfs (default
 ``/dev/shm/ckptstore``), mode 0700, owned by ``ckptstore run`` for the whole run (not
 per attempt: a cold relaunch still finds what the ranks saved there) and removed at
 every exit of the supervisor; and the budget the ranks may fill it with.
