@@ -340,7 +340,7 @@ class Checkpointer:
         if self._save_blocking_s is None:
             return 0.0
         interval = young_daly(self._save_blocking_s, self._mtbf_s)
-        if getattr(self.store, "memory", None) is not None:
+        if getattr(getattr(self, "store", None), "memory", None) is not None:  # (a memory tier)
             interval = min(interval, MEMORY_OVERHEAD_SAVES * self._save_blocking_s)
         return interval
 

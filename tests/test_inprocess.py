@@ -257,7 +257,10 @@ def test_many_rounds_in_one_process_atomic_sleep_and_no_leaks(agents):
     assert f"the job stops after round {rounds}: rank 1: a deterministic error" in a0.output()
     injob.end(agent.store, "stopped", 10)
     spare = agent.spares[0][1]
-    assert spare.finish() == 0 and spare.lines == []  # never assigned: exits quietly at the end
+    # never assigned: exits quietly at the end (a checkout without the built extension
+    # warns once at import that it uses the slower fallback: not the spare's saying)
+    said = [line for line in spare.lines if "ckptstore.native" not in line and "import native" not in line]
+    assert spare.finish() == 0 and said == [], spare.lines
     assert all(len(p) == 1 for p in pids.values())
     for rank in (0, 1):
         assert len(set(fds[rank][1:])) == 1, f"rank {rank} fds per round: {fds[rank]}"
