@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -28,7 +29,7 @@ from ckptstore.runtime import runtime
 from ckptstore.storage import LocalStorage
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from procs.harness import HANG_GUARD_S, LineReader, child_env, free_port  # noqa: E402
+from procs.harness import HANG_GUARD_S, LineReader, child_env  # noqa: E402
 from s3util import aws_env  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("observe_earlier_failures")
@@ -114,7 +115,12 @@ def test_ctrl_c_at_exit_says_what_it_waits_for_and_a_second_ctrl_c_abandons_the_
             "print('saved', flush=True)\n"
             "while True:\n"
             "    time.sleep(0.05)  # training goes on until Ctrl-C\n")
-    env = child_env(CKPTSTORE_ATEXIT_TIMEOUT=200, **aws_env(f"http://127.0.0.1:{free_port()}"))
+    # A port held bound and never listened on: every connection is refused, and no other
+    # process of the suite can take it meanwhile (a freed port could be reused by a
+    # server that accepts and never answers: the child's requests would hang instead).
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    env = child_env(CKPTSTORE_ATEXIT_TIMEOUT=200, **aws_env(f"http://127.0.0.1:{closed.getsockname()[1]}"))
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     out, err = LineReader(proc.stdout), LineReader(proc.stderr)
