@@ -1,28 +1,36 @@
-"""Two tiers: every save commits to a fast local store; every K-th is then promoted to
-the durable store in the background (checkpoint/promote.py), one at a time, in order.
+"""Tiers: every save commits to a fast upper tier (the memory tier, else a local disk
+tier); with both, every ``local_every``-th save is promoted to the local tier, and every
+``durable_every``-th to the durable store, in the background (checkpoint/promote.py),
+one at a time per target tier, in order. Both promotions read the tier the save
+committed to (memory): the faster source, and durability never waits for the disk copy.
 
 Everything about a Store of more than one tier lives here: the chain of tiers and
 their save (:class:`Tiers`), the role of a Store serving as an upper tier
 (:class:`UpperTier`: its fence, the steps it keeps), the load that falls back from one
-tier's copy to the next (:func:`load_first`), the promotions (:class:`Promoter`), the
-sweep of a node's own files (:func:`sweep_own_data`) and the binding of a local place
-to its durable store (:func:`check_places`).
+tier's copy to the next (:func:`load_first`), the promotions to one tier
+(:class:`Promoter`), the sweep of a node's own files (:class:`NodeSweep`,
+:func:`sweep_own_data`) and the binding of the upper places to their durable store
+(:func:`check_places`).
 
-The interface with store.py is explicit and public on both sides. A Store calls
-``Tiers.save``, ``Tiers.upper_steps``, ``Tiers.holders`` and :func:`load_first`, and
-asks its ``UpperTier`` role (when it is a tier) ``fence`` and ``kept``. Of a Store
-this module uses ``url``, ``storage``, ``keep``, ``grace``, ``epoch``,
-``process_group``, ``location``, ``save``, ``steps``, ``committed_steps``,
-``apply_retention`` and ``upper_tier`` (which builds a Store serving as a tier), and
-nothing private. The memory tier (docs/tiers.md, "The memory tier") is the same chain
-with a tmpfs directory in the local tier's place, a budget, and the in-job round as its
-fence (:class:`RoundFence`); a chain of three (memory, local, durable) is not built.
+The interface with store.py is explicit and public on both sides. A Store builds
+``Tiers(durable, memory=, local=, ...)`` (after :func:`memory_place`,
+:func:`memory_budget_of`, :func:`check_every`), calls its ``save``,
+``promote_newest``, ``steps``, ``holders``, ``load_order``, ``tier_of_copy`` and
+``tier(name)``, reads its ``durable_every``, ``local_every`` and ``full``, calls
+:func:`load_first`, and asks its ``UpperTier`` role (when it is a tier)
+``commit_fence``, ``fence`` and ``kept``. Of a Store this module uses ``url``,
+``storage``, ``keep``, ``grace``, ``epoch``, ``process_group``, ``location``, ``save``,
+``save_here``, ``steps``, ``committed_steps``, ``apply_retention`` and ``upper_tier``
+(which builds a Store serving as a tier), and nothing private. The memory tier
+(docs/tiers.md, "The memory tier") is an upper tier in a tmpfs directory with a budget
+and the in-job round as its fence (:class:`RoundFence`); docs/tiers.md "Three tiers"
+describes the chain memory -> local -> durable.
 
-A promotion is a :class:`~ckptstore.SaveFuture` of the durable location, tracked like
+A promotion is a :class:`~ckptstore.SaveFuture` of the target's location, tracked like
 a save: ``ckptstore.wait()`` waits for it and raises its error, the exit drain waits
 for it (bounded) and beats its heartbeat, so gc in the durable store never takes a
 promotion in flight for debris. A failed promotion does not fail the next save (the
-local tier still works): it warns, the next ``wait()`` raises it, and the next due one
+upper tier still works): it warns, the next ``wait()`` raises it, and the next due one
 tries again.
 """
 
@@ -517,10 +525,11 @@ class Tiers:
             return
         hosts = sorted(set(gather(socket.gethostname(), group)))
         if len(hosts) > 1:
+            what = "local_shared=, a location every rank shares" if unsplit[0] == "local" else (
+                "a place every rank shares for its commit records (memory=\"auto\" under ckptstore run --in-job "
+                "keeps them in the in-job store; without a local tier, local_shared= may name one)")
             raise ValueError(f"{self.durable.url}: a {unsplit[0]} tier on several nodes ({', '.join(hosts[:4])}"
-                             f"{', ...' if len(hosts) > 4 else ''}) needs "
-                             f"{'local_shared=' if unsplit[0] == 'local' else 'memory=auto under ckptstore run --in-job, or local_shared= without a local tier'}"
-                             ", a location every rank shares for its commit records; see docs/tiers.md")
+                             f"{', ...' if len(hosts) > 4 else ''}) needs {what}; see docs/tiers.md")
         self._one_node = True
 
     def promote_newest(self) -> SaveFuture | None:
