@@ -11,6 +11,8 @@ import json
 import os
 import shutil
 import socket
+import subprocess
+import sys
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -21,6 +23,8 @@ import torch
 import ckptstore
 from ckptstore.supervisor import injob
 from ckptstore.tiers import MemoryFullWarning, TierFallbackWarning
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # Loading one saved rank's state with rank= in a single process (the two-rank test).
 pytestmark = pytest.mark.filterwarnings(r"ignore:.*saved by \d+ ranks, loading on")
@@ -133,6 +137,32 @@ def test_a_cold_restart_resumes_from_the_local_tiers_newer_step_and_counts_on(tm
         restarted.save(step, state(step)).result()
     ckptstore.wait()
     assert restarted.committed_steps() == [4, 8]
+
+
+def test_a_supervised_workers_progress_record_names_the_local_tier_after_a_cold_restart(tmp_path):
+    """The supervisor's journal takes a resume's tier from the progress record
+    (``resumed_tier``): in a child process, as a supervised worker, after a cold restart."""
+    store = three(tmp_path, durable_every=10, local_every=1)
+    ck = ckptstore.Checkpointer(store, state={"s": {"w": torch.arange(8.0)}}, every=1, rng=False, signals=())
+    for step in range(ck.resume(), 2):
+        ck.step(step)
+    ckptstore.wait()
+    assert store.local.steps() == [0, 1] and store.committed_steps() == []
+    resume = ("import sys, torch, ckptstore\n"
+              "store = ckptstore.Store(sys.argv[1], memory=sys.argv[2], local=sys.argv[3], durable_every=10,"
+              " local_every=1)\n"
+              "ck = ckptstore.Checkpointer(store, state={'s': {'w': torch.zeros(8)}}, every=1, rng=False,"
+              " signals=())\n"
+              "assert ck.resume() == 2\n")
+    progress = tmp_path / "progress"
+    progress.mkdir()
+    done = subprocess.run([sys.executable, "-W", "ignore", "-c", resume, str(tmp_path / "durable"),
+                           str(tmp_path / "mem-after-restart"), str(tmp_path / "local")],  # the memory gone
+                          capture_output=True, text=True, timeout=240,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT), CKPTSTORE_PROGRESS_DIR=str(progress)))
+    assert done.returncode == 0, done.stderr[-3000:]
+    record = json.loads((progress / "rank-0.json").read_text())
+    assert (record["resumed_step"], record["resumed_tier"]) == (1, "local")
 
 
 def test_a_save_over_the_memory_budget_goes_to_the_local_tier(tmp_path):
