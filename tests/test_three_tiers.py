@@ -82,6 +82,40 @@ def test_saves_land_in_each_tier_at_its_own_cadence(tmp_path):
         assert same(ckptstore.Store(tmp_path / "durable").load(step), state(step))
 
 
+def test_durability_does_not_wait_for_the_disk_copy_and_memory_keeps_a_step_until_both_are_done(
+        tmp_path, monkeypatch):
+    """The promotions to the local tier held up: the durable ones still commit (both
+    read the memory copy), and the memory tier keeps every step the local ones still
+    read, past memory_keep's last step, until they are done."""
+    import threading
+
+    from ckptstore import tiers
+
+    real, release, durable_done = tiers.promote, threading.Event(), threading.Event()
+
+    def promote(src, dst, manifest, rank, **kw):
+        if "/local/" in dst.describe():
+            assert release.wait(120), "the test never released the local promotions"
+        result = real(src, dst, manifest, rank, **kw)
+        if "/durable/" in dst.describe() and manifest.step == 3:
+            durable_done.set()
+        return result
+
+    monkeypatch.setattr(tiers, "promote", promote)
+    store = three(tmp_path, durable_every=1, local_every=1, local_keep=ckptstore.Retention(last=10))
+    try:
+        for step in (1, 2, 3):
+            store.save(step, state(step)).result()
+        assert durable_done.wait(120)
+        assert store.committed_steps() == [1, 2, 3] and store.local.steps() == []
+        assert store.memory.steps() == [1, 2, 3]  # the local promotions still read them
+        assert store.memory.gc(dry_run=True).kept["step-000000000001"] == ["promotion in flight"]
+    finally:
+        release.set()
+    ckptstore.wait()
+    assert store.local.steps() == [1, 2, 3] and store.memory.steps() == [3]
+
+
 def test_local_every_defaults_to_durable_every(tmp_path):
     store = three(tmp_path, durable_every=2, local_keep=ckptstore.Retention(last=10))
     assert store.local_every == 2
