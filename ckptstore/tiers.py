@@ -89,7 +89,8 @@ MEMORY_DURABLE_EVERY = 10
 
 
 class PromotionWarning(RuntimeWarning):
-    """A promotion to the durable tier failed or falls behind; the local tier holds the step."""
+    """A promotion (to the durable tier, or to the local tier below a memory tier) failed
+    or falls behind; the tier the save committed to holds the step."""
 
 
 class TierFallbackWarning(UserWarning):
@@ -97,7 +98,8 @@ class TierFallbackWarning(UserWarning):
 
 
 class MemoryFullWarning(RuntimeWarning):
-    """A save would pass the memory tier's budget: it went to the durable tier instead."""
+    """A save would pass the memory tier's budget: it went to the next tier below (local,
+    else durable) instead."""
 
 
 def memory_place(memory, local, local_shared) -> tuple[str | None, object]:

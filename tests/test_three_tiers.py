@@ -255,6 +255,37 @@ def test_bad_combinations_are_refused(tmp_path):
         ckptstore.Store(tmp_path / "durable", memory=tmp_path / "durable" / "mem", local=tmp_path / "local")
 
 
+def test_on_several_nodes_memory_records_go_to_the_in_job_store_and_local_ones_to_local_shared(tmp_path,
+                                                                                              monkeypatch):
+    """As a worker of ``ckptstore run --in-job`` on one of two nodes sees it: the memory
+    tier's commit records in the in-job store, the local tier's in ``local_shared``,
+    every data file on the node."""
+    from ckptstore.storage.c10d import C10dStorage
+
+    server = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30))
+    prefix = injob.attempt_prefix("run", 0)
+    for name, value in ((injob.ENV_STORE, f"127.0.0.1:{server.port}"), (injob.ENV_PREFIX, prefix),
+                        (injob.ENV_ROUND, "0"), (injob.ENV_MEMORY_DIR, str(tmp_path / "mem")),
+                        ("WORLD_SIZE", "4"), ("LOCAL_WORLD_SIZE", "2")):
+        monkeypatch.setenv(name, value)
+    store = ckptstore.Store(tmp_path / "durable", memory="auto", local=tmp_path / "local",
+                            local_shared=tmp_path / "shared", durable_every=2, local_every=1)
+    for step in (1, 2):
+        store.save(step, state(step)).result()
+    ckptstore.wait()
+    assert "step-000000000002/" in C10dStorage(injob.attempt_store(server, prefix), "mem/").list("")
+    for node_dir in (tmp_path / "mem", tmp_path / "local"):  # data files on the node, no records
+        assert data_files(node_dir / "step-000000000002")
+        assert not list((node_dir / "step-000000000002").glob("manifest*"))
+    assert list((tmp_path / "shared" / "step-000000000002").glob("manifest*"))
+    assert not list((tmp_path / "shared").rglob("data-*.bin"))
+    assert [name for name, _ in store.tiers_of(2)] == ["memory", "local", "durable"]
+    shutil.rmtree(tmp_path / "mem" / "step-000000000002")  # this node's memory copy gone: the records remain
+    with pytest.warns(TierFallbackWarning, match="memory copy of step 2"):
+        loaded, info = store.load(return_info=True)
+    assert info.tier == "local" and same(loaded, state(2))
+
+
 # ---------------------------------------------------------------------------- two ranks (gloo)
 def _two_ranks(rank: int, world: int, port: int, root: str) -> None:
     """One rank of a two-rank job on one node: the cadence, then a budget only rank 1's
