@@ -767,7 +767,7 @@ class Promoter:
         if backlog > self.BACKLOG_WARN + 1:
             warnings.warn(f"{self.target.url}: {backlog} promotions wait for the {self.name} tier; the "
                           f"{source_name} tier keeps their steps until they are done (raise "
-                          f"{self.name}_every or promote_bandwidth)", PromotionWarning, stacklevel=3)
+                          f"{self.name}_every or promote_bandwidth)", PromotionWarning, stacklevel=4)  # (the caller of Store.save)
         return future
 
     def _run(self) -> None:
