@@ -46,7 +46,8 @@ from .resume import resume as collective_resume
 from .runtime import runtime
 from .staging.cuda import check_stream
 from .storage import Storage, open_storage
-from .tiers import MEMORY_DURABLE_EVERY, Tiers, UpperTier, load_first, memory_budget_of, memory_place
+from .tiers import (MEMORY_DURABLE_EVERY, Tiers, UpperTier, check_every, load_first, memory_budget_of,
+                    memory_place)
 
 
 def _if_present(location: Storage, generation: int, references: dict) -> dict:
@@ -80,13 +81,16 @@ class Store:
     directory that ``ckptstore run --in-job`` exports (``CKPTSTORE_MEMORY_DIR``: a tmpfs
     directory the node's supervisor owns, which outlives the rank processes), and no
     memory tier elsewhere, so one program runs unchanged under torchrun; a path is a
-    memory tier there. The memory tier takes the local tier's place (``local=`` with it
-    is refused): every save commits to memory, every ``durable_every``-th (default
+    memory tier there. Every save commits to memory, every ``durable_every``-th (default
     :data:`~ckptstore.tiers.MEMORY_DURABLE_EVERY` with a memory tier, 1 with a local
-    one) is promoted; ``memory_keep`` its retention (default the last step, besides
-    the one in flight and those waiting for promotion); ``memory_budget`` the bytes it
-    may hold on the node (default ``CKPTSTORE_MEMORY_BUDGET``; None: no limit): a save
-    that would pass it goes to the durable tier instead, with one RuntimeWarning. On
+    one) is promoted to the durable tier; with ``local=`` too (three tiers: memory,
+    local disk, durable; docs/tiers.md "Three tiers") every ``local_every``-th (default
+    ``durable_every``) is also promoted to the local tier, each promotion reading the
+    memory copy. ``memory_keep`` its retention (default the last step, besides the one
+    in flight and those waiting for promotion); ``memory_budget`` the bytes it may hold
+    on the node (default ``CKPTSTORE_MEMORY_BUDGET``; None: no limit): a save that would
+    pass it goes to the next tier below (local, else durable) instead, with one
+    RuntimeWarning. On
     several nodes under ``ckptstore run --in-job`` each memory commit is also copied, in
     the background, to the partner node's memory (``CKPTSTORE_PEER_REPLICA``; docs/tiers.md,
     "Peer replicas"), from which a spare there restores a lost node's ranks
@@ -99,21 +103,30 @@ class Store:
                  storage_options: dict | None = None, local=None, durable_every: int | None = None,
                  local_keep: Retention | None = None, promote_bandwidth: float | None = None,
                  local_shared=None, incremental: bool = True, memory=None,
-                 memory_keep: Retention | None = None, memory_budget: int | None = None):
+                 memory_keep: Retention | None = None, memory_budget: int | None = None,
+                 local_every: int | None = None):
         url = os.fspath(url) if not isinstance(url, str) else url
-        memory, local_shared = memory_place(memory, local, local_shared)
-        upper = memory if memory is not None else local
+        if local_every is not None:
+            check_every("local_every", local_every)
+            if local is None:
+                raise ValueError(f"local_every={local_every!r} says how often a memory save is promoted to the "
+                                 "local tier: it needs local= (and memory=)")
+        memory, memory_shared = memory_place(memory, local, local_shared)
+        tiered = memory is not None or local is not None
         self._open(url, open_storage(url, **(storage_options or {})), process_group,
                    save_options(compression, commit_timeout, chunk_bytes, 2), keep, parse_duration(grace),
-                   incremental=bool(incremental) and upper is None)  # (a tiered store promotes whole files)
-        if upper is not None:
-            name = "memory" if memory is not None else "local"
+                   incremental=bool(incremental) and not tiered)  # (a tiered store promotes whole files)
+        if tiered:
             if durable_every is None:
                 durable_every = MEMORY_DURABLE_EVERY if memory is not None else 1
-            keep_upper = memory_keep if memory is not None else local_keep
-            self._tiers = Tiers(self, upper, durable_every=durable_every, local_keep=keep_upper,
+            # (local_every without a memory tier, memory="auto" under torchrun: every save commits
+            # to the local tier anyway; the program runs unchanged)
+            self._tiers = Tiers(self, memory=memory, local=local, durable_every=durable_every,
+                                local_every=local_every if memory is not None else None,
+                                memory_keep=memory_keep, local_keep=local_keep,
                                 promote_bandwidth=promote_bandwidth, commit_timeout=float(commit_timeout),
-                                local_shared=local_shared, storage_options=storage_options, name=name,
+                                memory_shared=memory_shared, local_shared=local_shared if local is not None else None,
+                                storage_options=storage_options,
                                 budget=memory_budget_of(memory_budget) if memory is not None else None)
         elif local_shared is not None:
             raise ValueError("local_shared names where a local tier's commit records go: it needs local= "
@@ -146,12 +159,12 @@ class Store:
     @property
     def local(self) -> "Store | None":
         """The local tier, a store of its own (None: none)."""
-        return self._tiers.upper if self._tiers is not None and self._tiers.name == "local" else None
+        return self._tiers.tier("local") if self._tiers is not None else None
 
     @property
     def memory(self) -> "Store | None":
         """The memory tier, a store of its own (None: none)."""
-        return self._tiers.upper if self._tiers is not None and self._tiers.name == "memory" else None
+        return self._tiers.tier("memory") if self._tiers is not None else None
 
     @property
     def memory_full(self) -> bool:
@@ -162,6 +175,14 @@ class Store:
     def durable_every(self) -> int | None:
         """Every how many saves one is promoted to the durable tier (None: one tier)."""
         return self._tiers.durable_every if self._tiers is not None else None
+
+    @property
+    def local_every(self) -> int | None:
+        """Every how many saves to a memory tier one is promoted to the local tier below
+        it (None: not three tiers)."""
+        if self._tiers is None or self.memory is None or self.local is None:
+            return None
+        return self._tiers.local_every
 
     def __repr__(self) -> str:
         return f"Store({self.url!r})"
@@ -193,10 +214,11 @@ class Store:
         return self.save_here(step, state, metrics, replicated=replicated, stream=stream)
 
     def promote_newest(self) -> SaveFuture | None:
-        """With a memory tier: promote the newest save no promotion covers to the durable
-        tier (the memory tier does not outlive the job); its future, or None. Every rank
-        calls it alike. Other stores: None."""
-        if self._tiers is None or self._tiers.name != "memory":
+        """With a memory tier: promote the newest save to each tier below it that no
+        promotion to it covers (the local tier, then the durable one: the memory tier does
+        not outlive the job); the last promotion's future (the durable one's), or None.
+        Every rank calls it alike. Other stores: None."""
+        if self._tiers is None or self.memory is None:
             return None
         return self._tiers.promote_newest()
 
@@ -335,8 +357,8 @@ class Store:
 
     def tiers_of(self, step: int) -> list[tuple[str | None, "Store"]]:
         """The tiers holding ``step`` committed, in the order a load tries them:
-        ``("memory", store)`` or ``("local", store)`` before ``("durable", store)``; one
-        tier: ``(None, self)``."""
+        ``("memory", store)``, ``("local", store)``, ``("durable", store)``; one tier:
+        ``(None, self)``."""
         if self._tiers is None:
             return [(None, self)] if generations(self.location(step)) else []
         return self._tiers.holders(step)

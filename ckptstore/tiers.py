@@ -1,28 +1,36 @@
-"""Two tiers: every save commits to a fast local store; every K-th is then promoted to
-the durable store in the background (checkpoint/promote.py), one at a time, in order.
+"""Tiers: every save commits to a fast upper tier (the memory tier, else a local disk
+tier); with both, every ``local_every``-th save is promoted to the local tier, and every
+``durable_every``-th to the durable store, in the background (checkpoint/promote.py),
+one at a time per target tier, in order. Both promotions read the tier the save
+committed to (memory): the faster source, and durability never waits for the disk copy.
 
 Everything about a Store of more than one tier lives here: the chain of tiers and
 their save (:class:`Tiers`), the role of a Store serving as an upper tier
 (:class:`UpperTier`: its fence, the steps it keeps), the load that falls back from one
-tier's copy to the next (:func:`load_first`), the promotions (:class:`Promoter`), the
-sweep of a node's own files (:func:`sweep_own_data`) and the binding of a local place
-to its durable store (:func:`check_places`).
+tier's copy to the next (:func:`load_first`), the promotions to one tier
+(:class:`Promoter`), the sweep of a node's own files (:class:`NodeSweep`,
+:func:`sweep_own_data`) and the binding of the upper places to their durable store
+(:func:`check_places`).
 
-The interface with store.py is explicit and public on both sides. A Store calls
-``Tiers.save``, ``Tiers.upper_steps``, ``Tiers.holders`` and :func:`load_first`, and
-asks its ``UpperTier`` role (when it is a tier) ``fence`` and ``kept``. Of a Store
-this module uses ``url``, ``storage``, ``keep``, ``grace``, ``epoch``,
-``process_group``, ``location``, ``save``, ``steps``, ``committed_steps``,
-``apply_retention`` and ``upper_tier`` (which builds a Store serving as a tier), and
-nothing private. The memory tier (docs/tiers.md, "The memory tier") is the same chain
-with a tmpfs directory in the local tier's place, a budget, and the in-job round as its
-fence (:class:`RoundFence`); a chain of three (memory, local, durable) is not built.
+The interface with store.py is explicit and public on both sides. A Store builds
+``Tiers(durable, memory=, local=, ...)`` (after :func:`memory_place`,
+:func:`memory_budget_of`, :func:`check_every`), calls its ``save``,
+``promote_newest``, ``steps``, ``holders``, ``load_order``, ``tier_of_copy`` and
+``tier(name)``, reads its ``durable_every``, ``local_every`` and ``full``, calls
+:func:`load_first`, and asks its ``UpperTier`` role (when it is a tier)
+``commit_fence``, ``fence`` and ``kept``. Of a Store this module uses ``url``,
+``storage``, ``keep``, ``grace``, ``epoch``, ``process_group``, ``location``, ``save``,
+``save_here``, ``steps``, ``committed_steps``, ``apply_retention`` and ``upper_tier``
+(which builds a Store serving as a tier), and nothing private. The memory tier
+(docs/tiers.md, "The memory tier") is an upper tier in a tmpfs directory with a budget
+and the in-job round as its fence (:class:`RoundFence`); docs/tiers.md "Three tiers"
+describes the chain memory -> local -> durable.
 
-A promotion is a :class:`~ckptstore.SaveFuture` of the durable location, tracked like
+A promotion is a :class:`~ckptstore.SaveFuture` of the target's location, tracked like
 a save: ``ckptstore.wait()`` waits for it and raises its error, the exit drain waits
 for it (bounded) and beats its heartbeat, so gc in the durable store never takes a
 promotion in flight for debris. A failed promotion does not fail the next save (the
-local tier still works): it warns, the next ``wait()`` raises it, and the next due one
+upper tier still works): it warns, the next ``wait()`` raises it, and the next due one
 tries again.
 """
 
@@ -81,7 +89,8 @@ MEMORY_DURABLE_EVERY = 10
 
 
 class PromotionWarning(RuntimeWarning):
-    """A promotion to the durable tier failed or falls behind; the local tier holds the step."""
+    """A promotion (to the durable tier, or to the local tier below a memory tier) failed
+    or falls behind; the tier the save committed to holds the step."""
 
 
 class TierFallbackWarning(UserWarning):
@@ -89,34 +98,32 @@ class TierFallbackWarning(UserWarning):
 
 
 class MemoryFullWarning(RuntimeWarning):
-    """A save would pass the memory tier's budget: it went to the durable tier instead."""
+    """A save would pass the memory tier's budget: it went to the next tier below (local,
+    else durable) instead."""
 
 
 def memory_place(memory, local, local_shared) -> tuple[str | None, object]:
-    """Where a Store's memory tier lies, and its ``local_shared``: ``memory="auto"`` is
-    ``$CKPTSTORE_MEMORY_DIR`` when ``ckptstore run --in-job`` set it, else none (the same
-    program under torchrun); a path is itself; None is none. ``"auto"`` on several nodes
-    without ``local_shared`` keeps its commit records in the in-job store
-    (:func:`in_job_records`). Refused: a memory tier together with ``local=`` (a chain
-    of three tiers is not built)."""
+    """Where a Store's memory tier lies, and where its commit records go: ``memory="auto"``
+    is ``$CKPTSTORE_MEMORY_DIR`` when ``ckptstore run --in-job`` set it, else none (the
+    same program under torchrun); a path is itself; None is none (then ``(None, None)``).
+    The records: ``local_shared`` when there is no local tier (with one, ``local_shared``
+    is the local tier's), else, for ``"auto"`` on several nodes, the in-job store
+    (:func:`in_job_records`), else None (the memory directory itself)."""
     if memory is None:
-        return None, local_shared
-    if local is not None:  # (refused under any launcher alike, "auto" too: the program must not change)
-        raise ValueError(f"memory= ({os.fspath(memory)}) and local= ({os.fspath(local)}) together would make three "
-                         "tiers, which are not built: give one of them (the memory tier takes the local tier's "
-                         "place, and promotes to the durable store itself)")
+        return None, None
+    shared = local_shared if local is None else None
     if isinstance(memory, str) and memory == "auto":
         memory = os.environ.get(injob.ENV_MEMORY_DIR) or None
         if memory is None:
-            return None, local_shared
+            return None, None
         world, local_world = os.environ.get("WORLD_SIZE"), os.environ.get("LOCAL_WORLD_SIZE")
         # (several nodes: a spare that took a lost node's rank holds WORLD_SIZE ranks on
         # one node of several; GROUP_WORLD_SIZE, the node count, still says so)
         nodes = os.environ.get("GROUP_WORLD_SIZE", "")
         several = bool(world and local_world and world != local_world) or (nodes.isdigit() and int(nodes) > 1)
-        if local_shared is None and world and local_world and several:
-            local_shared = in_job_records(world, local_world)
-    return (os.fspath(memory) if not isinstance(memory, str) else memory), local_shared
+        if shared is None and world and local_world and several:
+            shared = in_job_records(world, local_world)
+    return (os.fspath(memory) if not isinstance(memory, str) else memory), shared
 
 
 def in_job_records(world: str, local_world: str) -> Storage:
@@ -128,7 +135,9 @@ def in_job_records(world: str, local_world: str) -> Storage:
         raise ValueError(f"memory=\"auto\" on several nodes (WORLD_SIZE={world}, LOCAL_WORLD_SIZE={local_world}) "
                          f"without the in-job store ({injob.ENV_STORE}) needs local_shared=, a location every "
                          "rank shares, for the memory tier's commit records (each node's tmpfs holds only its "
-                         "own ranks' files); see docs/tiers.md")
+                         "own ranks' files; with local= too, local_shared= is the local tier's, and the memory "
+                         "tier's records need the in-job store: run under ckptstore run --in-job, or leave "
+                         "memory= out); see docs/tiers.md")
     from .storage.c10d import C10dStorage
 
     try:
@@ -274,63 +283,105 @@ class UpperTier:
 
 class Tiers:
     """The tiers of one Store above its own storage (the durable tier), in this
-    process: every save commits to the local tier first, and every
-    ``durable_every``-th (or one asked for ``durable``) is promoted to the durable tier
-    in the background. ``chain``: ``(name, Store)`` in the order a load tries them,
-    the durable Store last."""
+    process: every save commits to the top tier (memory, else local); with a local tier
+    below a memory tier every ``local_every``-th save is promoted to it, and every
+    ``durable_every``-th (or one asked for ``durable``) to the durable tier, each in the
+    background (one :class:`Promoter` per target tier). Both promotions read the tier
+    the save committed to: see :meth:`save`. ``chain``: ``(name, Store)`` in the order
+    a load tries them ("memory", "local", "durable"), the durable Store last."""
 
-    def __init__(self, durable, local, *, durable_every: int, local_keep: Retention | None,
-                 promote_bandwidth: float | None, commit_timeout: float, local_shared=None,
-                 storage_options: dict | None = None, name: str = "local", budget: int | None = None):
-        if isinstance(durable_every, bool) or not isinstance(durable_every, int) or durable_every < 1:
-            raise ValueError(f"durable_every must be an int >= 1, got {durable_every!r}")
-        url = os.fspath(local) if not isinstance(local, str) else local
-        if name == "memory" and parse_location(url)[0] is None:
-            os.makedirs(url, mode=0o700, exist_ok=True)  # (the agent made it; an explicit path may not exist)
-        tier = f"the {name} tier"
-        places = {tier: open_storage(url), "the durable store": durable.storage}
-        if isinstance(local_shared, Storage):  # (a memory tier's records in the in-job store)
-            places["local_shared"] = local_shared
-        elif local_shared is not None:
-            s3 = parse_location(local_shared)[0] == "s3"  # storage_options are S3's (the URL rule: urls.py)
-            places["local_shared"] = open_storage(local_shared, **((storage_options or {}) if s3 else {}))
-        if name == "memory" and RoundFence.current_round() > 0 and bound_before(places, durable.storage):
+    def __init__(self, durable, *, memory=None, local=None, durable_every: int, local_every: int | None = None,
+                 memory_keep: Retention | None = None, local_keep: Retention | None = None,
+                 promote_bandwidth: float | None, commit_timeout: float, memory_shared=None, local_shared=None,
+                 storage_options: dict | None = None, budget: int | None = None):
+        if memory is None and local is None:
+            raise ValueError("Tiers needs a tier above the durable one: memory= or local=")
+        check_every("durable_every", durable_every)
+        local_every = durable_every if local_every is None else local_every
+        check_every("local_every", local_every)
+        places = {"the durable store": durable.storage}
+        specs = []  # (name, url, the place key of its shared records or None, keep)
+        for name, url, shared, keep in (("memory", memory, memory_shared, memory_keep),
+                                        ("local", local, local_shared, local_keep)):
+            if url is None:
+                continue
+            url = os.fspath(url) if not isinstance(url, str) else url
+            if name == "memory" and parse_location(url)[0] is None:
+                os.makedirs(url, mode=0o700, exist_ok=True)  # (the agent made it; an explicit path may not exist)
+            places[f"the {name} tier"] = open_storage(url)
+            key = None
+            if isinstance(shared, Storage):  # (a memory tier's records in the in-job store)
+                key = f"the {name} tier's commit records"
+                places[key] = shared
+            elif shared is not None:
+                key = "local_shared"
+                s3 = parse_location(shared)[0] == "s3"  # storage_options are S3's (the URL rule: urls.py)
+                places[key] = open_storage(shared, **((storage_options or {}) if s3 else {}))
+            specs.append((name, url, key, keep))
+        if memory is not None and RoundFence.current_round() > 0 and bound_before(places, durable.storage):
             refuse_overlaps(places)  # (round 0 bound them: no durable-store read on a recovery's path)
         else:
-            check_places(places, durable.process_group)  # no two overlap; each local place bound to this durable store
-        storage = places[tier]
-        self.data_root = url  # (the memory tier's budget counts this node's directory)
-        if local_shared is not None:
-            storage = SplitStorage(places["local_shared"], storage)
-        self.durable, self.durable_every, self.name, self.budget = durable, durable_every, name, budget
-        self._unpromoted = None  # the newest save no promotion covers (promote_newest)
-        # Peer replicas (peers.py): on several nodes (records every node reads), when the
-        # agent named the partner node's replica server. Retention keeps the newest
-        # replicated step whatever this process does (rank 0 may be a spare without a
-        # partner while the other nodes' replicas still count).
-        several = name == "memory" and local_shared is not None
-        address = peers.enabled() if several else None
-        role = UpperTier(name, durable.storage, self._promoting,
-                         rounds=RoundFence.from_env() if name == "memory" else None,
-                         also_kept=self._peer_kept if several else None)
-        default_keep = Retention(last=1) if name == "memory" else Retention(last=2)
-        self.upper = durable.upper_tier(url, storage, role, keep=local_keep if local_keep is not None else default_keep)
-        self.local = self.upper  # (the name this module's code uses for the tier above the durable one)
-        self.promoter = Promoter(self.local, durable, promote_bandwidth, commit_timeout)
-        self.replicator = peers.PeerReplicator(self.local, url, address) if address else None
-        self.chain = [(name, self.local), ("durable", durable)]
+            check_places(places, durable.process_group)  # no two overlap; each upper place bound to this durable store
+        self.durable, self.durable_every, self.local_every, self.budget = durable, durable_every, local_every, budget
+        self.chain: list[tuple[str, object]] = []
+        self._roles: dict[str, UpperTier] = {}
+        self.sweeps: dict[str, NodeSweep] = {}  # the split tiers' sweeps of this rank's node files
+        self.replicator = None
+        for name, url, key, keep in specs:
+            storage = places[f"the {name} tier"]
+            if key is not None:
+                storage = SplitStorage(places[key], storage)
+            # Peer replicas (peers.py): a memory tier on several nodes (records every node
+            # reads), when the agent named the partner node's replica server. Retention
+            # keeps the newest replicated step whatever this process does (rank 0 may be
+            # a spare without a partner while the other nodes' replicas still count).
+            several = name == "memory" and key is not None
+            role = UpperTier(name, durable.storage, functools.partial(self._read_by_promotions, name),
+                             rounds=RoundFence.from_env() if name == "memory" else None,
+                             also_kept=self._peer_kept if several else None)
+            default_keep = Retention(last=1) if name == "memory" else Retention(last=2)
+            tier = durable.upper_tier(url, storage, role, keep=keep if keep is not None else default_keep)
+            self.chain.append((name, tier))
+            self._roles[name] = role
+            if key is not None:
+                self.sweeps[name] = NodeSweep(tier, self._promoting_attempts)
+            address = peers.enabled() if several else None
+            if address:
+                self.replicator = peers.PeerReplicator(tier, url, address)
+        self.chain.append(("durable", durable))
+        self.name = self.chain[0][0]  # the top tier's: every save commits there
+        self.data_root = dict((n, u) for n, u, _, _ in specs)[self.name]  # (the memory tier's budget counts it)
+        # One Promoter per target tier: local (below a memory tier), durable.
+        self.promoters = {name: Promoter(tier, promote_bandwidth, commit_timeout, name=name,
+                                         on_commit=self._after_promotion)
+                          for name, tier in self.chain[1:]}
+        self.promoter = self.promoters["durable"]
         self.full = False  # the last save skipped the memory tier (over its budget)
         self._warned_full = False
-        self._saves = 0  # this process's saves, counted on from the run's (saves_since_durable)
-        self._committed_here: set[str] = set()  # local attempts this process saw commit (sweep_own_data)
-        self._sweeping = threading.Lock()
+        self._counted = False  # the counts below start from the listings at this process's first save
+        self._saves = 0  # saves counted toward the durable tier's cadence, on from the run's (saves_since_durable)
+        self._local_saves = 0  # the same toward the local tier's (below a memory tier)
+        self._unpromoted: dict[str, tuple] = {}  # target -> the newest save no promotion to it covers
         self._one_node = False  # every rank of the group runs on one host (checked at the first save)
 
-    def _promoting(self) -> set[int]:
-        return self.promoter.pending_steps()
+    def tier(self, name: str):
+        """The Store of the tier ``name`` ("memory", "local", "durable"), or None."""
+        return dict(self.chain).get(name)
+
+    @property
+    def top(self):
+        """The tier every save commits to (memory, else local)."""
+        return self.chain[0][1]
+
+    def _read_by_promotions(self, name: str) -> set[int]:
+        """Steps of tier ``name`` that promotions queued or running still read."""
+        return set().union(*(p.pending_steps(name) for p in self.promoters.values()))
+
+    def _promoting_attempts(self) -> set[str]:
+        return set().union(*(p.pending_attempts() for p in self.promoters.values()))
 
     def _peer_kept(self) -> dict[int, str]:
-        return peers.kept_steps(self.local, rank_and_world(self.durable.process_group)[1])
+        return peers.kept_steps(self.tier("memory"), rank_and_world(self.durable.process_group)[1])
 
     def tier_of_copy(self, tier: str | None, step: int, info) -> str | None:
         """``tier`` of a load's LoadInfo, or ``"peer"`` when the memory tier served it
@@ -348,16 +399,18 @@ class Tiers:
 
     def steps(self) -> list[int]:
         """The steps any tier holds committed. While the durable tier cannot be listed
-        (an outage, a store made unreadable) the upper tier's steps are those, with a
-        warning: the upper tier is what restores without the durable store."""
+        (an outage, a store made unreadable) the upper tiers' steps are those, with a
+        warning: the upper tiers are what restores without the durable store."""
         upper = self.upper_steps()
         try:
             durable = self.durable.committed_steps()
         except CkptStoreError as e:
             if not upper:
                 raise
+            names_ = " and ".join(name for name, _ in self.chain[:-1])
             warnings.warn(f"{self.durable.url}: the durable tier cannot be listed ({e}); the steps of the "
-                          f"{self.name} tier alone are listed", RuntimeWarning, stacklevel=3)
+                          f"{names_} tier{'s' * (len(self.chain) > 2)} alone are listed", RuntimeWarning,
+                          stacklevel=3)
             durable = []
         return sorted(set(durable) | upper)
 
@@ -377,10 +430,10 @@ class Tiers:
 
     def load_order(self, step: int) -> list[tuple[str, object]]:
         """Where a load of ``step`` looks, in order: the upper tiers holding it
-        committed, then the durable tier without listing it (its load lists the location
-        itself, as a one-tier store's does). So a load that an upper tier serves never
-        touches the durable store: an in-job recovery restores from memory without a
-        request to S3."""
+        committed (memory, local), then the durable tier without listing it (its load
+        lists the location itself, as a one-tier store's does). So a load that an upper
+        tier serves never touches the durable store: an in-job recovery restores from
+        memory without a request to S3."""
         found = []
         for name, tier in self.chain[:-1]:
             try:
@@ -391,50 +444,110 @@ class Tiers:
         return found + [self.chain[-1]]
 
     def save(self, step: int, state, metrics, replicated, durable: bool, stream) -> SaveFuture:
-        """``Store.save`` of a store with tiers: the local tier's save (its future), and
-        a promotion of it when one is due."""
+        """``Store.save`` of a store with tiers: the save to the top tier (its future),
+        or to the next one below memory when it is over its budget, and its promotions
+        to the tiers below that are due.
+
+        Both promotions read the tier the save committed to (memory), not each other:
+        memory is the faster source, and the durable copy never waits for the disk copy
+        (nor fails with it). The memory tier keeps the step until both are done (its
+        retention keeps what a promotion still reads: UpperTier.kept). A step
+        promoted to the durable tier but not the local one is simply not on disk."""
         group = self.durable.process_group
         rank, world = rank_and_world(group)
-        split = not self.local.storage.sees_all_data
-        if not split and world > 1 and not self._one_node:
-            # Votes and the manifest of the local tier travel through its directory, which
-            # only the ranks of one node share (docs/tiers.md, "Across nodes"). Asked once,
-            # of every rank alike (a collective in the blocking part, as the save's own).
-            hosts = sorted(set(gather(socket.gethostname(), group)))
-            if len(hosts) > 1:
-                raise ValueError(f"{self.durable.url}: a local tier on several nodes ({', '.join(hosts[:4])}"
-                                 f"{', ...' if len(hosts) > 4 else ''}) needs local_shared=, a location every "
-                                 "rank shares; see docs/tiers.md")
-            self._one_node = True
+        self._check_hosts(group, world)
+        landed = 0  # where in chain this save goes
         if self.budget is not None and not self._fits(state, group, world):
-            return self._skip_upper(step, state, metrics, replicated, stream)
-        self.full = False
-        epoch = self.durable.epoch
-        self.local.epoch = epoch
-        if self._saves == 0:  # this process's first: count on from the saves since the newest durable step
-            self._saves = self.saves_since_durable()
-        self._saves += 1  # first: a save that raises on one rank only must not skew the ranks' counts
-        future = self.local.save(step, state, metrics, replicated=replicated, stream=stream)
-        if split:
-            future.add_done_callback(lambda f, r=rank, w=world: self._after_local_commit(f, r, w))
-        fence = None if epoch is None else functools.partial(check_fence, self.durable.storage, epoch)
-        if durable or self._saves % self.durable_every == 0:
-            self.promoter.schedule(future, rank, world, fence, first=durable)
-            self._unpromoted = None
+            landed = 1
         else:
-            self._unpromoted = (future, rank, world, fence)
+            self.full = False
+        name, tier = self.chain[landed]
+        below = [target for target, _ in self.chain[landed + 1:]]
+        # Counted first: a save that raises on one rank only must not skew the ranks' counts.
+        # (Every rank counts the same saves: a tier's commit needs every rank's vote.)
+        due = {"local": self._local_due() if "local" in below else False,
+               "durable": self._durable_due(durable) if "durable" in below else False}
+        epoch = self.durable.epoch
+        for _, upper in self.chain[:-1]:
+            upper.epoch = epoch
+        if landed:
+            future = self._skip_memory(step, state, metrics, replicated, stream)
+        else:
+            future = tier.save(step, state, metrics, replicated=replicated, stream=stream)
+        if name in self.sweeps or (name == "memory" and self.replicator is not None):
+            future.add_done_callback(lambda f, n=name, r=rank, w=world: self._after_commit(n, f, r, w))
+        for target in ("local", "durable"):
+            if target not in below:
+                self._unpromoted.pop(target, None)  # this save lies in that tier itself, or above none
+                continue
+            fence = self._promotion_fence(target, epoch)
+            if due[target]:
+                self.promoters[target].schedule(name, tier, future, rank, world, fence,
+                                                first=durable and target == "durable")
+                self._unpromoted.pop(target, None)
+            else:
+                self._unpromoted[target] = (name, tier, future, rank, world, fence)
         return future
 
+    def _durable_due(self, forced: bool) -> bool:
+        """Whether this save is promoted to the durable tier: asked for (``durable=True``,
+        a preemption's save) or the ``durable_every``-th since the durable tier's newest
+        step. Counts the save; every rank calls it for the same saves."""
+        self._start_counts()
+        self._saves += 1
+        return forced or self._saves % self.durable_every == 0
+
+    def _local_due(self) -> bool:
+        """Whether this memory save is promoted to the local tier: the ``local_every``-th
+        since the local tier's newest step. Counts the save, as :meth:`_durable_due`."""
+        self._start_counts()
+        self._local_saves += 1
+        return self._local_saves % self.local_every == 0
+
+    def _start_counts(self) -> None:
+        if not self._counted:  # this process's first: count on from where the run's saves stand
+            self._counted = True
+            self._saves, self._local_saves = self.saves_since_durable(), self.saves_since_local()
+
+    def _promotion_fence(self, target: str, epoch: int | None):
+        """What a promotion's commit to ``target`` checks before its manifest: the run's
+        durable epoch; into the local tier, as the local tier's own commits do (an
+        outage of the durable tier lets it go on, with a warning: UpperTier.fence)."""
+        if target == "local":
+            return self._roles["local"].commit_fence(self.tier("local").url, epoch)
+        return None if epoch is None else functools.partial(check_fence, self.durable.storage, epoch)
+
+    def _check_hosts(self, group, world: int) -> None:
+        """Votes and the manifest of an upper tier that is not split travel through its
+        directory, which only the ranks of one node share (docs/tiers.md, "Across
+        nodes"). Asked once, of every rank alike (a collective in the blocking part, as
+        the save's own)."""
+        unsplit = [name for name, tier in self.chain[:-1] if tier.storage.sees_all_data]
+        if not unsplit or world <= 1 or self._one_node:
+            return
+        hosts = sorted(set(gather(socket.gethostname(), group)))
+        if len(hosts) > 1:
+            what = "local_shared=, a location every rank shares" if unsplit[0] == "local" else (
+                "a place every rank shares for its commit records (memory=\"auto\" under ckptstore run --in-job "
+                "keeps them in the in-job store; without a local tier, local_shared= may name one)")
+            raise ValueError(f"{self.durable.url}: a {unsplit[0]} tier on several nodes ({', '.join(hosts[:4])}"
+                             f"{', ...' if len(hosts) > 4 else ''}) needs {what}; see docs/tiers.md")
+        self._one_node = True
+
     def promote_newest(self) -> SaveFuture | None:
-        """Promote the newest save of this process that no promotion covers (None: there
-        is none). For a memory tier at the end of training: it is removed with the job,
-        so the last steps would be gone with it. Every rank calls it alike (the same
-        newest save), and its promotion is waited for as any (``ckptstore.wait()``, exit)."""
-        pending, self._unpromoted = self._unpromoted, None
-        if pending is None:
-            return None
-        future, rank, world, fence = pending
-        return self.promoter.schedule(future, rank, world, fence, first=True)
+        """Promote the newest save of this process to each tier below the one it
+        committed to that no promotion covers (local, then durable); the last promotion
+        scheduled (the durable one when there is one), or None. For a memory tier at the
+        end of training: it is removed with the job, so the last steps would be gone with
+        it. Every rank calls it alike (the same newest save), and its promotions are
+        waited for as any (``ckptstore.wait()``, exit)."""
+        last = None
+        for target in ("local", "durable"):
+            pending = self._unpromoted.pop(target, None)
+            if pending is not None:
+                name, tier, future, rank, world, fence = pending
+                last = self.promoters[target].schedule(name, tier, future, rank, world, fence, first=True)
+        return last
 
     def _fits(self, state, group, world: int) -> bool:
         """Whether this save fits the memory tier's budget on every rank: the node
@@ -449,43 +562,84 @@ class Tiers:
             over = False
         return not (any(gather(over, group)) if world > 1 else over)
 
-    def _skip_upper(self, step: int, state, metrics, replicated, stream) -> SaveFuture:
-        """A save over the memory tier's budget: to the durable tier directly (the
-        training step goes on), one warning per process."""
+    def _skip_memory(self, step: int, state, metrics, replicated, stream) -> SaveFuture:
+        """A save over the memory tier's budget: to the next tier below memory directly
+        (the local tier, else the durable one; the training step goes on), one warning
+        per process."""
         self.full = True
-        self._unpromoted = None  # (this save goes to the durable tier itself)
+        name, tier = self.chain[1]
         if not self._warned_full:
             self._warned_full = True
-            warnings.warn(f"{self.local.url}: the memory tier's budget ({self.budget} bytes) would be passed by the "
-                          f"save of step {step}; it goes to the durable tier ({self.durable.url}) instead, as do "
+            warnings.warn(f"{self.top.url}: the memory tier's budget ({self.budget} bytes) would be passed by the "
+                          f"save of step {step}; it goes to the {name} tier ({tier.url}) instead, as do "
                           "later saves while the budget is passed (raise CKPTSTORE_MEMORY_BUDGET or memory_budget=, "
                           "or make the state smaller)", MemoryFullWarning, stacklevel=4)
-        return self.durable.save_here(step, state, metrics, replicated=replicated, stream=stream)
+        return tier.save_here(step, state, metrics, replicated=replicated, stream=stream)
 
     def saves_since_durable(self) -> int:
-        """Local steps newer than the durable tier's newest, at most ``durable_every`` - 1:
-        where the count of saves stood when an earlier process of the run stopped. Counted
-        per process from 0, a job restarted more often than every ``durable_every`` saves
-        promoted nothing, and losing the node lost every step. (Every rank reads the same
-        listings before its first save: the counts agree.)"""
-        try:
-            durable = self.durable.committed_steps()
-            newest = durable[-1] if durable else -1
-            since = sum(1 for s in self.local.steps() if s > newest)
-        except CkptStoreError:
-            return 0  # (the durable tier unreadable: count from here)
-        return min(since, self.durable_every - 1)
+        """Upper tiers' steps newer than the durable tier's newest, at most
+        ``durable_every`` - 1: where the count of saves stood when an earlier process of
+        the run stopped. Counted per process from 0, a job restarted more often than
+        every ``durable_every`` saves promoted nothing, and losing the node lost every
+        step. (Every rank reads the same listings before its first save: the counts agree.)"""
+        return _saves_since(self.durable.committed_steps, [t for _, t in self.chain[:-1]], self.durable_every)
 
-    def _after_local_commit(self, future: SaveFuture, rank: int, world: int) -> None:
-        """A local save on several nodes committed: sweep this rank's files that no
-        checkpoint of the local tier needs any more, on its own node
-        (sweep_own_data), off the commit thread; one sweep at a time. A memory tier's
-        commit also queues its peer replication (peers.py; never waits for it)."""
+    def saves_since_local(self) -> int:
+        """The same for the local tier below a memory tier: memory steps newer than the
+        local tier's newest, at most ``local_every`` - 1 (0 without both tiers)."""
+        memory, local = self.tier("memory"), self.tier("local")
+        if memory is None or local is None:
+            return 0
+        return _saves_since(local.steps, [memory], self.local_every)
+
+    def _after_commit(self, name: str, future: SaveFuture, rank: int, world: int) -> None:
+        """A save to a split tier (several nodes) committed: sweep this rank's files that
+        no checkpoint of the tier needs any more, on its own node (NodeSweep). A memory
+        tier's commit also queues its peer replication (peers.py; never waits for it)."""
         if future._future.exception() is not None:
             return  # only after a commit: a failed save's files are gc's rule (grace) to judge
-        self._committed_here.add(future.attempt)
-        if self.replicator is not None:
+        if name == "memory" and self.replicator is not None:
             self.replicator.submit(future.step, rank, world)
+        if name in self.sweeps:
+            self.sweeps[name].committed(future.attempt, rank)
+
+    def _after_promotion(self, target: str, attempt: str, rank: int) -> None:
+        """A promotion into ``target`` committed: a split local tier sweeps as after its saves."""
+        if target in self.sweeps:
+            self.sweeps[target].committed(attempt, rank)
+
+
+def check_every(what: str, every) -> None:
+    """ValueError unless ``every`` (``durable_every``, ``local_every``) is an int >= 1."""
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(f"{what} must be an int >= 1, got {every!r}")
+
+
+def _saves_since(steps_below, above: list, every: int) -> int:
+    """How many steps of the tiers ``above`` are newer than the newest of
+    ``steps_below()``, at most ``every`` - 1 (0 while a listing fails)."""
+    try:
+        below = steps_below()
+        newest = below[-1] if below else -1
+        since = len({s for tier in above for s in tier.steps() if s > newest})
+    except CkptStoreError:
+        return 0  # (a tier unreadable: count from here)
+    return min(since, every - 1)
+
+
+class NodeSweep:
+    """The sweeps of one split tier (several nodes: storage/split.py) of this rank's
+    files on its own node (:func:`sweep_own_data`), after each commit of the tier (a
+    save's or a promotion's), off the commit thread, one at a time. ``pending``: the
+    attempts promotions still read or write (kept)."""
+
+    def __init__(self, tier, pending: Callable[[], set[str]]):
+        self.tier, self.pending = tier, pending
+        self.committed_here: set[str] = set()  # attempts this process saw commit in the tier
+        self._sweeping = threading.Lock()
+
+    def committed(self, attempt: str, rank: int) -> None:
+        self.committed_here.add(attempt)
         if self._sweeping.acquire(blocking=False):
             with _SWEEPS_LOCK:
                 if _EXITING:  # (the interpreter is ending: the next start sweeps)
@@ -497,11 +651,10 @@ class Tiers:
 
     def _sweep(self, rank: int) -> None:
         try:
-            for key in sweep_own_data(self.local, rank, set(self._committed_here),
-                                      self.promoter.pending_attempts()):
-                self._committed_here.discard(names.parse_data_file(key.split("/", 1)[1])[0])
+            for key in sweep_own_data(self.tier, rank, set(self.committed_here), self.pending()):
+                self.committed_here.discard(names.parse_data_file(key.split("/", 1)[1])[0])
         except Exception as e:  # only disk space: the next save sweeps again
-            warnings.warn(f"{self.local.url}: sweeping this node's old data files failed: {e}", RuntimeWarning,
+            warnings.warn(f"{self.tier.url}: sweeping this node's old data files failed: {e}", RuntimeWarning,
                           stacklevel=1)
         finally:
             self._sweeping.release()
@@ -561,50 +714,60 @@ def load_first(holders: list, step: int, reading, load_copy):
 
 
 class Promoter:
-    """The background promotions of one :class:`~ckptstore.Store` in this process."""
+    """The background promotions of one :class:`~ckptstore.Store` in this process to one
+    tier below the one a save committed to (``target``, a Store named ``name``: the
+    durable tier, or the local tier below a memory tier): one at a time, in order, each
+    reading its own source tier (the tier its save committed to). ``on_commit(name,
+    attempt, rank)``: after each promotion committed here."""
 
     BACKLOG_WARN = 2  # promotions queued behind the running one before it warns
 
-    def __init__(self, local, durable, bandwidth: float | None, timeout: float):
-        self.local, self.durable = local, durable  # Stores
+    def __init__(self, target, bandwidth: float | None, timeout: float, name: str = "durable",
+                 on_commit: Callable[[str, str, int], None] | None = None):
+        self.target, self.name, self.on_commit = target, name, on_commit
         self.throttle = Throttle(bandwidth)
         self.timeout = timeout
         self._lock = threading.Lock()
-        self._queue: deque = deque()  # (future, local SaveFuture, rank, fence)
-        self._pending: dict[int, int] = {}  # step -> promotions queued or running (local retention keeps it)
+        self._queue: deque = deque()  # (future, source name, source Store, its SaveFuture, rank, fence)
+        self._pending: dict[tuple[str, int], int] = {}  # (source, step) -> promotions queued or running
         self._attempts: dict[str, int] = {}  # their attempts (a node's sweep keeps their files)
         self._worker: threading.Thread | None = None
 
-    def pending_steps(self) -> set[int]:
+    def pending_steps(self, source: str | None = None) -> set[int]:
+        """The steps promotions queued or running read (of tier ``source``; None: any)."""
         with self._lock:
-            return set(self._pending)
+            return {step for name, step in self._pending if source is None or name == source}
 
     def pending_attempts(self) -> set[str]:
         with self._lock:
             return set(self._attempts)
 
-    def schedule(self, save: SaveFuture, rank: int, world: int, fence, first: bool = False) -> SaveFuture:
-        """A promotion of ``save``'s checkpoint once it is committed locally (tracked now,
-        so that a ``wait()`` right after the save already covers it). ``first``: ahead of
-        the promotions still queued (a preemption's save, ``durable=True``: the exit
-        deadline must not go to older steps first; every rank queues it alike)."""
-        future = SaveFuture(self.durable.location(save.step).describe(), save.step, save.attempt,
-                            storage=self.durable.location(save.step), rank=rank, world_size=world)
+    def schedule(self, source_name: str, source, save: SaveFuture, rank: int, world: int, fence,
+                 first: bool = False) -> SaveFuture:
+        """A promotion of ``save``'s checkpoint once it is committed in ``source`` (tracked
+        now, so that a ``wait()`` right after the save already covers it). ``first``:
+        ahead of the promotions still queued (a preemption's save, ``durable=True``: the
+        exit deadline must not go to older steps first; every rank queues it alike)."""
+        future = SaveFuture(self.target.location(save.step).describe(), save.step, save.attempt,
+                            storage=self.target.location(save.step), rank=rank, world_size=world)
         future._staged.set()
         future.promotion = True  # lifecycle: its failure is raised by wait(), not by the next save
         lifecycle.track(future)
+        key = (source_name, save.step)
         with self._lock:
-            self._pending[save.step] = self._pending.get(save.step, 0) + 1
+            self._pending[key] = self._pending.get(key, 0) + 1
             self._attempts[save.attempt] = self._attempts.get(save.attempt, 0) + 1
-            (self._queue.appendleft if first else self._queue.append)((future, save, rank, fence))
+            item = (future, source_name, source, save, rank, fence)
+            (self._queue.appendleft if first else self._queue.append)(item)
             backlog = len(self._queue)
             if self._worker is None or not self._worker.is_alive():
-                self._worker = threading.Thread(target=self._run, name="ckptstore-promote", daemon=True)
+                self._worker = threading.Thread(target=self._run, name=f"ckptstore-promote-{self.name}",
+                                                daemon=True)
                 self._worker.start()
         if backlog > self.BACKLOG_WARN + 1:
-            warnings.warn(f"{self.durable.url}: {backlog} promotions wait for the durable tier; the local tier "
-                          "keeps their steps until they are done (raise durable_every or promote_bandwidth)",
-                          PromotionWarning, stacklevel=3)
+            warnings.warn(f"{self.target.url}: {backlog} promotions wait for the {self.name} tier; the "
+                          f"{source_name} tier keeps their steps until they are done (raise "
+                          f"{self.name}_every or promote_bandwidth)", PromotionWarning, stacklevel=4)  # (the caller of Store.save)
         return future
 
     def _run(self) -> None:
@@ -613,28 +776,31 @@ class Promoter:
                 if not self._queue:
                     self._worker = None
                     return
-                future, save, rank, fence = self._queue.popleft()
+                future, source_name, source, save, rank, fence = self._queue.popleft()
+            key = (source_name, save.step)
             try:
-                manifest = save._future.result()  # the local commit (not .result(): the save's own
+                manifest = save._future.result()  # the source's commit (not .result(): the save's own
             except BaseException as e:               # failure stays unobserved, for the next save)
-                # Tell rank 0 of the durable attempt at once (it would wait for this vote).
-                refuse(self.durable.location(save.step), save.attempt, save.step, save.world_size, rank, e)
+                # Tell rank 0 of the target's attempt at once (it would wait for this vote).
+                refuse(self.target.location(save.step), save.attempt, save.step, save.world_size, rank, e)
                 future.observed = True  # the save's own error, reported as the save's
-                self._finish(future, save.step, error=e, quiet=True)
+                self._finish(future, key, source, error=e, quiet=True)
                 continue
             try:
-                result = promote(self.local.location(save.step), self.durable.location(save.step), manifest,
+                result = promote(source.location(save.step), self.target.location(save.step), manifest,
                                  rank, timeout=self.timeout, fence=fence, throttle=self.throttle)
             except BaseException as e:
-                self._finish(future, save.step, error=e, retain=rank == 0)
+                self._finish(future, key, source, error=e, retain=rank == 0)
             else:
-                self._finish(future, save.step, result=result, retain=rank == 0)
+                if self.on_commit is not None:
+                    self.on_commit(self.name, save.attempt, rank)
+                self._finish(future, key, source, result=result, retain=rank == 0)
 
-    def _retain(self, durable: bool) -> None:
-        """Rank 0, after a promotion: the local tier's retention, now that the promotion
+    def _retain(self, source, committed: bool) -> None:
+        """Rank 0, after a promotion: the source tier's retention, now that the promotion
         no longer holds its step (the commit's own run kept it), and after a committed
-        one the durable tier's (``keep``)."""
-        stores = [self.local] + ([self.durable] if durable and self.durable.keep is not None else [])
+        one the target tier's (``keep``)."""
+        stores = [source] + ([self.target] if committed and self.target.keep is not None else [])
         for store in stores:
             try:
                 store.apply_retention()
@@ -642,18 +808,18 @@ class Promoter:
                 warnings.warn(f"{store.url}: retention after a promotion failed: {e}", RuntimeWarning,
                               stacklevel=1)
 
-    def _finish(self, future: SaveFuture, step: int, result=None, error=None, quiet=False,
+    def _finish(self, future: SaveFuture, key: tuple[str, int], source, result=None, error=None, quiet=False,
                 retain=False) -> None:
         with self._lock:
-            _count_down(self._pending, step)
+            _count_down(self._pending, key)
             _count_down(self._attempts, future.attempt)
         if retain:  # before the future resolves: wait() covers it, as it covers a save's
-            self._retain(durable=error is None)
+            self._retain(source, committed=error is None)
         if error is None:
             future._future.set_result(result)
             return
         if not quiet:  # before the future resolves, so that whoever waits for it has seen it
-            warnings.warn(f"{future.where}: promotion of step {step} to the durable tier failed: "
+            warnings.warn(f"{future.where}: promotion of step {key[1]} to the {self.name} tier failed: "
                           f"{type(error).__name__}: {error}", PromotionWarning, stacklevel=1)
         future._future.set_exception(error)
 

@@ -203,13 +203,8 @@ def test_the_checkpointers_progress_record_notes_memory_full(tmp_path):
     assert record["memory_full"] is True
 
 
-def test_memory_with_local_and_auto_on_several_nodes_are_refused(tmp_path, in_job, monkeypatch):
-    with pytest.raises(ValueError, match="three tiers"):
-        ckptstore.Store(tmp_path / "durable", memory=tmp_path / "m", local=tmp_path / "l")
-    monkeypatch.delenv(injob.ENV_MEMORY_DIR)  # under torchrun too: the program must not change with the launcher
-    with pytest.raises(ValueError, match="three tiers"):
-        ckptstore.Store(tmp_path / "durable", memory="auto", local=tmp_path / "l")
-    monkeypatch.setenv(injob.ENV_MEMORY_DIR, str(in_job))
+def test_auto_on_several_nodes_without_the_in_job_store_is_refused(tmp_path, in_job, monkeypatch):
+    # (memory= with local= is a chain of three tiers: tests/test_three_tiers.py)
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     with pytest.raises(ValueError, match="local_shared"):

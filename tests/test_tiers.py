@@ -426,11 +426,12 @@ def test_a_durable_save_is_promoted_ahead_of_the_backlog(tmp_path):
 
     local = ckptstore.Store(tmp_path / "local")
     durable = ckptstore.Store(tmp_path / "durable")
-    promoter = Promoter(local, durable, None, 60.0)
+    promoter = Promoter(durable, None, 60.0)
     saves = {step: SaveFuture(f"local step {step}", step, f"a{step}") for step in (1, 2, 3, 4)}
-    promoted = [promoter.schedule(saves[step], 0, 1, None, first=(step == 4)) for step in (1, 2, 3, 4)]
+    promoted = [promoter.schedule("local", local, saves[step], 0, 1, None, first=(step == 4))
+                for step in (1, 2, 3, 4)]
     with promoter._lock:  # step 1 may be the worker's already (it waits for that local commit)
-        queued = [save.step for _, save, _, _ in promoter._queue]
+        queued = [save.step for _, _, _, save, _, _ in promoter._queue]
     assert queued in ([4, 2, 3], [4, 1, 2, 3])
     for save in saves.values():  # let the worker finish: the local saves failed
         save._future.set_exception(RuntimeError("not committed"))

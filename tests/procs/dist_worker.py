@@ -159,8 +159,9 @@ elif scenario == "tiers_nodes":
     # (it lags one save on other nodes); once more now, as its next save would:
     from ckptstore.tiers import sweep_own_data
 
-    with store._tiers._sweeping:  # (after the sweep its last commit started, if it still runs)
-        sweep_own_data(store.local, rank, set(store._tiers._committed_here), set())
+    sweep = store._tiers.sweeps["local"]
+    with sweep._sweeping:  # (after the sweep its last commit started, if it still runs)
+        sweep_own_data(store.local, rank, set(sweep.committed_here), set())
     mine = sorted({int(p.parts[-4][len("step-"):]) for p in node.rglob(f"data-r{rank:05d}-*.bin")})
     others = [p for p in node.rglob("data-*.bin") if f"data-r{rank:05d}-" not in p.name]
     say("files", ",".join(map(str, mine)), len(others), ",".join(map(str, store.local.steps())),
