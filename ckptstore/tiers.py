@@ -44,7 +44,7 @@ from collections import deque
 from typing import Callable
 
 from . import format as fmt
-from . import lifecycle, names, peers
+from . import durable_cadence, lifecycle, names, peers
 from .checkpoint.fencing import check_fence, check_round_fence
 from .checkpoint.flatten import _is_dtensor
 from .checkpoint.walk import tensors_in
@@ -282,8 +282,11 @@ class Tiers:
     def __init__(self, durable, local, *, durable_every: int, local_keep: Retention | None,
                  promote_bandwidth: float | None, commit_timeout: float, local_shared=None,
                  storage_options: dict | None = None, name: str = "local", budget: int | None = None):
-        if isinstance(durable_every, bool) or not isinstance(durable_every, int) or durable_every < 1:
-            raise ValueError(f"durable_every must be an int >= 1, got {durable_every!r}")
+        auto = isinstance(durable_every, str) and durable_every == "auto"
+        if not auto and (isinstance(durable_every, bool) or not isinstance(durable_every, int) or durable_every < 1):
+            raise ValueError(f"durable_every must be an int >= 1 or \"auto\", got {durable_every!r}")
+        # "auto": promote by the failure rate that loses this tier (durable_cadence.py)
+        self.cadence = durable_cadence.for_store(durable.url) if auto else None
         url = os.fspath(local) if not isinstance(local, str) else local
         if name == "memory" and parse_location(url)[0] is None:
             os.makedirs(url, mode=0o700, exist_ok=True)  # (the agent made it; an explicit path may not exist)
@@ -390,9 +393,12 @@ class Tiers:
                 pass  # (that tier cannot be listed: the next one is tried)
         return found + [self.chain[-1]]
 
-    def save(self, step: int, state, metrics, replicated, durable: bool, stream) -> SaveFuture:
+    def save(self, step: int, state, metrics, replicated, durable: bool, stream,
+             durable_due: bool | None = None) -> SaveFuture:
         """``Store.save`` of a store with tiers: the local tier's save (its future), and
-        a promotion of it when one is due."""
+        a promotion of it when one is due. ``durable_due``: with ``durable_every="auto"``,
+        the caller's decision, already the same on every rank (the Checkpointer's); None:
+        decided here (:meth:`_promotion_due`)."""
         group = self.durable.process_group
         rank, world = rank_and_world(group)
         split = not self.local.storage.sees_all_data
@@ -411,19 +417,32 @@ class Tiers:
         self.full = False
         epoch = self.durable.epoch
         self.local.epoch = epoch
-        if self._saves == 0:  # this process's first: count on from the saves since the newest durable step
-            self._saves = self.saves_since_durable()
-        self._saves += 1  # first: a save that raises on one rank only must not skew the ranks' counts
+        # first: a save that raises on one rank only must not skew the ranks' counts (nor skip a collective)
+        promote = self._promotion_due(durable_due, group) or durable
         future = self.local.save(step, state, metrics, replicated=replicated, stream=stream)
         if split:
             future.add_done_callback(lambda f, r=rank, w=world: self._after_local_commit(f, r, w))
         fence = None if epoch is None else functools.partial(check_fence, self.durable.storage, epoch)
-        if durable or self._saves % self.durable_every == 0:
-            self.promoter.schedule(future, rank, world, fence, first=durable)
+        if promote:
+            scheduled = self.promoter.schedule(future, rank, world, fence, first=durable)
+            if self.cadence is not None:
+                self.cadence.note_promotion(step, scheduled)
             self._unpromoted = None
         else:
             self._unpromoted = (future, rank, world, fence)
         return future
+
+    def _promotion_due(self, agreed: bool | None, group) -> bool:
+        """Whether the cadence promotes this save: every ``durable_every``-th, counted on
+        from the saves since the newest durable step at this process's first; with
+        ``"auto"``, ``agreed`` when the caller combined the ranks' flags, else the
+        cadence's decision here (a collective when world > 1)."""
+        if self.cadence is not None:
+            return self.cadence.decide(group) if agreed is None else bool(agreed)
+        if self._saves == 0:
+            self._saves = self.saves_since_durable()
+        self._saves += 1
+        return self._saves % self.durable_every == 0
 
     def promote_newest(self) -> SaveFuture | None:
         """Promote the newest save of this process that no promotion covers (None: there
@@ -622,12 +641,15 @@ class Promoter:
                 future.observed = True  # the save's own error, reported as the save's
                 self._finish(future, save.step, error=e, quiet=True)
                 continue
+            began = time.monotonic()  # P of durable_every="auto" (durable_cadence.py): promote() itself
             try:
                 result = promote(self.local.location(save.step), self.durable.location(save.step), manifest,
                                  rank, timeout=self.timeout, fence=fence, throttle=self.throttle)
             except BaseException as e:
+                future.promotion_s = time.monotonic() - began
                 self._finish(future, save.step, error=e, retain=rank == 0)
             else:
+                future.promotion_s = time.monotonic() - began
                 self._finish(future, save.step, result=result, retain=rank == 0)
 
     def _retain(self, durable: bool) -> None:
