@@ -21,7 +21,7 @@ from ckptstore import durable_cadence as dc
 from ckptstore.storage import LocalStorage
 from ckptstore.supervisor.injob import ENV_ROUND
 from ckptstore.supervisor.journal import Journal, new_run_id
-from ckptstore.supervisor.status import summarize
+from ckptstore.supervisor.status import status, summarize
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from procs.harness import close_zygotes, free_port, start_zygotes  # noqa: E402
@@ -267,3 +267,22 @@ def test_ranks_with_different_due_times_promote_exactly_the_same_steps(zygotes, 
         assert code == 0, (rank, lines)
         assert lines == ["promoted 1,2,3,4", "durable 1,2,3,4"], (rank, lines)
     assert ckptstore.Store(tmp_path / "durable").committed_steps() == [1, 2, 3, 4]
+
+
+def test_the_checkpointer_reads_m_cold_at_resume_and_status_shows_it(tmp_path, monkeypatch):
+    from ckptstore.cli.status import render
+
+    monkeypatch.delenv(ENV_ROUND, raising=False)
+    durable = tmp_path / "durable"
+    times = iter([time.time() - 100.0, time.time() - 99.0, time.time() - 50.0])
+    journal = Journal(LocalStorage(str(durable)), new_run_id(), clock=lambda: next(times))
+    journal.append("run_start", command=["x"], world_size=1, nnodes=1, hosts=["h"], policy={})
+    journal.append("attempt_start", attempt=0)
+    journal.append("failure", attempt=0, **{"class": "transient"}, reason="killed")
+    store = ckptstore.Store(durable, local=tmp_path / "local", durable_every="auto")
+    ckpt = ckptstore.Checkpointer(store, state={"s": {"x": 1}}, rng=False, signals=())
+    assert ckpt.resume() == 0
+    assert store.durable_cadence.mtbf_source == "journal" and 99.0 < store.durable_cadence.mtbf_cold_s < 200.0
+    s = status(LocalStorage(str(durable)))
+    assert 99.0 < s["mtbf_cold_s"] < 200.0 and s["cold_failures"] == 1
+    assert "MTBF cold" in render(s) and "1 failure(s) lost the memory tier" in render(s)
