@@ -490,7 +490,12 @@ class Store:
         older incarnation (orphaned workers of a dead launcher) are refused with
         :class:`~ckptstore.FencedError`. The default does not claim: a job that only
         reads (an evaluation) must not fence off the training job writing the store.
+
+        With ``durable_every="auto"`` it also reads M_cold from the store's journal, once
+        per process and only outside an in-job round after the first (durable_cadence.py).
         """
+        if self.durable_cadence is not None:
+            self.durable_cadence.read_mtbf_cold(self.storage)
         return collective_resume(self, template, map_location=map_location,
                                  weights_only=resolve_weights_only(weights_only, None)[0],
                                  validate=validate, mark_skipped=mark_skipped, claim=claim)

@@ -132,9 +132,6 @@ class Checkpointer:
         began = time.monotonic()
         if self._auto:
             self._mtbf_s = _journal_mtbf(self.store.storage)
-        cadence = getattr(self.store, "durable_cadence", None)
-        if cadence is not None:  # durable_every="auto": M_cold, once per process, in round 0 only
-            cadence.read_mtbf_cold(self.store.storage)
         template = self._state_dict()
         sharded = any(_is_dtensor(t) for t in tensors_in(template))
         # An in-job recovery's round (> 0) claims no durable epoch: the memory tier's
