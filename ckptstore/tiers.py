@@ -279,7 +279,7 @@ class Tiers:
     in the background. ``chain``: ``(name, Store)`` in the order a load tries them,
     the durable Store last."""
 
-    def __init__(self, durable, local, *, durable_every: int, local_keep: Retention | None,
+    def __init__(self, durable, local, *, durable_every: int | str, local_keep: Retention | None,
                  promote_bandwidth: float | None, commit_timeout: float, local_shared=None,
                  storage_options: dict | None = None, name: str = "local", budget: int | None = None):
         auto = isinstance(durable_every, str) and durable_every == "auto"
