@@ -169,6 +169,17 @@ _CADENCES: dict[str, Cadence] = {}
 _CADENCES_LOCK = threading.Lock()
 
 
+def _forget_in_child() -> None:
+    """A forked child is another process: the parent's promotions never end in it."""
+    global _CADENCES_LOCK
+    _CADENCES.clear()
+    _CADENCES_LOCK = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
+
+
 def for_store(durable_url: str) -> Cadence:
     """The cadence of the durable store at ``durable_url`` in this process (made on
     first use): one per process, whatever Store objects open it."""

@@ -285,3 +285,19 @@ def test_the_checkpointer_reads_m_cold_at_resume_and_status_shows_it(tmp_path, m
     s = status(LocalStorage(str(durable)))
     assert 99.0 < s["mtbf_cold_s"] < 200.0 and s["cold_failures"] == 1
     assert "MTBF cold" in render(s) and "1 failure(s) lost the memory tier" in render(s)
+
+
+def test_a_forked_child_starts_with_no_cadence_of_its_parent():
+    parent = dc.for_store("s3://bucket/cadence-fork")
+    parent.note_promotion(3, Promotion())  # in flight in the parent, forever in a child
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            child = dc.for_store("s3://bucket/cadence-fork")
+            os.write(w, b"%d" % (child is not parent and not child.busy() and not child.promoted_steps))
+        finally:
+            os._exit(0)
+    os.close(w)
+    assert os.read(r, 8) == b"1"
+    os.waitpid(pid, 0)
