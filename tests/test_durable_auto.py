@@ -135,16 +135,17 @@ def test_status_counts_the_failures_that_lose_memory_and_not_in_job_recoveries_f
         ev("recovery", 300.0, attempt=2, round=1, restore_from={"memory": [0], "peer": [1]}),  # kept
         ev("recovery", 300.5, attempt=2, round=1, restore_from={"durable": [1]}),  # a second node's copy: once
         ev("recovery", 400.0, attempt=2, round=2, restore_from={"memory": [0], "durable": [1]}),  # lost
-        ev("recovery_failed", 450.0, attempt=2, round=3, reason="x"),  # retried in-job: not a failure
+        ev("recovery", 420.0, attempt=2, round=3, restore_from={"local": [1]}),  # a local tier in its place: kept
+        ev("recovery_failed", 450.0, attempt=2, round=4, reason="x"),  # retried in-job: not a failure
         fail(500.0, 2, "preempted"),  # the scheduler's; its save went durable
         ev("attempt_start", 501.0, attempt=3), ev("resume", 510.0, attempt=3, step=120, tier="durable"),
         ev("in_job_gave_up", 590.0, attempt=3, round=1, reason="no spare"),
         fail(600.0, 3, reason="in-job recovery gave up: no spare"),  # cold, not resumed yet: lost
     ]
     s = summarize(events, now=1200.0)
-    assert [f["loses_memory"] for f in s["failures"]] == [True, False, False, True, False, True]
+    assert [f["loses_memory"] for f in s["failures"]] == [True, False, False, True, False, False, True]
     assert s["cold_failures"] == 3 and s["mtbf_cold_s"] == 400.0  # 1200 s / 3
-    assert s["mtbf_s"] == 240.0  # 5 failures, the preemption left out: every failure counts there
+    assert s["mtbf_s"] == 200.0  # 6 failures, the preemption left out: every failure counts there
     assert summarize(events[:3], now=50.0)["mtbf_cold_s"] is None  # none yet: durable_cadence's prior
 
 

@@ -32,13 +32,13 @@ nodes may each journal the same one):
   each duration (``detect_s``, ``teardown_s``, ``decide_s``, ``reform_s``,
   ``restore_s``, ``first_step_s``), ``restore_from`` (tier -> ranks restored from it, summed).
 - ``mtbf_cold_s = wall_s / cold_failures``, None without any: the MTBF of the failures
-  that lose the memory tier (``durable_every="auto"``, durable_cadence.py). Each
-  record of ``failures`` says ``loses_memory``: a cold restart (``failure``, not
-  ``preempted``: a preemption's save goes to the durable tier) does, unless the next
-  attempt's ``resume`` restored from the ``memory`` or ``peer`` tier (one node: the
+  that lose the memory tier (or the local tier in its place), after which only the
+  durable tier restores (``durable_every="auto"``, durable_cadence.py). Each record of
+  ``failures`` says ``loses_memory``: a cold restart (``failure``, not ``preempted``: a
+  preemption's save goes to the durable tier) does, unless the next attempt's
+  ``resume`` restored from the ``memory``, ``peer`` or ``local`` tier (one node: the
   memory directory outlives a relaunch); an in-job ``recovery`` does only when its
-  ``restore_from`` names ``local`` or ``durable`` (a node lost without a surviving
-  partner). ``recovery_failed`` and ``in_job_gave_up`` are not counted: a
+  ``restore_from`` names ``durable`` (a node lost without a surviving partner). ``recovery_failed`` and ``in_job_gave_up`` are not counted: a
   round that fails is retried in-job or ends in the attempt's ``failure``.
 - Young/Daly: ``recommended_interval_s = min(MAX_INTERVAL_S, max(MIN_INTERVAL_SAVES * C,
   sqrt(2 * C * M)))``, C the latest journaled ``save_blocking_s``, M ``mtbf_s`` or,
@@ -270,20 +270,21 @@ def _recovery_record(e: dict) -> dict:
             "detected_by": _str(e.get("detected_by"), 64)}
 
 
-_MEMORY_TIERS = ("memory", "peer")  # a restore from these: the memory tier survived the failure
-_BELOW_MEMORY = ("local", "durable")  # an in-job restore from these: some rank's memory copies were lost
+# A restore from these tiers: the tier above the durable one survived the failure (a
+# local tier is the memory tier's place in a store of two tiers); from "durable": lost.
+_UPPER_TIERS = ("memory", "peer", "local")
 
 
 def _loses_memory(record: dict, e: dict, resumes: dict) -> bool:
     """Whether a failure lost the memory tier (module docstring, ``mtbf_cold_s``)."""
     if record["recovered"] == "in_job":
         where = e.get("restore_from")
-        return isinstance(where, dict) and any(_str(tier, 32) in _BELOW_MEMORY for tier in list(where)[:MAX_LIST])
+        return isinstance(where, dict) and any(_str(tier, 32) == "durable" for tier in list(where)[:MAX_LIST])
     if record["class"] == "preempted":
         return False
     attempt = record["attempt"]
     after = resumes.get(attempt + 1) if attempt is not None else None
-    return not (after is not None and _str(after.get("tier"), 16) in _MEMORY_TIERS)
+    return not (after is not None and _str(after.get("tier"), 16) in _UPPER_TIERS)
 
 
 def _section_timeout(e: dict) -> dict:
