@@ -10,9 +10,10 @@ began, where
   failed one counts too, it held the durable path as long). It runs in the
   background, so its cost to training is contention, bounded by
   ``promote_bandwidth``. Before any ended: ``PRIOR_PROMOTION_S``.
-- ``M_cold`` is the MTBF of the failures that lose the memory tier (``ckptstore
-  status``'s ``mtbf_cold_s``: cold restarts, and in-job recoveries that restored from
-  below it), read from the run's journal once per process, in round 0
+- ``M_cold`` is the MTBF of the failures that lose the memory tier, or the local tier
+  in its place (``ckptstore status``'s ``mtbf_cold_s``: cold restarts whose relaunch
+  did not find it, and in-job recoveries that restored from the durable tier), read
+  from the run's journal once per process, in round 0
   (:meth:`Cadence.read_mtbf_cold`); before any such failure ``PRIOR_MTBF_COLD_S`` (a
   day), as for ``mtbf_s``.
 
