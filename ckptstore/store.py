@@ -83,24 +83,34 @@ class Store:
     memory tier elsewhere, so one program runs unchanged under torchrun; a path is a
     memory tier there. Every save commits to memory, every ``durable_every``-th (default
     :data:`~ckptstore.tiers.MEMORY_DURABLE_EVERY` with a memory tier, 1 with a local
-    one) is promoted to the durable tier; with ``local=`` too (three tiers: memory,
+    one; ``"auto"``: by the rate of failures that lose the memory tier, below) is
+    promoted to the durable tier; with ``local=`` too (three tiers: memory,
     local disk, durable; docs/tiers.md "Three tiers") every ``local_every``-th (default
-    ``durable_every``) is also promoted to the local tier, each promotion reading the
-    memory copy. ``memory_keep`` its retention (default the last step, besides the one
-    in flight and those waiting for promotion); ``memory_budget`` the bytes it may hold
-    on the node (default ``CKPTSTORE_MEMORY_BUDGET``; None: no limit): a save that would
-    pass it goes to the next tier below (local, else durable) instead, with one
+    ``durable_every``, 10 when that is ``"auto"``) is also promoted to the local tier, each
+    promotion reading the memory copy. ``memory_keep`` its retention (default the last step,
+    besides the one in flight and those waiting for promotion); ``memory_budget`` the bytes
+    it may hold on the node (default ``CKPTSTORE_MEMORY_BUDGET``; None: no limit): a save
+    that would pass it goes to the next tier below (local, else durable) instead, with one
     RuntimeWarning. On
     several nodes under ``ckptstore run --in-job`` each memory commit is also copied, in
     the background, to the partner node's memory (``CKPTSTORE_PEER_REPLICA``; docs/tiers.md,
     "Peer replicas"), from which a spare there restores a lost node's ranks
     (``LoadInfo.tier == "peer"``).
+
+    ``durable_every="auto"`` (a memory or local tier): a save is promoted when
+    ``sqrt(2 x P x M_cold)`` seconds have passed since the last promotion began (P: the
+    last promotion's duration; M_cold: the MTBF of the failures that lose the memory
+    tier, ``ckptstore status``'s ``mtbf_cold_s``, a day before any), never while one is
+    still in flight, at least every 6 hours, and the first save of a process at once
+    (:mod:`ckptstore.durable_cadence`; docs/tiers.md). Every rank promotes the same
+    steps: the ranks combine their views at each save (one small collective, or the
+    Checkpointer's own).
     """
 
     def __init__(self, url, *, process_group=None, compression: str | CompressionPolicy = "auto",
                  commit_timeout: float = 600.0, chunk_bytes: int | None = None,
                  keep: Retention | None = None, grace: float | str = gc.DEFAULT_GRACE,
-                 storage_options: dict | None = None, local=None, durable_every: int | None = None,
+                 storage_options: dict | None = None, local=None, durable_every: int | str | None = None,
                  local_keep: Retention | None = None, promote_bandwidth: float | None = None,
                  local_shared=None, incremental: bool = True, memory=None,
                  memory_keep: Retention | None = None, memory_budget: int | None = None,
@@ -172,8 +182,8 @@ class Store:
         return self._tiers is not None and self._tiers.full
 
     @property
-    def durable_every(self) -> int | None:
-        """Every how many saves one is promoted to the durable tier (None: one tier)."""
+    def durable_every(self) -> int | str | None:
+        """Every how many saves one is promoted to the durable tier, or ``"auto"`` (None: one tier)."""
         return self._tiers.durable_every if self._tiers is not None else None
 
     @property
@@ -184,6 +194,12 @@ class Store:
             return None
         return self._tiers.local_every
 
+    @property
+    def durable_cadence(self):
+        """With ``durable_every="auto"``: this process's :class:`~ckptstore.durable_cadence.Cadence`
+        of the durable store (else None)."""
+        return self._tiers.cadence if self._tiers is not None else None
+
     def __repr__(self) -> str:
         return f"Store({self.url!r})"
 
@@ -191,7 +207,8 @@ class Store:
         return self.storage.child(names.step_dir_name(step))
 
     def save(self, step: int, state: Any, metrics: dict | None = None, *,
-             replicated: list[str] | tuple[str, ...] = (), durable: bool = False, stream=None) -> SaveFuture:
+             replicated: list[str] | tuple[str, ...] = (), durable: bool = False, stream=None,
+             durable_due: bool | None = None) -> SaveFuture:
         """Save ``state`` as ``step``; returns once it is staged.
 
         Under torch.distributed every rank calls this with the same step. DTensors are
@@ -202,6 +219,10 @@ class Store:
         With two tiers the future is the local save's; ``durable=True`` (the same on
         every rank: a preemption's last save, say) promotes this step whatever
         ``durable_every`` says, and ``ckptstore.wait()`` waits for promotions too.
+        ``durable_due`` (``durable_every="auto"`` only): whether the cadence promotes this
+        save, decided by a caller that already combined every rank's
+        ``durable_cadence.flags()`` (the Checkpointer, in its per-step all-reduce); it
+        must be the same on every rank. None: the store combines them (a collective).
 
         ``stream``: what the copies of CUDA tensors wait for, as in
         :func:`ckptstore.save` (a ``torch.cuda.Stream`` or ``{device index: stream}``;
@@ -210,7 +231,7 @@ class Store:
         """
         stream = check_stream(stream, "Store.save")
         if self._tiers is not None:
-            return self._tiers.save(step, state, metrics, replicated, durable, stream)
+            return self._tiers.save(step, state, metrics, replicated, durable, stream, durable_due)
         return self.save_here(step, state, metrics, replicated=replicated, stream=stream)
 
     def promote_newest(self) -> SaveFuture | None:
@@ -491,7 +512,12 @@ class Store:
         older incarnation (orphaned workers of a dead launcher) are refused with
         :class:`~ckptstore.FencedError`. The default does not claim: a job that only
         reads (an evaluation) must not fence off the training job writing the store.
+
+        With ``durable_every="auto"`` it also reads M_cold from the store's journal, once
+        per process and only outside an in-job round after the first (durable_cadence.py).
         """
+        if self.durable_cadence is not None:
+            self.durable_cadence.read_mtbf_cold(self.storage)
         return collective_resume(self, template, map_location=map_location,
                                  weights_only=resolve_weights_only(weights_only, None)[0],
                                  validate=validate, mark_skipped=mark_skipped, claim=claim)

@@ -52,7 +52,7 @@ from collections import deque
 from typing import Callable
 
 from . import format as fmt
-from . import lifecycle, names, peers
+from . import durable_cadence, lifecycle, names, peers
 from .checkpoint.fencing import check_fence, check_round_fence
 from .checkpoint.flatten import _is_dtensor
 from .checkpoint.walk import tensors_in
@@ -290,14 +290,19 @@ class Tiers:
     the save committed to: see :meth:`save`. ``chain``: ``(name, Store)`` in the order
     a load tries them ("memory", "local", "durable"), the durable Store last."""
 
-    def __init__(self, durable, *, memory=None, local=None, durable_every: int, local_every: int | None = None,
+    def __init__(self, durable, *, memory=None, local=None, durable_every: int | str, local_every: int | None = None,
                  memory_keep: Retention | None = None, local_keep: Retention | None = None,
                  promote_bandwidth: float | None, commit_timeout: float, memory_shared=None, local_shared=None,
                  storage_options: dict | None = None, budget: int | None = None):
         if memory is None and local is None:
             raise ValueError("Tiers needs a tier above the durable one: memory= or local=")
-        check_every("durable_every", durable_every)
-        local_every = durable_every if local_every is None else local_every
+        auto = isinstance(durable_every, str) and durable_every == "auto"
+        if not auto:
+            check_every("durable_every", durable_every, "or \"auto\"")
+        # "auto": promote by the failure rate that loses the upper tiers (durable_cadence.py)
+        self.cadence = durable_cadence.for_store(durable.url) if auto else None
+        if local_every is None:
+            local_every = MEMORY_DURABLE_EVERY if auto else durable_every
         check_every("local_every", local_every)
         places = {"the durable store": durable.storage}
         specs = []  # (name, url, the place key of its shared records or None, keep)
@@ -443,7 +448,8 @@ class Tiers:
                 pass  # (that tier cannot be listed: the next one is tried)
         return found + [self.chain[-1]]
 
-    def save(self, step: int, state, metrics, replicated, durable: bool, stream) -> SaveFuture:
+    def save(self, step: int, state, metrics, replicated, durable: bool, stream,
+             durable_due: bool | None = None) -> SaveFuture:
         """``Store.save`` of a store with tiers: the save to the top tier (its future),
         or to the next one below memory when it is over its budget, and its promotions
         to the tiers below that are due.
@@ -452,7 +458,11 @@ class Tiers:
         memory is the faster source, and the durable copy never waits for the disk copy
         (nor fails with it). The memory tier keeps the step until both are done (its
         retention keeps what a promotion still reads: UpperTier.kept). A step
-        promoted to the durable tier but not the local one is simply not on disk."""
+        promoted to the durable tier but not the local one is simply not on disk.
+
+        ``durable_due``: with ``durable_every="auto"``, the caller's decision, already the
+        same on every rank (the Checkpointer's); None: decided here (:meth:`_durable_due`,
+        a collective when world > 1)."""
         group = self.durable.process_group
         rank, world = rank_and_world(group)
         self._check_hosts(group, world)
@@ -466,7 +476,7 @@ class Tiers:
         # Counted first: a save that raises on one rank only must not skew the ranks' counts.
         # (Every rank counts the same saves: a tier's commit needs every rank's vote.)
         due = {"local": self._local_due() if "local" in below else False,
-               "durable": self._durable_due(durable) if "durable" in below else False}
+               "durable": self._durable_due(durable, durable_due, group) if "durable" in below else False}
         epoch = self.durable.epoch
         for _, upper in self.chain[:-1]:
             upper.epoch = epoch
@@ -482,17 +492,24 @@ class Tiers:
                 continue
             fence = self._promotion_fence(target, epoch)
             if due[target]:
-                self.promoters[target].schedule(name, tier, future, rank, world, fence,
-                                                first=durable and target == "durable")
+                scheduled = self.promoters[target].schedule(name, tier, future, rank, world, fence,
+                                                            first=durable and target == "durable")
+                if target == "durable" and self.cadence is not None:
+                    self.cadence.note_promotion(step, scheduled)
                 self._unpromoted.pop(target, None)
             else:
                 self._unpromoted[target] = (name, tier, future, rank, world, fence)
         return future
 
-    def _durable_due(self, forced: bool) -> bool:
+    def _durable_due(self, forced: bool, agreed: bool | None, group) -> bool:
         """Whether this save is promoted to the durable tier: asked for (``durable=True``,
         a preemption's save) or the ``durable_every``-th since the durable tier's newest
-        step. Counts the save; every rank calls it for the same saves."""
+        step; with ``"auto"``, ``agreed`` when the caller combined the ranks' flags, else
+        the cadence's decision here (a collective when world > 1: asked even when forced,
+        so that every rank makes it). Counts the save; every rank calls it for the same saves."""
+        if self.cadence is not None:
+            due = self.cadence.decide(group) if agreed is None else bool(agreed)
+            return forced or due
         self._start_counts()
         self._saves += 1
         return forced or self._saves % self.durable_every == 0
@@ -507,7 +524,8 @@ class Tiers:
     def _start_counts(self) -> None:
         if not self._counted:  # this process's first: count on from where the run's saves stand
             self._counted = True
-            self._saves, self._local_saves = self.saves_since_durable(), self.saves_since_local()
+            self._local_saves = self.saves_since_local()
+            self._saves = self.saves_since_durable() if self.cadence is None else 0  # ("auto": no count)
 
     def _promotion_fence(self, target: str, epoch: int | None):
         """What a promotion's commit to ``target`` checks before its manifest: the run's
@@ -609,10 +627,11 @@ class Tiers:
             self.sweeps[target].committed(attempt, rank)
 
 
-def check_every(what: str, every) -> None:
-    """ValueError unless ``every`` (``durable_every``, ``local_every``) is an int >= 1."""
+def check_every(what: str, every, alternative: str = "") -> None:
+    """ValueError unless ``every`` (``durable_every``, ``local_every``) is an int >= 1
+    (``alternative``: what else the caller accepts, for the message)."""
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise ValueError(f"{what} must be an int >= 1, got {every!r}")
+        raise ValueError(f"{what} must be an int >= 1{' ' + alternative if alternative else ''}, got {every!r}")
 
 
 def _saves_since(steps_below, above: list, every: int) -> int:
@@ -786,12 +805,15 @@ class Promoter:
                 future.observed = True  # the save's own error, reported as the save's
                 self._finish(future, key, source, error=e, quiet=True)
                 continue
+            began = time.monotonic()  # P of durable_every="auto" (durable_cadence.py): promote() itself
             try:
                 result = promote(source.location(save.step), self.target.location(save.step), manifest,
                                  rank, timeout=self.timeout, fence=fence, throttle=self.throttle)
             except BaseException as e:
+                future.promotion_s = time.monotonic() - began
                 self._finish(future, key, source, error=e, retain=rank == 0)
             else:
+                future.promotion_s = time.monotonic() - began
                 if self.on_commit is not None:
                     self.on_commit(self.name, save.attempt, rank)
                 self._finish(future, key, source, result=result, retain=rank == 0)

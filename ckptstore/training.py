@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import durable_cadence
 from . import format as fmt
 from . import inprocess
 from . import lifecycle
@@ -176,11 +177,14 @@ class Checkpointer:
                 self._prepare()
         else:
             self._report("train", step, section="step")
-        preempted, due_time = self._agree(self._signalled.is_set(), self._due_by_time())
+        cadence = getattr(self.store, "durable_cadence", None)  # durable_every="auto"
+        durable_flags = cadence.flags() if cadence is not None else (False, False)
+        preempted, due_time, durable_due = self._agree(self._signalled.is_set(), self._due_by_time(), durable_flags)
         due = preempted or due_time or (self.every is not None and step % self.every == 0)
         if due and step != self.last_saved:
             # a preemption's save goes to the durable tier too: the node may not come back
-            future = self.save(step, metrics, durable=preempted, stream=stream)
+            future = self.save(step, metrics, durable=preempted, stream=stream,
+                               durable_due=durable_due if cadence is not None else None)
             if preempted:
                 self._report("saving", step, force=True, section="save")  # the wait for its commit
                 self._finish(future)
@@ -207,16 +211,19 @@ class Checkpointer:
             warnings.warn(f"ckptstore: could not prepare the staging memory of the first save: {e}",
                           RuntimeWarning, stacklevel=3)
 
-    def save(self, step: int, metrics: dict | None = None, durable: bool = False, *, stream=None):
+    def save(self, step: int, metrics: dict | None = None, durable: bool = False, *, stream=None,
+             durable_due: bool | None = None):
         """Save now (collective); returns the :class:`~ckptstore.SaveFuture`.
         ``durable``: with a two-tier store, promote this step whatever ``durable_every``
         says (every rank alike). ``stream``: what the copies of CUDA tensors wait for
-        (:meth:`Store.save`); default each device's current stream."""
+        (:meth:`Store.save`); default each device's current stream. ``durable_due``: see
+        :meth:`Store.save` (:meth:`step` passes what the ranks agreed on)."""
         began = time.monotonic()
         self._report("saving", step, section="save")  # a supervisor does not take a long staging copy for a hang
         with inprocess.atomic():  # an in-job abort waits for the staging copy (a failing collective does not)
             future = self.store.save(step, self._state_dict(), metrics, replicated=self.replicated,
-                                     durable=durable, stream=stream)
+                                     durable=durable, stream=stream,
+                                     **({} if durable_due is None else {"durable_due": durable_due}))
         self._save_blocking_s = time.monotonic() - began
         if self._reporter is not None:
             self._reporter.note_longest("save", self._save_blocking_s)
@@ -344,17 +351,21 @@ class Checkpointer:
             interval = min(interval, MEMORY_OVERHEAD_SAVES * self._save_blocking_s)
         return interval
 
-    def _agree(self, preempted: bool, due_time: bool) -> tuple[bool, bool]:
+    def _agree(self, preempted: bool, due_time: bool,
+               durable: tuple[bool, bool] = (False, False)) -> tuple[bool, bool, bool]:
         """Every rank's view, combined (any rank signalled / any rank's clock says due),
-        so that all of them save the same step."""
+        so that all of them save the same step; and whether that save is promoted to the
+        durable tier (``durable``: this rank's ``durable_cadence`` flags (due, busy); any
+        rank due and none busy: durable_cadence.agreed). One all-reduce."""
         group = self.store.process_group
         _, world = rank_and_world(group)
         if world == 1:
-            return preempted, due_time
+            return preempted, due_time, durable_cadence.agreed([durable])
         device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
-        flags = torch.tensor([int(preempted), int(due_time)], dtype=torch.int32, device=device)
+        flags = torch.tensor([int(preempted), int(due_time), int(durable[0]), int(durable[1])],
+                             dtype=torch.int32, device=device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
-        return bool(flags[0]), bool(flags[1])
+        return bool(flags[0]), bool(flags[1]), durable_cadence.agreed([(bool(flags[2]), bool(flags[3]))])
 
     def _finish(self, future) -> None:
         """The preemption save: wait for its commit as the exit drain does (a peer that

@@ -86,6 +86,9 @@ def render(s: dict) -> str:
     by_class = ", ".join(f"{k} {v}" for k, v in s["failures_by_class"].items())
     lines.append(("failures", f"{len(s['failures'])} ({by_class})"))
     lines.append(("MTBF", _dur(s["mtbf_s"]) if s["mtbf_s"] is not None else "no failure yet"))
+    if s["failures"]:  # (durable_every="auto" promotes by it)
+        lines.append(("MTBF cold", "no failure lost the memory tier" if s.get("mtbf_cold_s") is None else
+                      f"{_dur(s['mtbf_cold_s'])} ({s['cold_failures']} failure(s) lost the memory tier)"))
     lines.append(("lost work", f"{s['lost_steps']} steps, {_dur(s['lost_s'])}; startup {_dur(s['startup_s'])}, "
                                f"recovery {_dur(s['recovery_s'])}"))
     rec = s.get("recoveries") or {}

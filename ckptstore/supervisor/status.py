@@ -31,6 +31,15 @@ nodes may each journal the same one):
   first step of the new round); ``recoveries``: ``count``, ``median`` and ``max`` of
   each duration (``detect_s``, ``teardown_s``, ``decide_s``, ``reform_s``,
   ``restore_s``, ``first_step_s``), ``restore_from`` (tier -> ranks restored from it, summed).
+- ``mtbf_cold_s = wall_s / cold_failures``, None without any: the MTBF of the failures
+  that lose the memory tier (or the local tier in its place), after which only the
+  durable tier restores (``durable_every="auto"``, durable_cadence.py). Each record of
+  ``failures`` says ``loses_memory``: a cold restart (``failure``, not ``preempted``: a
+  preemption's save goes to the durable tier) does, unless the next attempt's
+  ``resume`` restored from the ``memory``, ``peer`` or ``local`` tier (one node: the
+  memory directory outlives a relaunch); an in-job ``recovery`` does only when its
+  ``restore_from`` names ``durable`` (a node lost without a surviving partner). ``recovery_failed`` and ``in_job_gave_up`` are not counted: a
+  round that fails is retried in-job or ends in the attempt's ``failure``.
 - Young/Daly: ``recommended_interval_s = min(MAX_INTERVAL_S, max(MIN_INTERVAL_SAVES * C,
   sqrt(2 * C * M)))``, C the latest journaled ``save_blocking_s``, M ``mtbf_s`` or,
   before the first failure that counts, ``PRIOR_MTBF_S``; ``recommended_interval_steps
@@ -86,7 +95,7 @@ def summarize(events: list[dict], now: float, checkpoint: dict | None = None) ->
     out = {"run": None, "state": "empty", "started_at": None, "wall_s": 0.0, "restarts": 0, "attempts": 0,
            "step": None, "failures": [], "failures_by_class": dict.fromkeys(CLASSES, 0), "mtbf_s": None,
            "lost_steps": 0, "lost_s": 0.0, "startup_s": 0.0, "recovery_s": 0.0, "goodput": None,
-           "checkpoint_step": ckpt_step,
+           "cold_failures": 0, "mtbf_cold_s": None, "checkpoint_step": ckpt_step,
            "checkpoint_age_s": None if ckpt_t is None else max(0.0, now - ckpt_t),
            "last_failure": None, "last_resume": None, "last_event_at": None, "give_up": None, "unhealthy": None,
            "save_blocking_s": None, "step_s": None, "mtbf_source": None,
@@ -136,9 +145,9 @@ def summarize(events: list[dict], now: float, checkpoint: dict | None = None) ->
 
     fails = sorted(failures.values(), key=lambda e: e["t"])
     in_job = sorted(recoveries.values(), key=lambda e: e["t"])
-    both = sorted([(e["t"], _failure_record(e)) for e in fails] + [(e["t"], _recovery_record(e)) for e in in_job],
+    both = sorted([(e["t"], _failure_record(e), e) for e in fails] + [(e["t"], _recovery_record(e), e) for e in in_job],
                   key=lambda te: te[0])
-    out["failures"] = [f for _, f in both]
+    out["failures"] = [{**f, "loses_memory": _loses_memory(f, e, resumes)} for _, f, e in both]
     for f in out["failures"]:
         out["failures_by_class"][f["class"]] = out["failures_by_class"].get(f["class"], 0) + 1
     if both:
@@ -150,6 +159,9 @@ def summarize(events: list[dict], now: float, checkpoint: dict | None = None) ->
     out["lost_s"] = sum(max(0.0, f["lost_s"] or 0.0) for f in out["failures"])
     counted = sum(f["class"] != "preempted" for f in out["failures"])
     out["mtbf_s"] = wall / counted if counted and wall > 0 else None  # (no time seen: no figure)
+    cold = sum(f["loses_memory"] for f in out["failures"])
+    out["cold_failures"] = cold
+    out["mtbf_cold_s"] = wall / cold if cold and wall > 0 else None
 
     if resumes:  # where the latest attempt started from (two tiers: which copy)
         r = max(resumes.values(), key=lambda e: e["t"])
@@ -256,6 +268,23 @@ def _recovery_record(e: dict) -> dict:
     return {**_failure_record({**e, "rank": rank, "checkpoint_step": e.get("restored_step")}),
             "recovered": "in_job", "round": _int(e.get("round")), "first_step_s": _num(e.get("first_step_s")),
             "detected_by": _str(e.get("detected_by"), 64)}
+
+
+# A restore from these tiers: the tier above the durable one survived the failure (a
+# local tier is the memory tier's place in a store of two tiers); from "durable": lost.
+_UPPER_TIERS = ("memory", "peer", "local")
+
+
+def _loses_memory(record: dict, e: dict, resumes: dict) -> bool:
+    """Whether a failure lost the memory tier (module docstring, ``mtbf_cold_s``)."""
+    if record["recovered"] == "in_job":
+        where = e.get("restore_from")
+        return isinstance(where, dict) and any(_str(tier, 32) == "durable" for tier in list(where)[:MAX_LIST])
+    if record["class"] == "preempted":
+        return False
+    attempt = record["attempt"]
+    after = resumes.get(attempt + 1) if attempt is not None else None
+    return not (after is not None and _str(after.get("tier"), 16) in _UPPER_TIERS)
 
 
 def _section_timeout(e: dict) -> dict:

@@ -53,6 +53,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--final", help="write the trained parameters here (rank 0) when done")
     p.add_argument("--hidden", type=int, default=64, help="width of the model's hidden layer")
     p.add_argument("--step-delay", type=float, default=0.0, help="simulated compute per step, seconds")
+    p.add_argument("--durable-every", type=_every, default=None,
+                   help="with a memory tier: promote every N-th save to the store, or 'auto' (default: the Store's)")
     return p.parse_args()
 
 
@@ -93,7 +95,7 @@ def main(args: argparse.Namespace) -> None:
     ckpt = ckptstore.Checkpointer(
         # memory="auto": under `ckptstore run --in-job` every save commits to the node's memory
         # first (a replaced rank restores from there); elsewhere the store has one tier.
-        ckptstore.Store(args.store, memory="auto"), model=model, optimizer=opt,
+        ckptstore.Store(args.store, memory="auto", durable_every=args.durable_every), model=model, optimizer=opt,
         state={"scheduler": sched, "progress": progress}, every=args.every,
         on_commit=lambda s: say(f"rank {rank}: committed step {s}"))
     start = ckpt.resume()  # collective: every rank starts from the same step
