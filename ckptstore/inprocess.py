@@ -417,7 +417,9 @@ def run(fn, /, *args, backend=None, timeout=None, warmup=None, **kwargs):
     Elsewhere (torchrun, today's relaunch mode, python) call it once and return its
     result.
 
-    ``backend``: the process group's (default gloo); ``timeout``: its collectives' in
+    ``backend``: the process group's (default gloo; nccl: one GPU per rank, cuda:LOCAL_RANK
+    set before each round's group, ``NCCL_ENV`` applied, refused without torch's group
+    abort, NCCL or a GPU); ``timeout``: its collectives' in
     seconds (default the agent's ``CKPTSTORE_INJOB_TIMEOUT``, else 60); ``warmup``: a
     spare calls it once before it is assigned a rank, in a one-rank group that is then
     destroyed: build the model and optimizer there, so their first-call costs are paid
