@@ -107,3 +107,15 @@ def test_an_abort_that_does_not_return_kills_the_rank(monkeypatch):
     finally:
         release.set()
         dist.destroy_process_group()
+
+
+def test_a_refusal_stops_the_job_instead_of_being_retried():
+    """A refused rank (NCCL on a CPU build, here) died before its first step; a spare
+    refuses the same way. Retrying cannot help: the leader's verdict is deterministic
+    (exit 10 at once), not transient (a relaunch, a wait for spares that die too)."""
+    from ckptstore.supervisor.classify import classify_one
+
+    message = ("ckptstore.inprocess.InJobUnsupportedError: inprocess.run: backend 'nccl', but this torch "
+               "(2.13.0+cpu) is built without NCCL; install a CUDA build of torch, or use backend='gloo'")
+    v = classify_one({"exitcode": 1, "signal": None, "error": message, "traceback": None}, 0, None)
+    assert v.klass == "deterministic" and "built without NCCL" in v.reason
