@@ -101,7 +101,7 @@ injob_step() {
     return 0
   fi
   log "in-job step (budget ${limit} s): tests/test_gpu_injob.py"
-  timeout -s INT -k 10 $(( limit * 55 / 100 )) "$PY" -m pytest "$REPO/tests/test_gpu_injob.py" -q -rs -s \
+  timeout -s INT -k 10 $(( limit * 60 / 100 )) "$PY" -m pytest "$REPO/tests/test_gpu_injob.py" -q -rs -s \
     -p no:cacheprovider > "$WORK/injob_tests.log" 2>&1
   rc_t=$?
   cat "$WORK/injob_tests.log" >> "$OUT/injob.log"
