@@ -460,8 +460,8 @@ NCCL_ENV = {
 }
 # TORCH_NCCL_BLOCKING_WAIT stays torch's default (0): wait() then only orders streams and
 # the main thread blocks in a CUDA synchronisation (loss.item(), a copy to the CPU), which
-# returns once the abort has ended the kernels; with 1 it polls the work on the CPU and
-# raises at the group's timeout, which works too but costs a CPU thread per wait.
+# should return once the abort has ended the NCCL kernels (they poll NCCL's abort flag;
+# to be seen with two GPUs). 1 (wait() blocks on the CPU until the work ends) is untested.
 
 
 def _check_nccl() -> None:
@@ -476,7 +476,7 @@ def _check_nccl() -> None:
         raise InJobUnsupportedError(
             f"inprocess.run: backend 'nccl' needs torch's process-group abort ({', '.join(missing)}), which "
             f"torch {torch.__version__} lacks: a survivor could not leave a collective whose peer died. Use "
-            "torch 2.5 or later (tested: 2.13), or run without --in-job (the relaunch mode)")
+            "torch 2.5 or later (checked against 2.13), or run without --in-job (the relaunch mode)")
     if not dist.is_nccl_available():
         raise InJobUnsupportedError(
             f"inprocess.run: backend 'nccl', but this torch ({torch.__version__}) is built without NCCL; "
