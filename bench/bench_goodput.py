@@ -61,6 +61,14 @@ scores goodput 0, "hung"; one that exits non-zero scores 0 too.
     PYTHONPATH=/path/to/repo python bench/bench_goodput.py [--modes torchrun,relaunch,in-job,in-job-auto]
         [--schedule kill,hang,node] [--steps 400] [--kill-every 12] [--repeat 1] [--seed 0]
         [--timeout 600] [--hang-timeout 5] [--quick] [--out bench/results/goodput-<ts>.json]
+        [--nproc 2] [--backend gloo|nccl] [--device cpu|cuda]
+
+On a GPU (bench/gpu_check.sh's step 6): ``--backend nccl --nproc 1`` (NCCL refuses two
+ranks of one communicator on one GPU, so one GPU runs a one-rank NCCL job: a kill is
+replaced by the warm spare, whose state comes from the memory tier to the GPU; there is
+no survivor, so the abort itself is not exercised) and ``--backend gloo --device cuda``
+(two ranks sharing the GPU, CUDA tensors over gloo: survivors and the gloo abort shim,
+with the model on the GPU).
 
 ``--repeat`` defaults to 1 (one faulted run per mode and schedule: ~40 s of compute
 each, minutes once the faults and cold restarts are added); the table shows medians
@@ -350,9 +358,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def layout_args(node_rank: int | None, port: int | None) -> list[str]:
+def layout_args(node_rank: int | None, port: int | None, nproc: int = NRANKS) -> list[str]:
     if node_rank is None:
-        return ["--standalone", "--nproc-per-node", str(NRANKS)]
+        return ["--standalone", "--nproc-per-node", str(nproc)]
     return ["--nnodes", "2", "--node-rank", str(node_rank), "--nproc-per-node", "1", "--rdzv-backend", "c10d",
             "--rdzv-endpoint", f"127.0.0.1:{port}"]
 
@@ -361,7 +369,10 @@ def command(mode: Mode, args, store: str, final: str, schedule: str, node_rank: 
             port: int | None = None, run_id: str | None = None) -> list[str]:
     script = [EXAMPLE, store, "--steps", str(args.steps), "--every", mode.every, "--step-delay",
               f"{args.step_delay:g}", "--final", final, "--hidden", str(args.hidden)]
-    layout = layout_args(node_rank, port)
+    device, backend = getattr(args, "device", "cpu"), getattr(args, "backend", "gloo")
+    if (device, backend) != ("cpu", "gloo"):  # (the CPU command stays what older examples accept)
+        script += ["--device", device, "--backend", backend]
+    layout = layout_args(node_rank, port, getattr(args, "nproc", NRANKS))
     if not mode.supervised:
         return [sys.executable, "-m", "torch.distributed.run", *layout, *mode.options, *script]
     policy = ["--store", store]
@@ -533,7 +544,7 @@ def run_one(mode: Mode, schedule: str, args, work: str, tag: str, faulted: bool)
     run_id = f"goodput-{tag}" if nodes else None
     cmds = ([command(mode, args, store, final, schedule, k, port, run_id) for k in range(2)] if nodes
             else [command(mode, args, store, final, schedule)])
-    sched = Schedule(schedule, args.seed, args.kill_every) if faulted else None
+    sched = Schedule(schedule, args.seed, args.kill_every, nranks=args.nproc) if faulted else None
     watch = Watch()
     load0 = os.getloadavg()
     t0 = time.time()
@@ -542,31 +553,36 @@ def run_one(mode: Mode, schedule: str, args, work: str, tag: str, faulted: bool)
     faults, skipped, hit = [], [], set()
     timed_out = False
     next_scan = 0.0
-    while any(la.proc.poll() is None for la in current):
-        now = time.time()
-        if now - t0 > args.timeout:
-            timed_out = True
-            break
-        if now >= next_scan:  # the processes below the launchers, for the cleanup
-            watch.remember(current)
-            next_scan = now + 1.0
-        # no fault once the last step was reported: one then tests the exit path (the final
-        # gather and save, the teardown), and a replacement node would wait for a job that is over
-        if sched is not None and watch.first_step_t is not None and watch.top < args.steps - 1:
-            sched.start(watch.first_step_t)
-            target = sched.due(now)
-            if target is not None:
-                with watch.lock:
-                    up = is_back(faults[-1] if faults else None, watch.newest)
-                fault = _deliver(schedule, target, watch, current, hit, args) if up else None
-                if fault is None:
-                    skipped.append({"t": now - t0, "target": target})
-                else:
-                    faults.append(fault)
-                    if schedule == "node" and args.node_restart:
-                        current[target] = Launch(cmds[target], watch, target)
-                        launches.append(current[target])
-        time.sleep(POLL_S)
+    try:
+        while any(la.proc.poll() is None for la in current):
+            now = time.time()
+            if now - t0 > args.timeout:
+                timed_out = True
+                break
+            if now >= next_scan:  # the processes below the launchers, for the cleanup
+                watch.remember(current)
+                next_scan = now + 1.0
+            # no fault once the last step was reported: one then tests the exit path (the final
+            # gather and save, the teardown), and a replacement node would wait for a job that is over
+            if sched is not None and watch.first_step_t is not None and watch.top < args.steps - 1:
+                sched.start(watch.first_step_t)
+                target = sched.due(now)
+                if target is not None:
+                    with watch.lock:
+                        up = is_back(faults[-1] if faults else None, watch.newest)
+                    fault = _deliver(schedule, target, watch, current, hit, args) if up else None
+                    if fault is None:
+                        skipped.append({"t": now - t0, "target": target})
+                    else:
+                        faults.append(fault)
+                        if schedule == "node" and args.node_restart:
+                            current[target] = Launch(cmds[target], watch, target)
+                            launches.append(current[target])
+            time.sleep(POLL_S)
+    except KeyboardInterrupt:  # (the caller's time is up: no process of this run outlives it)
+        watch.remember(current)
+        cleanup(watch, launches)
+        raise
     end = time.time()  # the last launcher's exit (or the timeout), before the cleanup's own time
     cleanup(watch, launches)
     for la in launches:
@@ -579,7 +595,7 @@ def run_one(mode: Mode, schedule: str, args, work: str, tag: str, faulted: bool)
     lost = {i for i, la in enumerate(current) if schedule == "node" and not args.node_restart and faults
             and la.proc.returncode is not None and la.proc.returncode < 0}
     finished = not timed_out and all(rc == 0 for i, rc in enumerate(rcs) if i not in lost) and len(lost) < len(rcs)
-    ends = [(end, rank, args.steps, -1) for rank in range(NRANKS)] if finished else []
+    ends = [(end, rank, args.steps, -1) for rank in range(args.nproc)] if finished else []
     interval = args._interval.get((mode.name, nodes)) or args.step_delay
     losses = fault_losses(faults, watch.steps + ends, interval)
     rec = {"mode": mode.name, "schedule": schedule if faulted else "baseline",
@@ -701,8 +717,14 @@ def parse(argv=None):
                    help="node schedule: start a new launcher for the lost node at once")
     p.add_argument("--ckptstore-args", default="", help="more options for every `ckptstore run` (one string)")
     p.add_argument("--quick", action="store_true", help="60 steps, a fault every 4 s, 180 s per run: a smoke run")
+    p.add_argument("--nproc", type=int, default=NRANKS, help="ranks (one node; the node schedule: 1 per node)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                   help="the example's --device (default cpu; cuda with --backend nccl): cuda:LOCAL_RANK")
+    p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",
+                   help="the example's --backend (nccl: one GPU per rank, so --nproc at most the GPUs)")
     p.add_argument("--dir", default=None, help="parent of the temporary stores")
     p.add_argument("--out", default=None, help="default: bench/results/goodput-<UTC time>.json")
+    p.add_argument("--dry-run", action="store_true", help="check the arguments, print the commands, run nothing")
     args = p.parse_args(argv)
     quick = args.quick
     for name, full, small in (("steps", 400, 60), ("kill_every", 12.0, 4.0), ("timeout", 600.0, 180.0)):
@@ -716,13 +738,29 @@ def parse(argv=None):
     for s in args.schedule:
         if s not in SCHEDULES:
             p.error(f"--schedule: {s!r} is not one of {', '.join(SCHEDULES)}")
-    if args.steps < 1 or args.repeat < 1 or args.kill_every <= 0 or args.timeout <= 0:
-        p.error("--steps and --repeat must be at least 1, --kill-every and --timeout above 0")
+    if args.steps < 1 or args.repeat < 1 or args.kill_every <= 0 or args.timeout <= 0 or args.nproc < 1:
+        p.error("--steps, --repeat and --nproc must be at least 1, --kill-every and --timeout above 0")
+    if args.device is None:
+        args.device = "cuda" if args.backend == "nccl" else "cpu"
+    if args.backend == "nccl" and args.device != "cuda":
+        p.error("--backend nccl needs --device cuda")
+    if args.backend == "nccl" and "node" in args.schedule:
+        p.error("--backend nccl: the node schedule runs two simulated nodes on one machine, one rank each: "
+                "two NCCL ranks would share a GPU unless it has two (use --backend gloo --device cuda)")
     return args
 
 
 def main(argv=None) -> None:
     args = parse(argv)
+    if args.dry_run:  # (gpu_check.sh --dry-run: the GPU step's arguments, checked on a CPU)
+        args._interval = {}
+        for name in args.modes:
+            for sched in args.schedule:
+                cmds = ([command(MODES[name], args, "STORE", "FINAL", sched, k, 0, "RUN") for k in range(2)]
+                        if sched == "node" else [command(MODES[name], args, "STORE", "FINAL", sched)])
+                for c in cmds:
+                    print(f"would run ({name}, {sched}): {shlex.join(c)}")
+        return
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from _common import Contention, machine_info, write_json
 
@@ -776,6 +814,9 @@ def main(argv=None) -> None:
                     print(f"[{rep}] {name} {sched}: {rec['wall_s']:.1f} s, {rec['steps']} steps, "
                           f"{rec['failures']} faults ({len(rec['skipped_ticks'])} ticks skipped), finished "
                           f"{rec['finished']}{', ' + rec['note'] if rec.get('note') else ''}", flush=True)
+    except KeyboardInterrupt:  # SIGINT (gpu_check.sh's time bound): what ran so far is scored and written
+        result["interrupted"] = f"stopped by SIGINT after {len(runs)} runs"
+        print(result["interrupted"], flush=True)
     finally:
         result["others_cores"] = contention.others_cores()
         result["loadavg_end"] = os.getloadavg()

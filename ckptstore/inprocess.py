@@ -19,8 +19,12 @@ error file says why; the agent replaces the rank and the leader classifies it).
 The abort shim: gloo (torch 2.13) has no abort that interrupts a blocked collective,
 so on a fault notice the monitor shuts down the group's connected sockets (never its
 listener: shutting that std::terminates the process; never the store's): the blocked
-collective raises "Connection closed by peer" at once. NCCL: ``_abort_process_group``
-in a thread bounded by the abort timeout (untested here).
+collective raises "Connection closed by peer" at once. NCCL: torch's group abort
+(``_abort_process_group``: every communicator of the process in one NCCL group call) in
+a thread bounded by the abort timeout; a rank whose abort does not return kills itself
+and a spare takes its rank. NCCL needs one GPU per rank (``cuda:LOCAL_RANK``, set before
+each round's group) and the settings in ``NCCL_ENV``. The NCCL path has not run on a GPU
+yet: tests/test_gpu_injob.py and bench/gpu_check.sh wait for one.
 """
 
 from __future__ import annotations
@@ -294,13 +298,33 @@ class _GroupSockets:
         return shut
 
 
+def _abort_nccl() -> None:
+    """Abort every process group of this process (torch's group abort: the NCCL
+    communicators of the default group and of every subgroup in one
+    ncclGroupStart/End, so that one communicator's abort does not wait on a kernel of
+    another: pytorch#119797). A group already gone (destroyed, or aborted by NCCL's
+    watchdog and removed) leaves nothing to abort."""
+    from torch.distributed import distributed_c10d as c10d
+
+    if c10d.GroupMember.WORLD is None:
+        return
+    c10d._abort_process_group()
+
+
 def _abort_group(sockets: _GroupSockets | None, backend: str, timeout_s: float) -> bool:
     """Make the group's blocked collectives return. Returns False when an NCCL abort did
-    not return within ``timeout_s`` (the rank is stuck: the agent must kill it)."""
+    not return within ``timeout_s`` (ncclCommAbort can hang: NVIDIA/nccl#1013)."""
     if backend == "nccl":
-        from torch.distributed.distributed_c10d import _abort_process_group
+        failed: list[BaseException] = []
 
-        t = threading.Thread(target=lambda: _abort_process_group(), name="ckptstore-nccl-abort", daemon=True)
+        def abort():
+            try:
+                _abort_nccl()
+            except Exception as e:  # (a group destroyed meanwhile: nothing left to abort)
+                failed.append(e)
+
+        # In a thread: a call into NCCL that never returns must not take this one with it.
+        t = threading.Thread(target=abort, name="ckptstore-nccl-abort", daemon=True)
         t.start()
         t.join(timeout_s)
         return not t.is_alive()
@@ -309,15 +333,28 @@ def _abort_group(sockets: _GroupSockets | None, backend: str, timeout_s: float) 
     return True
 
 
+def _abort_or_die(sockets: _GroupSockets | None, backend: str, timeout_s: float, round_: int, rank) -> None:
+    """``_abort_group``; a rank whose NCCL abort did not return is stuck for good (its
+    main thread waits on a kernel that the abort was to end, and a CUDA context cannot
+    be reset from inside the process): it says so and SIGKILLs itself, so that its
+    agent sees it exit and a spare takes its rank. It posts no ``left`` record: the
+    leader would count it a survivor and give it the next round."""
+    if _abort_group(sockets, backend, timeout_s):
+        return
+    _say(f"rank {rank}: the NCCL abort of round {round_}'s process group did not return within "
+         f"{timeout_s:g}s (CKPTSTORE_INJOB_ABORT_TIMEOUT); this process kills itself and a spare takes rank {rank}")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 class _Monitor(threading.Thread):
     """Waits (on its own store client: one client serialises its requests, and the main
     thread's store calls must not queue behind a wait) for round r's fault notice or
     the attempt's end; then aborts the group and interrupts the main thread."""
 
-    def __init__(self, store, round_: int, sockets, backend: str, abort_timeout_s: float, on_stuck):
+    def __init__(self, store, round_: int, sockets, backend: str, abort_timeout_s: float, rank):
         super().__init__(name=f"ckptstore-inprocess-monitor-{round_}", daemon=True)
-        self.store, self.round_, self.sockets = store, round_, sockets
-        self.backend, self.abort_timeout_s, self.on_stuck = backend, abort_timeout_s, on_stuck
+        self.store, self.round_, self.sockets, self.rank = store, round_, sockets, rank
+        self.backend, self.abort_timeout_s = backend, abort_timeout_s
         self.stop = threading.Event()
         self.fired = threading.Event()
         self.main_ident = threading.main_thread().ident
@@ -338,9 +375,7 @@ class _Monitor(threading.Thread):
         if self.stop.is_set():
             return
         self.fired.set()
-        if not _abort_group(self.sockets, self.backend, self.abort_timeout_s):
-            self.on_stuck()
-            return
+        _abort_or_die(self.sockets, self.backend, self.abort_timeout_s, self.round_, self.rank)
         _inject_abort(self.main_ident)
 
     def finish(self) -> None:
@@ -382,7 +417,9 @@ def run(fn, /, *args, backend=None, timeout=None, warmup=None, **kwargs):
     Elsewhere (torchrun, today's relaunch mode, python) call it once and return its
     result.
 
-    ``backend``: the process group's (default gloo); ``timeout``: its collectives' in
+    ``backend``: the process group's (default gloo; nccl: one GPU per rank, cuda:LOCAL_RANK
+    set before each round's group, ``NCCL_ENV`` applied, refused without torch's group
+    abort, NCCL or a GPU); ``timeout``: its collectives' in
     seconds (default the agent's ``CKPTSTORE_INJOB_TIMEOUT``, else 60); ``warmup``: a
     spare calls it once before it is assigned a rank, in a one-rank group that is then
     destroyed: build the model and optimizer there, so their first-call costs are paid
@@ -410,6 +447,61 @@ def _say(line: str) -> None:
     sys.stderr.flush()
 
 
+# NCCL settings of an in-job rank, unless the environment sets them (docs/training.md):
+NCCL_ENV = {
+    # 2 = CleanUpOnly: on a collective's timeout or an NCCL error, the watchdog aborts the
+    # communicator and the waiting call raises; it does not end the process (torch's
+    # default, 3, does: a survivor whose collective timed out would be lost). The
+    # monitor's abort is the usual way out; this is the backstop when no notice comes.
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
+    # 0: a CUDA error the watchdog sees after an abort (a kernel ended by it) is no
+    # reason to tear the process down (NVRx's setting for in-process restart).
+    "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0",
+}
+# TORCH_NCCL_BLOCKING_WAIT stays torch's default (0): wait() then only orders streams and
+# the main thread blocks in a CUDA synchronisation (loss.item(), a copy to the CPU), which
+# should return once the abort has ended the NCCL kernels (they poll NCCL's abort flag;
+# to be seen with two GPUs). 1 (wait() blocks on the CPU until the work ends) is untested.
+
+
+def _check_nccl() -> None:
+    """Refuse NCCL in-job when this torch cannot abort a group or has no NCCL/CUDA."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    # (only this is called: it reaches each backend's abort itself, whatever the version)
+    missing = [name for name in ("_abort_process_group",) if not hasattr(c10d, name)]
+    if missing:
+        raise InJobUnsupportedError(
+            f"inprocess.run: backend 'nccl' needs torch's process-group abort ({', '.join(missing)}), which "
+            f"torch {torch.__version__} lacks: a survivor could not leave a collective whose peer died. Use "
+            "torch 2.5 or later (checked against 2.13), or run without --in-job (the relaunch mode)")
+    if not dist.is_nccl_available():
+        raise InJobUnsupportedError(
+            f"inprocess.run: backend 'nccl', but this torch ({torch.__version__}) is built without NCCL; "
+            "install a CUDA build of torch, or use backend='gloo'")
+    if not torch.cuda.is_available():
+        raise InJobUnsupportedError(
+            "inprocess.run: backend 'nccl', but no CUDA device is visible to this process "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}); use backend='gloo' on CPU")
+
+
+def _set_cuda_device(local_rank: int) -> None:
+    """One GPU per rank: ``cuda:LOCAL_RANK`` (NCCL refuses two ranks of one communicator
+    on one device). Set before the group is made, so that its communicator, the
+    program's ``torch.device("cuda")`` and a spare given this rank use that device."""
+    import torch
+
+    count = torch.cuda.device_count()
+    if not 0 <= local_rank < count:
+        raise InJobUnsupportedError(
+            f"inprocess.run: local rank {local_rank} has no GPU of its own: this node shows {count} "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}); NCCL needs one GPU "
+            "per rank: start at most that many ranks per node (--nproc-per-node)")
+    torch.cuda.set_device(local_rank)
+
+
 class _InJob:
     def __init__(self, backend, timeout, warmup):
         import torch.distributed as dist
@@ -424,8 +516,10 @@ class _InJob:
                 "inprocess.run: a default process group exists already (created at import time or before run()); "
                 "create it inside the training function (`if not dist.is_initialized(): "
                 "dist.init_process_group(...)`): inprocess.run makes one per round")
-        if backend == "nccl":  # (NVRx's advice; untested here) the abort, not NCCL's watchdog, ends a round
-            os.environ.setdefault("TORCH_NCCL_RETHROW_CUDA_ERRORS", "0")
+        if backend == "nccl":
+            _check_nccl()
+            for name, value in NCCL_ENV.items():  # read when a group is made: before the first round's
+                os.environ.setdefault(name, value)
         self.backend = backend
         self.timeout_s = float(timeout) if timeout is not None else _env_float(injob.ENV_TIMEOUT, DEFAULT_TIMEOUT_S)
         self.abort_timeout_s = _env_float(injob.ENV_ABORT_TIMEOUT, DEFAULT_ABORT_TIMEOUT_S)
@@ -535,6 +629,8 @@ class _InJob:
 
         self._export(round_, rank, world, a)
         _state.round, _state.first_posted, _state.last_step = round_, False, None
+        if self.backend == "nccl":
+            _set_cuda_device(int(a.get("local_rank", rank)))
         before = _socket_inodes()
         try:
             dist.init_process_group(self.backend, store=injob.round_pg_store(store, round_), rank=rank,
@@ -549,11 +645,7 @@ class _InJob:
         group_ref = weakref.ref(dist.distributed_c10d._get_default_group())
         sockets = _GroupSockets(before) if self.backend == "gloo" else None
 
-        def stuck():
-            with contextlib.suppress(Exception):
-                injob.post_left(store, round_, rank, stuck=True, step=_state.last_step)
-
-        monitor = _Monitor(monitor_store, round_, sockets, self.backend, self.abort_timeout_s, stuck)
+        monitor = _Monitor(monitor_store, round_, sockets, self.backend, self.abort_timeout_s, rank)
         monitor.start()
         failed = None
         try:
@@ -573,7 +665,7 @@ class _InJob:
                 monitor.finish()
                 raise  # the program's own error: the process ends with it, as today
             if not notice:  # this rank saw the fault first: wake its other peers, then say so
-                _abort_group(sockets, self.backend, self.abort_timeout_s)
+                _abort_or_die(sockets, self.backend, self.abort_timeout_s, round_, rank)
                 with contextlib.suppress(Exception):
                     injob.post_fault(store, round_, ranks=[], cause=f"{type(chain[-1]).__name__}: {chain[-1]}",
                                      detected_by="rank:collective")

@@ -204,3 +204,27 @@ def test_the_journal_breakdown_pools_the_in_job_recoveries_of_the_repeats():
     assert len(text) == 3 and text[2].startswith("| in-job | kill | 2 | 3 | 4 | 0.20 | - | - | - | 0.40 |")
     assert text[2].endswith("| memory 3, peer 1 |")
     assert bg.breakdown(rows[1:]) == ""  # nothing journaled: no table
+
+
+def test_the_gpu_variant_passes_device_backend_and_ranks_and_refuses_what_one_gpu_cannot_run():
+    cpu = bg.parse([])
+    assert (cpu.backend, cpu.device, cpu.nproc) == ("gloo", "cpu", 2)
+    plain = bg.command(bg.MODES["in-job"], cpu, "S", "F.pt", "kill")
+    assert "--device" not in plain and "--backend" not in plain  # the CPU command is unchanged
+    nccl = bg.parse(["--backend", "nccl", "--nproc", "1", "--quick"])
+    assert (nccl.device, nccl.nproc) == ("cuda", 1)
+    cmd = bg.command(bg.MODES["in-job"], nccl, "S", "F.pt", "kill")
+    i = cmd.index(bg.EXAMPLE)
+    assert cmd[cmd.index("--nproc-per-node") + 1] == "1" and cmd.index("--nproc-per-node") < i
+    assert cmd[cmd.index("--device") + 1] == "cuda" and cmd[cmd.index("--backend") + 1] == "nccl"
+    assert cmd.index("--device") > i  # the example's options, not the launcher's
+    shared = bg.parse(["--backend", "gloo", "--device", "cuda"])
+    assert bg.command(bg.MODES["relaunch"], shared, "S", "F.pt", "kill")[-4:] == ["--device", "cuda", "--backend",
+                                                                                  "gloo"]
+    one = bg.Schedule("kill", 3, 4.0, nranks=nccl.nproc)
+    one.start(0.0)
+    assert {one.due(4.0 * (k + 1)) for k in range(6)} == {0}
+    for bad in (["--backend", "nccl", "--device", "cpu"], ["--backend", "nccl", "--schedule", "node"],
+                ["--nproc", "0"]):
+        with pytest.raises(SystemExit):
+            bg.parse(bad)

@@ -58,4 +58,8 @@ def test_the_shell_wrapper_dry_run(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     summary = (tmp_path / "summary.txt").read_text()
     assert "dry run (rc=0)" in summary and "would run: native, a_default" in summary
+    # step 6 (in-job on the GPU): its benches' arguments parse and make the NCCL commands
+    assert "step 6 dry run (rc=0): 3 bench commands" in summary
+    log = (tmp_path / "gpu_check.log").read_text()
+    assert "--nproc-per-node 1" in log and "--device cuda --backend nccl" in log
     assert (tmp_path / "env.txt").exists() and json.loads((tmp_path / "gpu_check.json").read_text())["checks"]

@@ -65,7 +65,8 @@ _OUTAGE = re.compile("|".join(f"(?:{p})" for p in OUTAGE_PATTERNS), re.MULTILINE
 _NUMBERS = re.compile(r"0x[0-9a-fA-F]+|\d+(?:\.\d+)?")
 # NCCL's own verdict on a call the program got wrong: the same error on every retry.
 _MISUSE = re.compile(r"ncclInvalidUsage|ncclInvalidArgument|NCCL error[^\n]*invalid (usage|argument)")
-_DETERMINISTIC = re.compile(r"^(\w+\.)*DeterministicError\b")
+# (InJobUnsupportedError: inprocess.run refused the program or this machine; a restart repeats it)
+_DETERMINISTIC = re.compile(r"^(\w+\.)*(DeterministicError|InJobUnsupportedError)\b")
 _EXIT = re.compile(r"^SystemExit\b")
 _CHAIN = re.compile(r"\n[ \t]*\n(?:During handling of the above exception, another exception occurred|"
                     r"The above exception was the direct cause of the following exception):[ \t]*\n")

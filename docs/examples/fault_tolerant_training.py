@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 2 fault_tolerant_training.py STORE [--steps 60] [--every 5]
     ckptstore run --store STORE --in-job --nproc-per-node 2 fault_tolerant_training.py STORE --every 1
+    ... fault_tolerant_training.py STORE --device cuda [--backend nccl]   # one GPU per rank (LOCAL_RANK)
 
 Kill it at any moment (a rank, the launcher, during a save) and start it again with
 the same command: it resumes from the newest step that every rank can load, and ends
@@ -34,7 +35,8 @@ def say(line: str) -> None:
 
 def batch(samples: int, rank: int, rows: int):
     """This rank's part of the global batch that starts at global sample ``samples``:
-    the data position is a count of global samples, so it survives a world-size change."""
+    the data position is a count of global samples, so it survives a world-size change.
+    Drawn on the CPU: the same numbers whatever the device."""
     g = torch.Generator().manual_seed(samples * 1000 + rank)
     x = torch.randn(rows, 16, generator=g)
     return x, x[:, :4].sin() + 0.1 * torch.randn(rows, 4, generator=g)
@@ -55,14 +57,31 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--step-delay", type=float, default=0.0, help="simulated compute per step, seconds")
     p.add_argument("--durable-every", type=_every, default=None,
                    help="with a memory tier: promote every N-th save to the store, or 'auto' (default: the Store's)")
-    return p.parse_args()
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the model trains; cuda: cuda:LOCAL_RANK, one GPU per rank")
+    p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",
+                   help="the process group's (nccl needs --device cuda; gloo carries CUDA tensors too)")
+    args = p.parse_args()
+    if args.backend == "nccl" and args.device != "cuda":
+        p.error("--backend nccl needs --device cuda")
+    return args
 
 
-def build_model(hidden: int):
+def device_of(args: argparse.Namespace) -> torch.device:
+    """This rank's device: cuda:LOCAL_RANK (a spare's warm-up, which has no rank yet: the
+    current one); made current, so that NCCL and torch.device("cuda") mean it."""
+    if args.device == "cpu":
+        return torch.device("cpu")
+    index = int(os.environ.get("LOCAL_RANK", torch.cuda.current_device()))
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def build_model(hidden: int, device: torch.device):
     """The FSDP2 model and its optimizer, over the default group."""
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    torch.manual_seed(0)  # the same initial model on every rank
-    model = nn.Sequential(nn.Linear(16, hidden), nn.ReLU(), nn.Dropout(0.1), nn.Linear(hidden, 4))
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    torch.manual_seed(0)  # the same initial model on every rank (drawn on the CPU, on any device)
+    model = nn.Sequential(nn.Linear(16, hidden), nn.ReLU(), nn.Dropout(0.1), nn.Linear(hidden, 4)).to(device)
     for layer in model:
         if isinstance(layer, nn.Linear):
             fully_shard(layer, mesh=mesh)
@@ -75,17 +94,19 @@ def build_model_once() -> None:
     optimizer's first-call costs are paid before the spare takes a failed rank's place."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model, opt = build_model(parse_args().hidden)
+    args = parse_args()
+    model, opt = build_model(args.hidden, device_of(args))
     get_state_dict(model, opt)
 
 
 def main(args: argparse.Namespace) -> None:
     # Everything that holds the process group is built here: under `ckptstore run --in-job`
     # main runs again in this process after a peer's failure, in a re-formed group.
+    device = device_of(args)
     if not dist.is_initialized():
-        dist.init_process_group("gloo")
+        dist.init_process_group(args.backend)
     rank = dist.get_rank()
-    model, opt = build_model(args.hidden)
+    model, opt = build_model(args.hidden, device)
     warmup = 10
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
@@ -107,7 +128,7 @@ def main(args: argparse.Namespace) -> None:
 
     step = start - 1
     for step in range(start, args.steps):
-        x, y = batch(progress["samples"], rank, rows)
+        x, y = (t.to(device) for t in batch(progress["samples"], rank, rows))
         opt.zero_grad()
         loss = F.mse_loss(model(x), y)
         loss.backward()
@@ -140,4 +161,5 @@ def main(args: argparse.Namespace) -> None:
 
 if __name__ == "__main__":
     # torchrun, `ckptstore run`, python: main(args) once; `ckptstore run --in-job`: again after each recovery
-    ckptstore.inprocess.run(main, parse_args(), warmup=build_model_once)
+    arguments = parse_args()
+    ckptstore.inprocess.run(main, arguments, backend=arguments.backend, warmup=build_model_once)

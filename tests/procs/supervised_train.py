@@ -73,4 +73,5 @@ def save(self, step, *args, **kwargs):
 
 ckptstore.Store.save = save
 sys.argv[0] = EXAMPLE
-ckptstore.inprocess.run(example.main, example.parse_args(), warmup=example.build_model_once)
+arguments = example.parse_args()
+ckptstore.inprocess.run(example.main, arguments, backend=arguments.backend, warmup=example.build_model_once)
