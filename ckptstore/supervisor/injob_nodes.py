@@ -19,8 +19,10 @@ the same node rank are refused.
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import os
+import select
 import socket
 import threading
 import time
@@ -123,23 +125,178 @@ class Beat(threading.Thread):
             self.stop.wait(injob.BEAT_S)
 
 
-class BeatWatch:
-    """The leader's view of the other nodes' beats, on its own monotonic clock."""
+class AliveListener:
+    """A listening socket that accepts and closes at once: the leader's probe of this
+    agent (:class:`Prober`). While the agent process lives, the kernel completes a
+    connect to it whatever the agent is doing; once the process is dead, the port is
+    closed and a connect is refused (RST) at once: evidence that its node is lost, for
+    which the leader need not wait out the beat timeout."""
 
-    def __init__(self, store, nodes: list[int]):
+    def __init__(self, host: str):
+        self.sock = socket.create_server((host, 0), backlog=64)
+        self.address = f"{host}:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._serve, daemon=True, name="ckptstore-alive").start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:  # closed
+                return
+            conn.close()
+
+    def close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)  # (wakes the accept on Linux)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+ACCEPTED, REFUSED, NO_ANSWER = "accepted", "refused", "no answer"
+
+
+class Prober:
+    """Non-blocking connects to the agents' :class:`AliveListener` ports, never blocking
+    the leader's loop: :meth:`start` one, :meth:`poll` for the answers. A node's answer is
+    ``accepted`` (its agent lives), ``refused`` (nothing listens: its agent is dead; on a
+    real network too when the host is up) or ``no answer`` within ``timeout_s`` (a host
+    powered off or cut off: no verdict). ``trusted``: the nodes whose port once accepted;
+    a refusal from any other (a firewall that rejects the port) is no evidence."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self.inflight: dict[int, tuple[socket.socket, float]] = {}
+        self.answer: dict[int, tuple[str, float]] = {}  # node -> (answer, when its probe started)
+        self.trusted: set[int] = set()
+
+    def start(self, node: int, address: str) -> None:
+        if node in self.inflight or self.timeout_s <= 0:
+            return
+        host, _, port = address.rpartition(":")
+        s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        s.setblocking(False)
+        started = time.monotonic()
+        try:
+            err = s.connect_ex((host.strip("[]"), int(port)))
+        except (OSError, ValueError):  # (a name that does not resolve: no verdict)
+            s.close()
+            self.answer[node] = (NO_ANSWER, started)
+            return
+        if err in (0, errno.EINPROGRESS, errno.EWOULDBLOCK):
+            self.inflight[node] = (s, started)
+            return
+        s.close()
+        self._done(node, err, started)
+
+    def poll(self) -> None:
+        if not self.inflight:
+            return
+        now = time.monotonic()
+        _, ready, _ = select.select([], [s for s, _ in self.inflight.values()], [], 0)
+        for node, (s, started) in list(self.inflight.items()):
+            if s in ready:
+                err = s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            elif now - started >= self.timeout_s:
+                err = errno.ETIMEDOUT
+            else:
+                continue
+            s.close()
+            del self.inflight[node]
+            self._done(node, err, started)
+
+    def _done(self, node: int, err: int, started: float) -> None:
+        answer = ACCEPTED if err == 0 else REFUSED if err == errno.ECONNREFUSED else NO_ANSWER
+        if answer == ACCEPTED:
+            self.trusted.add(node)
+        self.answer[node] = (answer, started)
+
+    def close(self) -> None:
+        for s, _ in self.inflight.values():
+            s.close()
+        self.inflight.clear()
+
+
+# What decided that a node is lost (the ``node_lost`` field of the recovery event)
+BY_BEAT = "beat"              # its beat stood still for the beat timeout: no other evidence needed
+BY_REFUSED = "refused"        # a round's fault notice, then its agent's port refused a connect
+BY_FAULT_SILENCE = "fault+silence"  # a fault notice and the shorter silence, its agent not answering
+
+
+class BeatWatch:
+    """The leader's view of the other nodes' beats, on its own monotonic clock, and of
+    the corroborating evidence that decides a node lost before the beat timeout.
+
+    Without a fault notice in the current round, a node is lost when its beat stood
+    still for ``silent_s`` (every cause: a host powered off, a hung agent). With one (a
+    surviving rank's collective failed, or an agent reported a dead rank), the leader
+    probes every node's agent (:class:`Prober`) once, then again every beat interval
+    each node whose beat is late, and a node is lost when
+
+    - its agent's port refused the connect (``refused``; only from a port that once
+      accepted): the agent process is dead, so is every rank on the node with it; or
+    - its beat stood still for ``fault_silent_s`` (a few beat intervals) and its agent
+      did not accept the latest probe (``fault+silence``): a host that gives no answer.
+
+    A node whose agent accepts is never lost before ``silent_s``: a rank that crashed on
+    a live node is that rank's fault, replaced by its own node's spare. ``fault_silent_s``
+    0 turns the fault rules off; ``probe_timeout_s`` 0 turns probing off (then a fault
+    and ``fault_silent_s`` of silence decide)."""
+
+    def __init__(self, store, nodes: list[int], silent_s: float = injob.NODE_SILENT_S,
+                 fault_silent_s: float = 0.0, probe_timeout_s: float = 0.0):
         self.store = store
+        self.silent_s, self.fault_silent_s = silent_s, fault_silent_s
+        self.prober = Prober(probe_timeout_s if fault_silent_s > 0 else 0.0)
         now = time.monotonic()
         self.seen = {k: (None, now) for k in nodes}
+        self.probed: dict[int, float] = {}  # node -> when it was last probed under the current fault
 
-    def silent(self) -> list[int]:
-        """The nodes whose beat has not moved for NODE_SILENT_S (each said once)."""
+    def probe_all(self, addresses: dict[int, str]) -> None:
+        """Probe every node once (at the start: a port that accepts becomes trusted)."""
+        for k in self.seen:
+            if k in addresses:
+                self.prober.start(k, addresses[k])
+
+    def silent(self, fault: bool = False, addresses: dict[int, str] | None = None) -> list[tuple[int, str, float]]:
+        """The nodes now lost, each said once: (node, what decided it, seconds its beat
+        stood still). ``fault``: the current round has a fault notice; ``addresses``:
+        node -> its agent's :class:`AliveListener` address."""
+        addresses = addresses or {}
+        self.prober.poll()
+        if not fault:
+            self.probed.clear()
         out, now = [], time.monotonic()
         for k, (value, since) in list(self.seen.items()):
             key = injob.agent_key(k, "beat")
             current = self.store.get(key) if self.store.check([key]) else None
             if current != value:
                 self.seen[k] = (current, now)
-            elif now - since >= injob.NODE_SILENT_S:
-                out.append(k)
+                continue
+            age = now - since
+            decided = BY_BEAT if age >= self.silent_s else self._with_fault(k, age, now, addresses) if fault else None
+            if decided is not None:
+                out.append((k, decided, age))
                 del self.seen[k]
         return out
+
+    def _with_fault(self, k: int, age: float, now: float, addresses: dict[int, str]) -> str | None:
+        if self.fault_silent_s <= 0:
+            return None
+        answer, started = self.prober.answer.get(k, (None, 0.0))
+        probing = self.prober.timeout_s > 0 and k in addresses
+        if probing and k not in self.prober.inflight and (k not in self.probed or (
+                age >= injob.BEAT_S and now - self.probed[k] >= injob.BEAT_S)):
+            self.probed[k] = now
+            self.prober.start(k, addresses[k])
+            self.prober.poll()  # (a refusal on this machine is immediate)
+            answer, started = self.prober.answer.get(k, (None, 0.0))
+        fresh = k in self.probed and started >= self.probed[k]  # an answer to this fault's probe
+        if fresh and answer == REFUSED and k in self.prober.trusted:
+            return BY_REFUSED
+        if age >= self.fault_silent_s and not (fresh and answer == ACCEPTED) and k not in self.prober.inflight:
+            return BY_FAULT_SILENCE
+        return None
+
+    def close(self) -> None:
+        self.prober.close()
