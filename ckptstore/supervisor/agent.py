@@ -20,8 +20,10 @@ k*nproc .. k*nproc+nproc-1. Each agent publishes ``agent/<node>`` (members, live
 and beats; the others report their workers' ends (``exited/<worker>``, then the round's
 fault for a dead rank), kill what the leader asks (``kill/<worker>``), adopt the
 membership the leader posts and end on its verdicts (``stop``, ``cold``) or ``end``; the
-leader counts a node whose beat stood still for ``injob.NODE_SILENT_S`` lost, with every
-rank on it (``agent:node``), and picks spares on the rank's node, then its partner node,
+leader counts a node whose beat stood still for ``--node-lost-timeout`` (3 s) lost, with
+every rank on it (``agent:node``), sooner with a round's fault notice and corroborating
+evidence (its agent's port refuses a connection, or a shorter silence and no answer:
+injob_nodes.BeatWatch; the ``recovery`` event's ``node_lost`` names it), and picks spares on the rank's node, then its partner node,
 then any. The leader's store lost -> the others end their workers (``launcher_error``:
 "in-job store lost"): the runners relaunch cold. Each agent of several nodes runs a
 replica server (replica.py) for its memory directory, and gives every worker the

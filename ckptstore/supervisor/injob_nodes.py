@@ -133,7 +133,9 @@ class AliveListener:
     which the leader need not wait out the beat timeout."""
 
     def __init__(self, host: str):
-        self.sock = socket.create_server((host, 0), backlog=64)
+        # every interface (as the replica server): a host name may resolve, here, to a
+        # loopback alias (127.0.1.1) that the leader's connects would never reach
+        self.sock = socket.create_server(("127.0.0.1" if host == "127.0.0.1" else "0.0.0.0", 0), backlog=64)
         self.address = f"{host}:{self.sock.getsockname()[1]}"
         threading.Thread(target=self._serve, daemon=True, name="ckptstore-alive").start()
 
@@ -162,7 +164,8 @@ class Prober:
     ``accepted`` (its agent lives), ``refused`` (nothing listens: its agent is dead; on a
     real network too when the host is up) or ``no answer`` within ``timeout_s`` (a host
     powered off or cut off: no verdict). ``trusted``: the nodes whose port once accepted;
-    a refusal from any other (a firewall that rejects the port) is no evidence."""
+    a refusal from any other (a firewall that rejects the port) is no evidence, and the
+    silence rule still needs a silent beat."""
 
     def __init__(self, timeout_s: float):
         self.timeout_s = timeout_s
