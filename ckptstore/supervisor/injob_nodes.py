@@ -172,17 +172,22 @@ class Prober:
         self.inflight: dict[int, tuple[socket.socket, float]] = {}
         self.answer: dict[int, tuple[str, float]] = {}  # node -> (answer, when its probe started)
         self.trusted: set[int] = set()
+        self.resolved: dict[str, tuple[int, tuple]] = {}
 
     def start(self, node: int, address: str) -> None:
         if node in self.inflight or self.timeout_s <= 0:
             return
-        host, _, port = address.rpartition(":")
-        s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-        s.setblocking(False)
         started = time.monotonic()
         try:
-            err = s.connect_ex((host.strip("[]"), int(port)))
-        except (OSError, ValueError):  # (a name that does not resolve: no verdict)
+            family, sockaddr = self._resolve(address)
+        except (OSError, ValueError, UnicodeError):  # (a name that does not resolve: no verdict)
+            self.answer[node] = (NO_ANSWER, started)
+            return
+        s = socket.socket(family, socket.SOCK_STREAM)
+        s.setblocking(False)
+        try:
+            err = s.connect_ex(sockaddr)
+        except OSError:
             s.close()
             self.answer[node] = (NO_ANSWER, started)
             return
@@ -192,13 +197,25 @@ class Prober:
         s.close()
         self._done(node, err, started)
 
+    def _resolve(self, address: str) -> tuple[int, tuple]:
+        """``host:port`` -> (family, socket address), looked up once per address (the
+        first probe is the start's, off the fault path: no name lookup delays a verdict)."""
+        if address not in self.resolved:
+            host, _, port = address.rpartition(":")
+            info = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)[0]
+            self.resolved[address] = (info[0], info[4])
+        return self.resolved[address]
+
     def poll(self) -> None:
         if not self.inflight:
             return
         now = time.monotonic()
-        _, ready, _ = select.select([], [s for s, _ in self.inflight.values()], [], 0)
+        waiting = select.poll()
+        for s, _ in self.inflight.values():
+            waiting.register(s, select.POLLOUT)
+        ready = {fd for fd, _ in waiting.poll(0)}
         for node, (s, started) in list(self.inflight.items()):
-            if s in ready:
+            if s.fileno() in ready:
                 err = s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
             elif now - started >= self.timeout_s:
                 err = errno.ETIMEDOUT
@@ -219,6 +236,8 @@ class Prober:
             s.close()
         self.inflight.clear()
 
+
+MAX_PROBES = 32  # the leader's probes in flight at once
 
 # What decided that a node is lost (the ``node_lost`` field of the recovery event)
 BY_BEAT = "beat"              # its beat stood still for the beat timeout: no other evidence needed
@@ -266,40 +285,47 @@ class BeatWatch:
         stood still). ``fault``: the current round has a fault notice; ``addresses``:
         node -> its agent's :class:`AliveListener` address."""
         addresses = addresses or {}
-        self.prober.poll()
         if not fault:
             self.probed.clear()
-        out, now = [], time.monotonic()
+        now, ages = time.monotonic(), {}
         for k, (value, since) in list(self.seen.items()):
             key = injob.agent_key(k, "beat")
             current = self.store.get(key) if self.store.check([key]) else None
             if current != value:
                 self.seen[k] = (current, now)
-                continue
-            age = now - since
-            decided = BY_BEAT if age >= self.silent_s else self._with_fault(k, age, now, addresses) if fault else None
+            ages[k] = now - self.seen[k][1]
+        if fault and self.fault_silent_s > 0:
+            self._probe(ages, addresses, now)
+        self.prober.poll()  # (a refusal on one machine is immediate)
+        out = []
+        for k, age in ages.items():
+            decided = BY_BEAT if age >= self.silent_s else self._with_fault(k, age, addresses) if fault else None
             if decided is not None:
                 out.append((k, decided, age))
                 del self.seen[k]
         return out
 
-    def _with_fault(self, k: int, age: float, now: float, addresses: dict[int, str]) -> str | None:
-        if self.fault_silent_s <= 0:
-            return None
-        answer, started = self.prober.answer.get(k, (None, 0.0))
-        probing = self.prober.timeout_s > 0 and k in addresses
-        if probing and k not in self.prober.inflight and (k not in self.probed or (
-                age >= injob.BEAT_S and now - self.probed[k] >= injob.BEAT_S)):
+    def _probe(self, ages: dict[int, float], addresses: dict[int, str], now: float) -> None:
+        """This fault's probes: every node once, then each whose beat is late again every
+        beat interval; the longest silent first, at most MAX_PROBES in flight (a job of
+        many nodes: bounded sockets, the likely dead first)."""
+        due = [k for k, age in ages.items() if k in addresses and k not in self.prober.inflight and
+               (k not in self.probed or (age >= injob.BEAT_S and now - self.probed[k] >= injob.BEAT_S))]
+        room = max(0, MAX_PROBES - len(self.prober.inflight))
+        for k in sorted(due, key=lambda k: -ages[k])[:room]:
             self.probed[k] = now
             self.prober.start(k, addresses[k])
-            self.prober.poll()  # (a refusal on this machine is immediate)
-            answer, started = self.prober.answer.get(k, (None, 0.0))
-        fresh = k in self.probed and started >= self.probed[k]  # an answer to this fault's probe
+
+    def _with_fault(self, k: int, age: float, addresses: dict[int, str]) -> str | None:
+        if self.fault_silent_s <= 0:
+            return None
+        answer, started = self.prober.answer.get(k, (None, -1.0))
+        fresh = k in self.probed and started >= self.probed[k]  # an answer to this fault's latest probe
         if fresh and answer == REFUSED and k in self.prober.trusted:
             return BY_REFUSED
-        if age >= self.fault_silent_s and not (fresh and answer == ACCEPTED) and k not in self.prober.inflight:
-            return BY_FAULT_SILENCE
-        return None
+        if self.prober.timeout_s > 0 and k in addresses and (not fresh or answer == ACCEPTED):
+            return None  # not asked yet, still asking, or its agent lives: the beat timeout decides
+        return BY_FAULT_SILENCE if age >= self.fault_silent_s else None
 
     def close(self) -> None:
         self.prober.close()
