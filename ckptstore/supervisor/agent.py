@@ -23,8 +23,8 @@ membership the leader posts and end on its verdicts (``stop``, ``cold``) or ``en
 leader counts a node whose beat stood still for ``--node-lost-timeout`` (3 s) lost, with
 every rank on it (``agent:node``), sooner with a round's fault notice and corroborating
 evidence (its agent's port refuses a connection, or a shorter silence and no answer:
-injob_nodes.BeatWatch; the ``recovery`` event's ``node_lost`` names it), and picks spares on the rank's node, then its partner node,
-then any. The leader's store lost -> the others end their workers (``launcher_error``:
+injob_nodes.BeatWatch; the ``recovery`` event's ``node_lost`` names it), and picks
+spares on the rank's node, then its partner node, then any. The leader's store lost -> the others end their workers (``launcher_error``:
 "in-job store lost"): the runners relaunch cold. Each agent of several nodes runs a
 replica server (replica.py) for its memory directory, and gives every worker the
 address of its partner's (node (k+1) mod N, ``CKPTSTORE_PEER_REPLICA``): node k's
