@@ -648,7 +648,7 @@ def _deliver(schedule: str, target: int, watch: Watch, current: list[Launch], hi
 
 
 REC_FIELDS = ("round", "ranks", "class", "step", "restored_step", "lost_steps", "lost_s", "detect_s", "teardown_s",
-              "reform_s", "restore_s", "first_step_s", "restore_from")
+              "reform_s", "restore_s", "first_step_s", "restore_from", "node_lost")
 
 
 def journal_summary(store: str) -> dict:

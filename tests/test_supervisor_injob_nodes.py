@@ -6,8 +6,12 @@ every step: the final total shows a step lost or counted twice).
 
 - a rank on node 1 SIGKILLed: node 1's agent reports it, the leader (node 0) gives the
   rank to node 1's own spare, in the same attempt; one ``recovery`` journaled, once;
-- node 1's whole supervisor tree SIGKILLed: its beat stops, the leader counts its rank
-  failed and gives it to node 0's spare, in the same attempt;
+- node 1's whole supervisor tree SIGKILLed: node 0's rank's collective fails, node 1's
+  agent's port refuses the leader's probe, the leader counts its rank failed at once (not
+  after the beat timeout) and gives it to node 0's spare, in the same attempt; node 1's
+  agent alone killed with the fast rules off: the beat timeout decides;
+- the leader's evidence rules (injob_nodes.BeatWatch) in one process: a refused port, a
+  silent node that does not answer, and a live agent (never lost before the beat timeout);
 - node 0's (the leader's, the in-job store's host) tree SIGKILLed and restarted: node 1
   loses the store, ends its workers ("in-job store lost"), and both nodes relaunch cold
   through the run's shared verdict.
@@ -76,10 +80,11 @@ def test_a_rank_killed_on_node_1_is_replaced_by_node_1s_spare_within_the_attempt
     [rec] = nodes.events("recovery")  # journaled once, by the leader's node, not once per node
     assert (rec["attempt"], rec["round"], rec["ranks"], rec["signal"], rec["node"]) == (0, 1, [1], "SIGKILL", 1)
     assert rec["detected_by"] in ("agent:exit", "rank:collective"), rec  # whichever saw it first
+    assert rec["node_lost"] == {}, rec  # node 1 lives (its agent answers): a rank's fault, not a node's
     assert [(k, s["node"], s["worker"].startswith("n1-")) for k, s in rec["spares"].items()] == [("1", 1, True)]
 
 
-def test_node_1_lost_whole_is_replaced_by_node_0s_spare_detected_by_its_beat(tmp_path):
+def test_node_1_lost_whole_is_replaced_by_node_0s_spare_decided_by_its_refused_port(tmp_path):
     nodes = InJobNodes(tmp_path)
     lost = nodes.jobs[1]
     lost.at_step(1, 8)
@@ -91,15 +96,19 @@ def test_node_1_lost_whole_is_replaced_by_node_0s_spare_detected_by_its_beat(tmp
     assert nodes.events("failure") == []
     [rec] = nodes.events("recovery")
     assert (rec["attempt"], rec["round"], rec["ranks"], rec["node"]) == (0, 1, [1], 1), rec
-    assert "node 1 lost: its agent's beat stood still" in rec["reason"], rec
+    # its ranks' collectives failed at once, then its agent's port refused: no beat timeout waited out
+    assert rec["node_lost"]["1"]["decided_by"] == "refused", rec
+    assert rec["node_lost"]["1"]["silent_s"] < 3.0, rec
+    assert "node 1 lost: a rank's collective failed and its agent's port refused" in rec["reason"], rec
     assert [(k, s["node"], s["worker"].startswith("n0-")) for k, s in rec["spares"].items()] == [("1", 0, True)]
 
 
 def test_node_1s_agent_killed_its_supervisor_alive_the_leader_recovers_and_node_1_follows(tmp_path):
     """Node 1's agent alone SIGKILLed: its workers die with it (PDEATHSIG), its beat
     stops, node 0's spare takes rank 1; node 1's supervisor does not relaunch everyone:
-    it waits for the run's verdict on the attempt, which node 0 writes when it finishes."""
-    nodes = InJobNodes(tmp_path)
+    it waits for the run's verdict on the attempt, which node 0 writes when it finishes.
+    The fast rules off (``--node-fault-silent 0``): the beat timeout alone decides."""
+    nodes = InJobNodes(tmp_path, "--node-fault-silent", "0")
     nodes.jobs[1].at_step(1, 8)
     [agent] = [p for p in psutil.Process(nodes.jobs[1].proc.pid).children()
                if "ckptstore.supervisor.agent" in " ".join(p.cmdline())]
@@ -110,6 +119,8 @@ def test_node_1s_agent_killed_its_supervisor_alive_the_leader_recovers_and_node_
     assert nodes.events("failure") == []
     [rec] = nodes.events("recovery")
     assert (rec["ranks"], rec["node"], [s["node"] for s in rec["spares"].values()]) == ([1], 1, [0]), rec
+    assert rec["node_lost"]["1"]["decided_by"] == "beat", rec
+    assert "node 1 lost: its agent's beat stood still for 3s" in rec["reason"], rec
     assert "the leader (node 0) recovers without this node" in nodes.jobs[1].output()
 
 
@@ -148,3 +159,35 @@ def test_spares_are_chosen_on_the_ranks_node_then_its_partner_then_anywhere(tmp_
     chosen = agent._choose([1, 7, 2], [spare["on-3"], spare["on-0"], spare["on-3-old"]])
     assert {k: w.wid for k, w in chosen.items()} == {1: "on-0", 7: "on-3-old", 2: "on-3"}
     assert advertised_host("127.0.0.1") == advertised_host("localhost") == "127.0.0.1"
+
+
+def test_a_node_is_lost_sooner_only_with_a_fault_and_corroborating_evidence():
+    """BeatWatch over a HashStore, three silent nodes (none ever beats): node 1's agent
+    port was open, then closed (refused); node 2's agent lives (its port accepts); node 3
+    has no port to probe. Without a fault notice nobody is lost before the beat timeout;
+    with one, node 1 goes on its refusal and node 3 after the short silence, and node 2,
+    as silent as node 3, stays: only the beat timeout may count a live agent lost."""
+    import time
+
+    from torch.distributed import HashStore
+
+    from ckptstore.supervisor.injob_nodes import AliveListener, BeatWatch
+
+    dead, live = AliveListener("127.0.0.1"), AliveListener("127.0.0.1")
+    addresses = {1: dead.address, 2: live.address}
+    watch = BeatWatch(HashStore(), [1, 2, 3], silent_s=60.0, fault_silent_s=0.2, probe_timeout_s=5.0)
+    watch.probe_all(addresses)
+    deadline = time.monotonic() + 30.0
+    while watch.prober.trusted != {1, 2} and time.monotonic() < deadline:
+        watch.silent(False, addresses)
+    assert watch.prober.trusted == {1, 2}  # both ports accepted once: their refusals count
+    dead.close()
+    lost: dict[int, str] = {}
+    for k, by, _ in watch.silent(False, addresses):  # no fault: the beat timeout alone
+        lost[k] = by
+    assert lost == {}
+    while 3 not in lost and time.monotonic() < deadline:
+        lost.update({k: by for k, by, _ in watch.silent(True, addresses)})
+    assert lost == {1: "refused", 3: "fault+silence"}, lost
+    assert 2 in watch.seen  # as silent as node 3, but its agent answers
+    live.close()

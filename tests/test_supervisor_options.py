@@ -24,7 +24,8 @@ BAD = [("--backoff", "-1"), ("--backoff-max", "inf"), ("--max-restarts", "-1"), 
        ("--outage-window", "nan"), ("--outage-window", "inf"), ("--health-wait", "-1"),
        ("--section-factor", "nan"), ("--health-interval", "-1"), ("--straggler-report", "inf"),
        ("--run-timeout", "0"), ("--run-timeout", "nan"), ("--no-progress-restarts", "-1"),
-       ("--expected-gpus", "0"), ("--backoff", "soon")]
+       ("--expected-gpus", "0"), ("--backoff", "soon"), ("--node-lost-timeout", "0"),
+       ("--node-lost-timeout", "inf"), ("--node-fault-silent", "-1"), ("--node-probe-timeout", "nan")]
 
 
 @pytest.mark.parametrize("option,value", BAD)

@@ -110,6 +110,17 @@ def _parser() -> argparse.ArgumentParser:
                    help="--in-job: seconds for the survivors' reports, a spare, and a re-formed process group")
     p.add_argument("--max-rounds-in-a-row", type=_count(1), default=d.max_rounds_in_a_row,
                    help="--in-job: in-job recoveries in a row without a new step before a cold relaunch")
+    p.add_argument("--node-lost-timeout", type=_seconds(positive=True), default=d.node_silent_s,
+                   help="--in-job, several nodes: a node whose agent's beat (every 0.5 s) stood still this many "
+                   "seconds is lost, with every rank on it")
+    p.add_argument("--node-fault-silent", type=_seconds(), default=d.node_fault_silent_s,
+                   help="--in-job, several nodes: once a rank's collective failed, a node whose beat stood still "
+                   "this many seconds and whose agent does not answer a connection is lost (a refused connection "
+                   "decides at once; an agent that answers is never lost sooner than --node-lost-timeout; "
+                   "0: the beat timeout alone)")
+    p.add_argument("--node-probe-timeout", type=_seconds(), default=d.node_probe_timeout_s,
+                   help="--in-job, several nodes: seconds the leader waits for a suspect node's agent to answer "
+                   "a connection (0: no probes; then a failed collective and --node-fault-silent decide)")
     p.add_argument("--heartbeat-timeout", type=_seconds(), default=d.heartbeat_timeout_s,
                    help="several nodes: a node whose supervisor's heartbeat in the store did not change for this "
                    "many seconds is gone: its report is not waited for (0: off)")
@@ -253,6 +264,8 @@ def run_command(argv) -> None:
                     memory_dir=opts.memory_dir, memory_budget=opts.memory_budget,
                     abort_timeout_s=opts.abort_timeout, reform_timeout_s=opts.reform_timeout,
                     max_rounds_in_a_row=opts.max_rounds_in_a_row,
+                    node_silent_s=opts.node_lost_timeout, node_fault_silent_s=opts.node_fault_silent,
+                    node_probe_timeout_s=opts.node_probe_timeout,
                     straggler_report_s=opts.straggler_report, heartbeat_timeout_s=opts.heartbeat_timeout,
                     health=HealthLimits(expected_gpus=opts.expected_gpus))
     try:

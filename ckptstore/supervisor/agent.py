@@ -20,9 +20,11 @@ k*nproc .. k*nproc+nproc-1. Each agent publishes ``agent/<node>`` (members, live
 and beats; the others report their workers' ends (``exited/<worker>``, then the round's
 fault for a dead rank), kill what the leader asks (``kill/<worker>``), adopt the
 membership the leader posts and end on its verdicts (``stop``, ``cold``) or ``end``; the
-leader counts a node whose beat stood still for ``injob.NODE_SILENT_S`` lost, with every
-rank on it (``agent:node``), and picks spares on the rank's node, then its partner node,
-then any. The leader's store lost -> the others end their workers (``launcher_error``:
+leader counts a node whose beat stood still for ``--node-lost-timeout`` (3 s) lost, with
+every rank on it (``agent:node``), sooner with a round's fault notice and corroborating
+evidence (its agent's port refuses a connection, or a shorter silence and no answer:
+injob_nodes.BeatWatch; the ``recovery`` event's ``node_lost`` names it), and picks
+spares on the rank's node, then its partner node, then any. The leader's store lost -> the others end their workers (``launcher_error``:
 "in-job store lost"): the runners relaunch cold. Each agent of several nodes runs a
 replica server (replica.py) for its memory directory, and gives every worker the
 address of its partner's (node (k+1) mod N, ``CKPTSTORE_PEER_REPLICA``): node k's
@@ -110,6 +112,10 @@ class Conf:
     first_progress_timeout_s: float = 1800.0
     memory_dir: str = ""
     memory_budget: int = 0
+    # several nodes: when a node is lost (injob_nodes.BeatWatch; decide.Policy documents them)
+    node_silent_s: float = injob.NODE_SILENT_S
+    node_fault_silent_s: float = 1.5
+    node_probe_timeout_s: float = 0.25
 
     @classmethod
     def from_env(cls, env) -> "Conf":
@@ -182,6 +188,9 @@ class InJobAgent:
         self.progress_dir = self.env.get(ENV_DIR, "")
         self.watch = ProgressWatch(time.monotonic())
         self.replica = None  # replica.ReplicaServer: this node's, for its partner's peer replicas
+        self.alive = None  # injob_nodes.AliveListener: the leader's probe of this agent (several nodes)
+        self.alive_at: dict[int, str] = {}  # the leader: node -> its agent's AliveListener address
+        self.node_loss: dict[int, dict] = {}  # the leader: node -> what decided it lost, when
 
     # ------------------------------------------------------------------ set-up
     def _open_store(self) -> None:
@@ -191,10 +200,11 @@ class InJobAgent:
 
         self.prefix = injob.attempt_prefix(self.conf.run, self.conf.attempt)
         if self.nnodes > 1:  # the leader's store, found through the attempt's rendezvous (injob_nodes.py)
-            from .injob_nodes import Beat, NodesStore
+            from .injob_nodes import AliveListener, Beat, NodesStore
 
             rendezvous(self.args, self.env)
             self.nodes = NodesStore(self.args, self.node, self.nnodes, self.conf.reform_timeout_s)
+            self.alive = AliveListener(self.nodes.own_host) if not self.leader else None
             self.base, self.address, self.host = self.nodes.base, self.nodes.address, self.nodes.host
             self.store = injob.attempt_store(self.base, self.prefix)
             self.beat = Beat(self.address, self.prefix, self.node)
@@ -231,10 +241,15 @@ class InJobAgent:
         self.env[injob.ENV_PEER_REPLICA] = partner
 
     def close(self) -> None:
-        """What the agent holds beyond its workers: the replica server."""
+        """What the agent holds beyond its workers: the replica server, the probe port."""
         if self.replica is not None:
             self.replica.close()
             self.replica = None
+        if self.alive is not None:
+            self.alive.close()
+            self.alive = None
+        if getattr(self, "beats", None) is not None:
+            self.beats.close()
 
     def _cmd(self) -> list[str]:
         a = self.args
@@ -458,6 +473,7 @@ class InJobAgent:
         if self.stalled >= self.conf.max_rounds_in_a_row:
             return self._cold(r, failed, f"{self.stalled} in-job recoveries in a row without a new step "
                               f"(--max-rounds-in-a-row {self.conf.max_rounds_in_a_row})")
+        failed_nodes = {self.members[k].node for k in failed}  # (before the spares take their ranks)
         spares = self._take_spares(sorted(failed))
         if spares is None:
             if self.stop_signal is not None:
@@ -488,6 +504,9 @@ class InJobAgent:
                  "reason": verdict.reason, "signal": record.get("signal"), "exit_code": record.get("exitcode"),
                  "traceback": (record.get("traceback") or None) and record["traceback"][-4000:],
                  "detected_by": detected_by, "node": primary_node, "step": step, "step_s": self._step_s(),
+                 # the nodes lost with the failed ranks, and what evidence decided each
+                 "node_lost": {str(k): {f: v for f, v in self.node_loss[k].items() if f != "t"}
+                               for k in sorted(failed_nodes) if k in self.node_loss},
                  "detect_s": max(0.0, notice_t - first_fault), "teardown_s": max(0.0, teardown_end - notice_t),
                  # the last survivor left -> the verdict: classification and the wait for a warm spare
                  "decide_s": max(0.0, (_num(verdict_rec.get("t")) or time.time()) - teardown_end),
@@ -726,7 +745,9 @@ class InJobAgent:
                 w = Worker(str(m["worker"]), None, "", spare=False, started_t=time.time(), rank=int(rank),
                            local_rank=int(rank) % self.nproc, node=k)
                 self.workers[w.wid] = self.members[w.rank] = w
-        self.beats = BeatWatch(self.store, list(range(1, self.nnodes)))
+        c = self.conf
+        self.beats = BeatWatch(self.store, list(range(1, self.nnodes)), silent_s=c.node_silent_s,
+                               fault_silent_s=c.node_fault_silent_s, probe_timeout_s=c.node_probe_timeout_s)
         self.next_sync = 0.0
         self._sync_nodes()
 
@@ -740,17 +761,34 @@ class InJobAgent:
                 continue
             rec = injob.get(self.store, injob.agent_key(k)) or {}
             self.agent_hosts[k] = str(rec.get("host") or f"node {k}")
+            alive = rec.get("alive")
+            if isinstance(alive, str) and alive != self.alive_at.get(k):  # probed once now: trusted if it accepts
+                self.alive_at[k] = alive
+                self.beats.prober.start(k, alive)
             for wid in rec.get("spares") or []:
                 if isinstance(wid, str) and wid not in self.workers:
                     self.workers[wid] = Worker(wid, None, "", spare=True, started_t=time.time(), node=k)
-        for k in self.beats.silent():
-            self._node_lost(k)
+        fault = self.store.check([injob.round_key(self.round, "fault")])
+        for k, decided_by, silent_s in self.beats.silent(fault, self.alive_at):
+            self._node_lost(k, decided_by, silent_s)
 
-    def _node_lost(self, k: int) -> None:
-        """Node k's beat stood still: every worker on it is dead (its ranks fail)."""
+    def _node_lost(self, k: int, decided_by: str = "beat", silent_s: float | None = None) -> None:
+        """Node k is lost (``decided_by``: injob_nodes.BeatWatch's evidence): every worker
+        on it is dead (its ranks fail)."""
+        from .injob_nodes import BY_BEAT, BY_REFUSED
+
         self.lost_nodes.add(k)
-        why = (f"node {k} lost: its agent's beat stood still for {injob.NODE_SILENT_S:g}s "
-               "(the node, its supervisor or its agent died)")
+        silent = self.conf.node_silent_s if silent_s is None else silent_s
+        self.node_loss[k] = {"decided_by": decided_by, "silent_s": round(silent, 3), "t": time.time()}
+        if decided_by == BY_BEAT:
+            why = (f"node {k} lost: its agent's beat stood still for {self.conf.node_silent_s:g}s "
+                   "(the node, its supervisor or its agent died)")
+        elif decided_by == BY_REFUSED:
+            why = (f"node {k} lost: a rank's collective failed and its agent's port refused a connection "
+                   f"(its beat silent {silent:.2f}s: the agent died, with every rank on the node)")
+        else:
+            why = (f"node {k} lost: a rank's collective failed, its agent's beat stood still for {silent:.2f}s "
+                   f"(--node-fault-silent {self.conf.node_fault_silent_s:g}) and it did not answer a connection")
         for w in self.workers.values():
             if w.node == k and w.returncode is None:
                 w.returncode, w.exit_t, w.detected_by = -int(signal.SIGKILL), time.time(), "agent:node"
@@ -760,7 +798,7 @@ class InJobAgent:
     # ------------------------------------------------------------------ several nodes: the others
     def _publish(self) -> None:
         """``agent/<node>``: this node's host, members and live unassigned spares."""
-        rec = {"host": _host(), "pid": os.getpid(),
+        rec = {"host": _host(), "pid": os.getpid(), "alive": self.alive.address if self.alive else None,
                "members": {str(w.rank): {"worker": w.wid, "pid": w.pid} for w in self.workers.values()
                            if w.rank is not None and w.returncode is None},
                "spares": sorted(w.wid for w in self.workers.values()

@@ -77,6 +77,15 @@ class Policy:
     abort_timeout_s: float = 10.0  # the longest a survivor may take to leave a failed round
     reform_timeout_s: float = 60.0  # survivors' reports, a spare's arrival, a re-form: each bounded by this
     max_rounds_in_a_row: int = 3  # in-job recoveries in a row without a new step before going cold
+    # In-job on several nodes (injob_nodes.BeatWatch): a node whose agent's beat stood
+    # still for node_silent_s is lost. Sooner with corroborating evidence, once a rank's
+    # collective failed (a fault notice in the round): its agent's port refuses a
+    # connection (the agent is dead), or its beat stood still for node_fault_silent_s and
+    # the agent did not answer within node_probe_timeout_s. A node whose agent answers is
+    # never lost before node_silent_s. node_fault_silent_s 0: the beat timeout alone.
+    node_silent_s: float = 3.0
+    node_fault_silent_s: float = 1.5
+    node_probe_timeout_s: float = 0.25
     # Each node's supervisor overwrites its heartbeat object in the store every
     # heartbeat_s (at most a quarter of the timeout); a peer whose beat did not change for
     # heartbeat_timeout_s, as this node watched it, is gone: its report is not waited

@@ -86,7 +86,8 @@ def connect(address: str, timeout_s: float = 60.0):
 
 # --- several nodes (agent.py, injob_nodes.py): the node agents' own records ------------
 #
-# ``agent/<node>``         each agent   host, pid, members (rank -> worker), live spares
+# ``agent/<node>``         each agent   host, pid, members (rank -> worker), live spares,
+#                                       ``alive``: its probe port (injob_nodes.AliveListener)
 # ``agent/<node>/beat``    each agent   a counter it bumps every BEAT_S: the leader's
 #                                       clock, not the agent's, times its silence
 # ``agent/<node>/done``    each agent   it ended its workers and is exiting

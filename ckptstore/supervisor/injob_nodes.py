@@ -19,8 +19,10 @@ the same node rank are refused.
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import os
+import select
 import socket
 import threading
 import time
@@ -123,23 +125,207 @@ class Beat(threading.Thread):
             self.stop.wait(injob.BEAT_S)
 
 
-class BeatWatch:
-    """The leader's view of the other nodes' beats, on its own monotonic clock."""
+class AliveListener:
+    """A listening socket that accepts and closes at once: the leader's probe of this
+    agent (:class:`Prober`). While the agent process lives, the kernel completes a
+    connect to it whatever the agent is doing; once the process is dead, the port is
+    closed and a connect is refused (RST) at once: evidence that its node is lost, for
+    which the leader need not wait out the beat timeout."""
 
-    def __init__(self, store, nodes: list[int]):
+    def __init__(self, host: str):
+        # every interface (as the replica server): a host name may resolve, here, to a
+        # loopback alias (127.0.1.1) that the leader's connects would never reach
+        self.sock = socket.create_server(("127.0.0.1" if host == "127.0.0.1" else "0.0.0.0", 0), backlog=64)
+        self.address = f"{host}:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._serve, daemon=True, name="ckptstore-alive").start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:  # closed
+                return
+            conn.close()
+
+    def close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)  # (wakes the accept on Linux)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+ACCEPTED, REFUSED, NO_ANSWER = "accepted", "refused", "no answer"
+
+
+class Prober:
+    """Non-blocking connects to the agents' :class:`AliveListener` ports, never blocking
+    the leader's loop: :meth:`start` one, :meth:`poll` for the answers. A node's answer is
+    ``accepted`` (its agent lives), ``refused`` (nothing listens: its agent is dead; on a
+    real network too when the host is up) or ``no answer`` within ``timeout_s`` (a host
+    powered off or cut off: no verdict). ``trusted``: the nodes whose port once accepted;
+    a refusal from any other (a firewall that rejects the port) is no evidence, and the
+    silence rule still needs a silent beat."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self.inflight: dict[int, tuple[socket.socket, float]] = {}
+        self.answer: dict[int, tuple[str, float]] = {}  # node -> (answer, when its probe started)
+        self.trusted: set[int] = set()
+        self.resolved: dict[str, tuple[int, tuple]] = {}
+
+    def start(self, node: int, address: str) -> None:
+        if node in self.inflight or self.timeout_s <= 0:
+            return
+        started = time.monotonic()
+        try:
+            family, sockaddr = self._resolve(address)
+        except (OSError, ValueError, UnicodeError):  # (a name that does not resolve: no verdict)
+            self.answer[node] = (NO_ANSWER, started)
+            return
+        s = socket.socket(family, socket.SOCK_STREAM)
+        s.setblocking(False)
+        try:
+            err = s.connect_ex(sockaddr)
+        except OSError:
+            s.close()
+            self.answer[node] = (NO_ANSWER, started)
+            return
+        if err in (0, errno.EINPROGRESS, errno.EWOULDBLOCK):
+            self.inflight[node] = (s, started)
+            return
+        s.close()
+        self._done(node, err, started)
+
+    def _resolve(self, address: str) -> tuple[int, tuple]:
+        """``host:port`` -> (family, socket address), looked up once per address (the
+        first probe is the start's, off the fault path: no name lookup delays a verdict)."""
+        if address not in self.resolved:
+            host, _, port = address.rpartition(":")
+            info = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)[0]
+            self.resolved[address] = (info[0], info[4])
+        return self.resolved[address]
+
+    def poll(self) -> None:
+        if not self.inflight:
+            return
+        now = time.monotonic()
+        waiting = select.poll()
+        for s, _ in self.inflight.values():
+            waiting.register(s, select.POLLOUT)
+        ready = {fd for fd, _ in waiting.poll(0)}
+        for node, (s, started) in list(self.inflight.items()):
+            if s.fileno() in ready:
+                err = s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            elif now - started >= self.timeout_s:
+                err = errno.ETIMEDOUT
+            else:
+                continue
+            s.close()
+            del self.inflight[node]
+            self._done(node, err, started)
+
+    def _done(self, node: int, err: int, started: float) -> None:
+        answer = ACCEPTED if err == 0 else REFUSED if err == errno.ECONNREFUSED else NO_ANSWER
+        if answer == ACCEPTED:
+            self.trusted.add(node)
+        self.answer[node] = (answer, started)
+
+    def close(self) -> None:
+        for s, _ in self.inflight.values():
+            s.close()
+        self.inflight.clear()
+
+
+MAX_PROBES = 32  # the leader's probes in flight at once
+
+# What decided that a node is lost (the ``node_lost`` field of the recovery event)
+BY_BEAT = "beat"              # its beat stood still for the beat timeout: no other evidence needed
+BY_REFUSED = "refused"        # a round's fault notice, then its agent's port refused a connect
+BY_FAULT_SILENCE = "fault+silence"  # a fault notice and the shorter silence, its agent not answering
+
+
+class BeatWatch:
+    """The leader's view of the other nodes' beats, on its own monotonic clock, and of
+    the corroborating evidence that decides a node lost before the beat timeout.
+
+    Without a fault notice in the current round, a node is lost when its beat stood
+    still for ``silent_s`` (every cause: a host powered off, a hung agent). With one (a
+    surviving rank's collective failed, or an agent reported a dead rank), the leader
+    probes every node's agent (:class:`Prober`) once, then again every beat interval
+    each node whose beat is late, and a node is lost when
+
+    - its agent's port refused the connect (``refused``; only from a port that once
+      accepted): the agent process is dead, so is every rank on the node with it; or
+    - its beat stood still for ``fault_silent_s`` (a few beat intervals) and its agent
+      did not accept the latest probe (``fault+silence``): a host that gives no answer.
+
+    A node whose agent accepts is never lost before ``silent_s``: a rank that crashed on
+    a live node is that rank's fault, replaced by its own node's spare. ``fault_silent_s``
+    0 turns the fault rules off; ``probe_timeout_s`` 0 turns probing off (then a fault
+    and ``fault_silent_s`` of silence decide)."""
+
+    def __init__(self, store, nodes: list[int], silent_s: float = injob.NODE_SILENT_S,
+                 fault_silent_s: float = 0.0, probe_timeout_s: float = 0.0):
         self.store = store
+        self.silent_s, self.fault_silent_s = silent_s, fault_silent_s
+        self.prober = Prober(probe_timeout_s if fault_silent_s > 0 else 0.0)
         now = time.monotonic()
         self.seen = {k: (None, now) for k in nodes}
+        self.probed: dict[int, float] = {}  # node -> when it was last probed under the current fault
 
-    def silent(self) -> list[int]:
-        """The nodes whose beat has not moved for NODE_SILENT_S (each said once)."""
-        out, now = [], time.monotonic()
+    def probe_all(self, addresses: dict[int, str]) -> None:
+        """Probe every node once (at the start: a port that accepts becomes trusted)."""
+        for k in self.seen:
+            if k in addresses:
+                self.prober.start(k, addresses[k])
+
+    def silent(self, fault: bool = False, addresses: dict[int, str] | None = None) -> list[tuple[int, str, float]]:
+        """The nodes now lost, each said once: (node, what decided it, seconds its beat
+        stood still). ``fault``: the current round has a fault notice; ``addresses``:
+        node -> its agent's :class:`AliveListener` address."""
+        addresses = addresses or {}
+        if not fault:
+            self.probed.clear()
+        now, ages = time.monotonic(), {}
         for k, (value, since) in list(self.seen.items()):
             key = injob.agent_key(k, "beat")
             current = self.store.get(key) if self.store.check([key]) else None
             if current != value:
                 self.seen[k] = (current, now)
-            elif now - since >= injob.NODE_SILENT_S:
-                out.append(k)
+            ages[k] = now - self.seen[k][1]
+        if fault and self.fault_silent_s > 0:
+            self._probe(ages, addresses, now)
+        self.prober.poll()  # (a refusal on one machine is immediate)
+        out = []
+        for k, age in ages.items():
+            decided = BY_BEAT if age >= self.silent_s else self._with_fault(k, age, addresses) if fault else None
+            if decided is not None:
+                out.append((k, decided, age))
                 del self.seen[k]
         return out
+
+    def _probe(self, ages: dict[int, float], addresses: dict[int, str], now: float) -> None:
+        """This fault's probes: every node once, then each whose beat is late again every
+        beat interval; the longest silent first, at most MAX_PROBES in flight (a job of
+        many nodes: bounded sockets, the likely dead first)."""
+        due = [k for k, age in ages.items() if k in addresses and k not in self.prober.inflight and
+               (k not in self.probed or (age >= injob.BEAT_S and now - self.probed[k] >= injob.BEAT_S))]
+        room = max(0, MAX_PROBES - len(self.prober.inflight))
+        for k in sorted(due, key=lambda k: -ages[k])[:room]:
+            self.probed[k] = now
+            self.prober.start(k, addresses[k])
+
+    def _with_fault(self, k: int, age: float, addresses: dict[int, str]) -> str | None:
+        if self.fault_silent_s <= 0:
+            return None
+        answer, started = self.prober.answer.get(k, (None, -1.0))
+        fresh = k in self.probed and started >= self.probed[k]  # an answer to this fault's latest probe
+        if fresh and answer == REFUSED and k in self.prober.trusted:
+            return BY_REFUSED
+        if self.prober.timeout_s > 0 and k in addresses and (not fresh or answer == ACCEPTED):
+            return None  # not asked yet, still asking, or its agent lives: the beat timeout decides
+        return BY_FAULT_SILENCE if age >= self.fault_silent_s else None
+
+    def close(self) -> None:
+        self.prober.close()

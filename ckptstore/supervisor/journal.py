@@ -60,7 +60,8 @@ evidence was chosen), ``give_up`` and ``finish``.
   the wait for a warm spare), ``reform_s``, ``restore_s``, ``first_step_s`` (the
   fault to the last rank's first step of the new round: the recovery's wall cost),
   ``restore_from`` (tier -> ranks), ``spares`` (rank -> host, worker, warm_s),
-  ``abandoned_steps``; ``recovery_failed``: ``attempt``, ``round``, ``reason`` (the new
+  ``abandoned_steps``, ``node_lost`` (node -> ``decided_by``: "beat", "refused" or
+  "fault+silence", ``silent_s``: the nodes lost with the failed ranks); ``recovery_failed``: ``attempt``, ``round``, ``reason`` (the new
   round failed before every rank trained); ``in_job_gave_up``: ``attempt``, ``round``,
   ``reason`` (the attempt goes cold: its ``failure`` event follows, reason "in-job
   recovery gave up: ...").

@@ -347,7 +347,9 @@ class Supervisor:
                 "abort_timeout_s": p.abort_timeout_s, "reform_timeout_s": p.reform_timeout_s,
                 "max_rounds_in_a_row": p.max_rounds_in_a_row, "hang_timeout_s": p.hang_timeout_s,
                 "first_progress_timeout_s": p.first_progress_timeout_s,
-                "memory_dir": self._memory_path, "memory_budget": self._memory_budget}
+                "memory_dir": self._memory_path, "memory_budget": self._memory_budget,
+                "node_silent_s": p.node_silent_s, "node_fault_silent_s": p.node_fault_silent_s,
+                "node_probe_timeout_s": p.node_probe_timeout_s}
 
     def _await_leader(self, attempt: int, result_path: str) -> None:
         """In-job on a node other than 0: this node's agent died (killed, no RESULT.json)
