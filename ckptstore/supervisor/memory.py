@@ -84,6 +84,7 @@ def node_dir(root: str, run_id: str, node: int | str) -> str:
 
 OWNER_SUFFIX = ".owner"
 MAX_OWNER_BYTES = 4096
+BUSY_WAIT_S = 2.0  # how long a locked owner file of this run and node is waited for (a sweep, not an owner)
 LOCK_TRIES = 20  # a sweeper holds a lock for the time of one rmtree: wait that out, not a live owner
 _HELD: dict[str, int] = {}  # node directory -> the fd of its owner file's lock (this process's claims)
 
@@ -214,7 +215,11 @@ def claim_dir(root: str, run_id: str, node: int | str, say: Callable[[str], None
     found = sweep_stale(root, skip=path, say=say)
     os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
     owner_file = owner_path(root, run_id, node)
+    deadline = time.monotonic() + BUSY_WAIT_S
     fd = _try_lock(owner_file)
+    while fd is None and time.monotonic() < deadline:  # (another start's sweep may hold it a moment)
+        time.sleep(0.05)
+        fd = _try_lock(owner_file)
     if fd is None:
         previous = ""
         try:
