@@ -416,3 +416,24 @@ def test_a_heartbeat_with_garbage_content_gives_no_step_times_and_a_warning(caps
     assert out[0][1] == {0: 0.25} and out[1:] == [(None, {5: 0.5})]
     err = capsys.readouterr().err
     assert "node b's heartbeat ignored" in err and "node c's heartbeat ignored" in err
+
+
+def test_the_supervisor_says_and_journals_what_it_swept(tmp_path, capsys):
+    from ckptstore.supervisor import runner
+    from ckptstore.supervisor.decide import Policy
+
+    root = tmp_path / "shm"
+    sup = runner.Supervisor(str(tmp_path / "store"), ["train.py"], policy=Policy(in_job=True, memory_dir=str(root)),
+                            run_id="20261207T131500-0123ab")
+    killed = _owner(root, sup._memory_run(), "0")  # this run and node, killed before it could clean up
+    killed.send_signal(signal.SIGKILL)
+    killed.wait(timeout=60)
+    sup._claim_memory()
+    try:
+        assert sup._memory_path and os.listdir(sup._memory_path) == []
+        assert "memory tier: removed" in capsys.readouterr().err
+        events = [e for e in sup.journal.events() if e["kind"] == "memory_swept"]
+        assert len(events) == 1 and events[0]["paths"] == [sup._memory_path] and events[0]["count"] == 1
+    finally:
+        sup._release_memory()
+    assert not (root / sup._memory_run()).exists()
