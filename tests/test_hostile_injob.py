@@ -437,3 +437,29 @@ def test_the_supervisor_says_and_journals_what_it_swept(tmp_path, capsys):
     finally:
         sup._release_memory()
     assert not (root / sup._memory_run()).exists()
+
+
+@pytest.mark.parametrize("value", [b"", b"ab", b"XYZ" + b"\0" * 16 + b"data",
+                                   c10d._HEADER.pack(c10d._MAGIC, b"n" * 8, math.nan) + b"data"],
+                         ids=["empty", "short", "other-magic", "nan-mtime"])
+def test_c10d_a_value_not_written_by_this_store_is_refused_on_read_and_left_out_of_listings(value):
+    store = torch.distributed.HashStore()
+    storage = C10dStorage(store, "mem/")
+    storage.put("a/vote-r00001.json", b"{}")
+    store.set("mem/o/a/vote-r00002.json", value)  # a hostile writer: the object and its index entry
+    store.append("mem/i/a", "+vote-r00002.json" + c10d.SEP)
+    assert storage.list("a") == ["vote-r00001.json"]
+    assert [i.key for i in storage.walk()] == ["a/vote-r00001.json"]
+    for call in (storage.read, storage.stat):
+        with pytest.raises(FormatError, match="not an object of this store"):
+            call("a/vote-r00002.json")
+
+
+def test_replica_a_refused_put_creates_no_directory(server, monkeypatch):
+    srv, port = server
+    ReplicaClient("127.0.0.1", port).put_file(PATH, b"one")
+    monkeypatch.setattr(replica, "MAX_FILES", 3)  # (the first put made more than 3 files and directories)
+    other = PATH.replace("000000000007", "000000000009")
+    with pytest.raises(replica.ReplicaError, match="at most 3"):
+        ReplicaClient("127.0.0.1", port).put_file(other, b"two")
+    assert not (Path(srv.root) / "step-000000000009").exists()

@@ -28,6 +28,7 @@ valid key part (storage/base.check_key); anything else, or an index over
 
 from __future__ import annotations
 
+import math
 import os
 import struct
 import threading
@@ -222,6 +223,9 @@ class C10dStorage(Storage):
         raw = self._raw(self._full(key))
         if raw is None:
             raise ObjectNotFoundError(f"{self.describe(key)}: not found")
+        if _mtime(raw) is None:
+            raise FormatError(f"{self.describe(key)}: not an object of this store (no {_MAGIC!r} header with a "
+                              "finite mtime): written by something else; not read")
         return raw
 
     def readinto(self, key: str, offset: int, out: memoryview, on_piece=None) -> None:
@@ -256,7 +260,8 @@ class C10dStorage(Storage):
         out = []
         for name in self._names(base):
             full = f"{base}/{name}" if base else name
-            if name.endswith("/") or self._raw(full) is not None:  # (a directory is listed live by its parent)
+            raw = None if name.endswith("/") else self._raw(full)
+            if name.endswith("/") or (raw is not None and _mtime(raw) is not None):  # (a directory: live by its parent)
                 out.append(name)
         return out
 
@@ -273,10 +278,19 @@ class C10dStorage(Storage):
                     stack.append(full.rstrip("/"))
                     continue
                 raw = self._raw(full)
-                if raw is not None:
-                    found.append(ObjectInfo(full[len(mine):], len(raw) - _HEADER.size,
-                                            _HEADER.unpack_from(raw)[2]))
+                if raw is not None and _mtime(raw) is not None:  # (a value not ours: left out, as a bad name)
+                    found.append(ObjectInfo(full[len(mine):], len(raw) - _HEADER.size, _mtime(raw)))
         return iter(sorted(found, key=lambda info: info.key))
+
+
+def _mtime(raw: bytes) -> float | None:
+    """The mtime of a stored value, or None when it is not one of ours (too short, another
+    magic, a mtime that is not a finite number: anyone with the store's address can set
+    a key)."""
+    if len(raw) < _HEADER.size:
+        return None
+    magic, _, mtime = _HEADER.unpack_from(raw)
+    return mtime if magic == _MAGIC and math.isfinite(mtime) else None
 
 
 def _encoded(live: set[str]) -> int:

@@ -45,8 +45,8 @@ MAX_HEADER_BYTES = 64 << 10
 PIECE_BYTES = 4 << 20
 # Bounds on what a client (trusted or not) can make the server hold: connections served
 # at once (a partner node's ranks keep one each; more are refused at accept), files in
-# the memory directory (a flood of empty puts would exhaust inodes and slow each put's
-# budget walk), files one replica marker names, and the pace of a put's body: after
+# the memory directory, directories included (a flood of empty puts would exhaust inodes
+# and slow each put's budget walk), files one replica marker names, and the pace of a put's body: after
 # its first byte a request must arrive within the timeout, a body at MIN_BYTES_PER_S
 # at least, so a stalled or trickling client ends its own connection, not the agent.
 MAX_CONNECTIONS = 64
@@ -303,10 +303,10 @@ class ReplicaServer:
         self.errors = (self.errors + [error])[-20:]
 
     def _usage(self) -> tuple[int, int]:
-        """(bytes, files) held in the memory directory."""
+        """(bytes, files and directories) held in the memory directory."""
         total = count = 0
-        for base, _, files in os.walk(self.root):
-            count += len(files)
+        for base, dirs, files in os.walk(self.root):
+            count += len(files) + len(dirs)
             for name in files:
                 try:
                     total += os.lstat(os.path.join(base, name)).st_size
@@ -350,37 +350,39 @@ class ReplicaServer:
         if not isinstance(want, str) or len(want) != 32:
             raise ReplicaError(f"{path}: bad xxh3 {str(want)[:40]!r}")
         parts = path.split("/")
-        dir_fd = self._dir_of(parts, create=True)  # (no symlink on the way: refused before anything is noted)
-        try:
-            with self._lock:
-                held, count = self._usage()
-                if self.budget is not None and held + self._reserved + length > self.budget:
-                    raise ReplicaError(f"{path}: {length} bytes would pass this node's memory budget "
-                                       f"({self.budget} bytes, {held} held): the replica is refused")
-                if self.budget is None and self._reserved + length > self._room():
-                    raise ReplicaError(f"{path}: {length} bytes do not fit in the {self._room()} bytes free "
-                                       f"under {self.root}: the replica is refused")
-                if count >= MAX_FILES:
-                    raise ReplicaError(f"{path}: {self.root} holds {count} files already (at most {MAX_FILES}): "
-                                       "the replica is refused")
-                found = read_marker(self.root, step, rank) or {}
-                named = _names_of(found, "files") + _names_of(found, "older")
-                if path not in named and len(named) >= MAX_REPLICA_FILES:
-                    raise ReplicaError(f"{path}: rank {rank}'s replica of step {step} names {len(named)} files "
-                                       f"already (at most {MAX_REPLICA_FILES}): refused")
+        with self._lock:  # (one put at a time decides: the budget, the bounds, then its directories)
+            held, count = self._usage()
+            if self.budget is not None and held + self._reserved + length > self.budget:
+                raise ReplicaError(f"{path}: {length} bytes would pass this node's memory budget "
+                                   f"({self.budget} bytes, {held} held): the replica is refused")
+            if self.budget is None and self._reserved + length > self._room():
+                raise ReplicaError(f"{path}: {length} bytes do not fit in the {self._room()} bytes free "
+                                   f"under {self.root}: the replica is refused")
+            if count >= MAX_FILES:
+                raise ReplicaError(f"{path}: {self.root} holds {count} files and directories already (at most "
+                                   f"{MAX_FILES}): the replica is refused")
+            found = read_marker(self.root, step, rank) or {}
+            named = _names_of(found, "files") + _names_of(found, "older")
+            if path not in named and len(named) >= MAX_REPLICA_FILES:
+                raise ReplicaError(f"{path}: rank {rank}'s replica of step {step} names {len(named)} files "
+                                   f"already (at most {MAX_REPLICA_FILES}): refused")
+            dir_fd = self._dir_of(parts, create=True)  # (no symlink on the way: refused before anything is noted)
+            try:
                 if _lexists(parts[-1], dir_fd) and path not in _names_of(found, "files"):
                     raise ReplicaError(f"{path}: this node holds that file of its own (is CKPTSTORE_PEER_REPLICA "
                                        "this node's own server?): refused, nothing overwritten")
                 self._note_file(step, rank, attempt, path)
-                self._reserved += length
-            try:
-                _send_json(sock, {"ok": True})  # go on: send the bytes
-                self._receive(sock, dir_fd, parts[-1], length, want, path)
-            finally:
-                with self._lock:
-                    self._reserved -= length
+            except BaseException:
+                os.close(dir_fd)
+                raise
+            self._reserved += length
+        try:
+            _send_json(sock, {"ok": True})  # go on: send the bytes
+            self._receive(sock, dir_fd, parts[-1], length, want, path)
         finally:
             os.close(dir_fd)
+            with self._lock:
+                self._reserved -= length
         return {"ok": True}
 
     def _dir_of(self, parts: list[str], create: bool) -> int:
