@@ -56,7 +56,8 @@ def test_c10d_an_index_entry_that_is_not_one_key_part_is_refused_not_followed(en
     storage = C10dStorage(store, "mem/")
     storage.put("a/ok.json", b"1")
     store.append("mem/i/", entry + c10d.SEP)  # a hostile writer with the store's address
-    for call in (storage.list, lambda: list(storage.walk()), lambda: storage.put("c/b.json", b"2")):  # (a new directory: its parent is read)
+    # (c/b.json: a new directory, so its parent's index is read)
+    for call in (storage.list, lambda: list(storage.walk()), lambda: storage.put("c/b.json", b"2")):
         with pytest.raises(FormatError) as e:
             call()
         assert "index" in str(e.value) and "not followed" in str(e.value)
