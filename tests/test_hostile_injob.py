@@ -464,3 +464,25 @@ def test_replica_a_refused_put_creates_no_directory(server, monkeypatch):
     with pytest.raises(replica.ReplicaError, match="at most 3"):
         ReplicaClient("127.0.0.1", port).put_file(other, b"two")
     assert not (Path(srv.root) / "step-000000000009").exists()
+
+
+def test_replica_a_trickling_body_is_cut_off_and_leaves_no_file(server):
+    srv, port = server
+    body = b"z" * 100  # a deadline of the 1 s timeout + 100 bytes at MIN_BYTES_PER_S: about 1 s
+    raw = json.dumps({"op": "put", "path": PATH, "length": len(body), "xxh3": digest(body)}).encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(len(raw).to_bytes(4, "big") + raw)
+        n = int.from_bytes(s.recv(4), "big")
+        assert json.loads(s.recv(n)) == {"ok": True}
+        sent = 0
+        try:
+            while sent < len(body):  # one byte per 0.3 s: each recv is within the 1 s timeout
+                s.sendall(body[sent:sent + 1])
+                sent += 1
+                time.sleep(0.3)
+        except OSError:  # the server closed it: a reset
+            pass
+        _ended_by_server(s)
+    assert sent < len(body)
+    assert any("Timeout" in e for e in srv.errors), srv.errors
+    assert not [p for p in Path(srv.root).rglob("*") if p.is_file() and "replicas" not in p.parts]  # no temporary
