@@ -47,8 +47,8 @@ def records_of(tier, step: int) -> dict[str, set[int]]:
     found: dict[str, set[int]] = {"sending": set(), "done": set()}
     for name in tier.location(step).list(f"{PEER_DIR}/"):
         state, _, rank = name.partition("-")
-        if state in found and rank.isdigit():
-            found[state].add(int(rank))
+        if state in found and injob.rank_of(rank) is not None:  # (a name of another kind: not a record)
+            found[state].add(injob.rank_of(rank))
     return found
 
 

@@ -189,6 +189,46 @@ class AppendWriter(abc.ABC):
         """Give up: remove what was written (best effort), never raise."""
 
 
+class BufferedAppendWriter(AppendWriter):
+    """An appended object built in this process's memory and ``put`` whole at ``close``:
+    for stores whose objects are small or live in memory anyway (memory.py, c10d.py).
+    ``limit`` (bytes, None: none) refuses an append that would pass it, before it is
+    buffered; ``why`` ends that message (what the store is for)."""
+
+    def __init__(self, storage: "Storage", key: str, limit: int | None = None, why: str = ""):
+        import threading
+
+        self.key = key
+        self._storage = storage
+        self._limit = limit
+        self._why = why
+        self._buf = bytearray()
+        self._lock = threading.Lock()
+
+    def append(self, data) -> int:
+        view = memoryview(data).cast("B")
+        with self._lock:
+            offset = len(self._buf)
+            if self._limit is not None and offset + len(view) > self._limit:
+                from ..errors import ObjectTooLargeError
+
+                raise ObjectTooLargeError(f"{self._storage.describe(self.key)}: more than {self._limit} bytes "
+                                          f"appended{f' ({self._why})' if self._why else ''}")
+            self._buf += view
+            return offset
+
+    def close(self) -> int:
+        with self._lock:
+            self._storage.put(self.key, bytes(self._buf))
+            return len(self._buf)
+
+    def abort(self) -> None:
+        try:
+            self._storage.delete(self.key)
+        except Exception:  # (abort never raises: best effort)
+            pass
+
+
 class Storage(abc.ABC):
     """A byte store rooted at ``url``."""
 

@@ -17,26 +17,39 @@ at the parent) is seen by one of the two, which marks the directory live again. 
 unchanged for any other (``get`` would wait for a missing key until the store's
 timeout). Create-only puts are ``compare_set(key, "", value)``: won iff the value
 returned is ours (every value carries a random nonce, so no two writers' are equal).
-Objects are capped at :data:`MAX_OBJECT_BYTES`; an index only grows (by a few bytes
-per object ever written there), which suits a job's memory tier.
+Objects are capped at :data:`MAX_OBJECT_BYTES`. An index grows by a few bytes per
+child ever written there; a replay that finds it over :data:`COMPACT_MIN_BYTES` and
+over twice its live entries rewrites it as those entries with ``compare_set`` against
+the value it replayed, so a concurrent append makes the swap fail (and the next replay
+retry), never lost. Index entries are untrusted: each must be ``+`` or ``-`` and one
+valid key part (storage/base.check_key); anything else, or an index over
+:data:`MAX_INDEX_BYTES`, is a FormatError naming the index, never a name followed.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import struct
 import threading
 import time
 from typing import Iterator
 
-from ..errors import AlreadyExistsError, ObjectNotFoundError, ObjectTooLargeError, StorageError, TruncatedObjectError
-from .base import AppendWriter, ObjectInfo, ReadHints, Storage
+from ..errors import (AlreadyExistsError, FormatError, ObjectNotFoundError, ObjectTooLargeError, StorageError,
+                      TruncatedObjectError)
+from .base import AppendWriter, BufferedAppendWriter, ObjectInfo, ReadHints, Storage, check_key
 
 MAX_OBJECT_BYTES = 1 << 20
 _MAGIC = b"CK1"
 _HEADER = struct.Struct("<3s8sd")  # magic, nonce, mtime
 PROBE = b"\x00probe"  # never a value of ours: every one starts with _MAGIC
 SEP = "\0"
+# An index is compacted (rewritten as its live entries) on a replay that finds it larger
+# than this and than twice its live entries: a directory whose children come and go
+# (the root: a step per save) is then replayed in time bounded by what is live.
+COMPACT_MIN_BYTES = 4 << 10
+MAX_INDEX_BYTES = 16 << 20  # larger: not ours (refused, not replayed)
+MAX_NAME_CHARS = 1024  # an index entry's name (keys here are short: step-N/attempts/...)
 
 
 class C10dStorage(Storage):
@@ -121,7 +134,8 @@ class C10dStorage(Storage):
             full_dir = parent
 
     def _names(self, full_dir: str) -> list[str]:
-        """The live children of ``full_dir`` (the replay of its index)."""
+        """The live children of ``full_dir`` (the replay of its index), compacted when
+        the index holds much more than what is live (see :meth:`_compact`)."""
         try:
             with self._lock:
                 value = self._store.compare_set(self._idx(full_dir), PROBE, PROBE)
@@ -129,15 +143,61 @@ class C10dStorage(Storage):
             raise StorageError(f"{self.describe()}: the store cannot be read ({type(e).__name__}: {e})") from e
         if value == PROBE:
             return []
-        live: set[str] = set()
-        for entry in bytes(value).decode().split(SEP):
-            if entry[:1] == "+":
-                live.add(entry[1:])
-            elif entry[:1] == "-":
-                live.discard(entry[1:])
+        value = bytes(value)
+        live = self._replay(full_dir, value)
+        if len(value) > COMPACT_MIN_BYTES and len(value) > 2 * _encoded(live):
+            self._compact(full_dir, value, live)
         return sorted(live)
 
-    # ------------------------------------------------------------------ the contract
+    def _replay(self, full_dir: str, value: bytes) -> set[str]:
+        """The live names of an index's ``value``. Every entry is untrusted (anyone with
+        the store's address may append): one that is not ``+`` or ``-`` and one valid key
+        part (a directory's with one trailing ``/``) is refused, as is an index larger
+        than :data:`MAX_INDEX_BYTES`: FormatError naming it, never a name followed."""
+        where = f"{self.url}: the index of {full_dir or 'the root'!r} ({self._idx(full_dir)!r})"
+        if len(value) > MAX_INDEX_BYTES:
+            raise FormatError(f"{where} holds {len(value)} bytes, more than {MAX_INDEX_BYTES}: not replayed "
+                              "(not written by ckptstore, which compacts its indexes); delete that key to reset "
+                              "the directory's listing")
+        try:
+            text = value.decode()
+        except UnicodeDecodeError:
+            raise FormatError(f"{where} is not UTF-8: not replayed") from None
+        live: set[str] = set()
+        for entry in text.split(SEP):
+            if not entry:
+                continue  # (the last entry's NUL)
+            sign, name = entry[:1], entry[1:]
+            part = name[:-1] if name.endswith("/") else name
+            bad = sign not in ("+", "-") or len(name) > MAX_NAME_CHARS or "/" in part
+            if not bad:
+                try:
+                    check_key(part)
+                except FormatError:
+                    bad = True
+            if bad:
+                raise FormatError(f"{where} holds the entry {entry[:80]!r}: not a '+' or '-' and one valid key part "
+                                  "(relative, no '..', '/', NUL or backslash, at most "
+                                  f"{MAX_NAME_CHARS} characters): not followed; the directory cannot be listed")
+            if sign == "+":
+                live.add(name)
+            else:
+                live.discard(name)
+        return live
+
+    def _compact(self, full_dir: str, value: bytes, live: set[str]) -> None:
+        """Replace the index ``value`` by one ``+`` entry per live name, atomically and
+        only if nobody appended meanwhile (``compare_set`` against the value replayed):
+        an entry appended between the read and the swap makes the swap fail, and the
+        next replay tries again, so no writer's entry is ever lost."""
+        compact = "".join(f"+{name}{SEP}" for name in sorted(live)).encode()
+        try:
+            with self._lock:
+                self._store.compare_set(self._idx(full_dir), value, compact)
+        except Exception:  # (the store went: the listing was read all the same; the next one retries)
+            pass
+
+        # ------------------------------------------------------------------ the contract
     def put(self, key: str, data, *, if_absent: bool = False) -> None:
         full = self._full(self._check(key))
         value = self._value(bytes(memoryview(data).cast("B")) if not isinstance(data, bytes) else data)
@@ -156,13 +216,16 @@ class C10dStorage(Storage):
 
     def open_append(self, key: str, *, size_hint: int | None = None, writers: int = 1) -> AppendWriter:
         self.put(key, b"", if_absent=True)  # (never an existing key; empty while it is written)
-        return _AppendWriter(self, key)
+        return BufferedAppendWriter(self, key, MAX_OBJECT_BYTES, "commit records only: data files go elsewhere")
 
     def _get(self, key: str) -> bytes:
         self._check(key)
         raw = self._raw(self._full(key))
         if raw is None:
             raise ObjectNotFoundError(f"{self.describe(key)}: not found")
+        if _mtime(raw) is None:
+            raise FormatError(f"{self.describe(key)}: not an object of this store (no {_MAGIC!r} header with a "
+                              "finite mtime): written by something else; not read")
         return raw
 
     def readinto(self, key: str, offset: int, out: memoryview, on_piece=None) -> None:
@@ -197,7 +260,8 @@ class C10dStorage(Storage):
         out = []
         for name in self._names(base):
             full = f"{base}/{name}" if base else name
-            if name.endswith("/") or self._raw(full) is not None:  # (a directory is listed live by its parent)
+            raw = None if name.endswith("/") else self._raw(full)
+            if name.endswith("/") or (raw is not None and _mtime(raw) is not None):  # (a directory: live by its parent)
                 out.append(name)
         return out
 
@@ -214,35 +278,21 @@ class C10dStorage(Storage):
                     stack.append(full.rstrip("/"))
                     continue
                 raw = self._raw(full)
-                if raw is not None:
-                    found.append(ObjectInfo(full[len(mine):], len(raw) - _HEADER.size,
-                                            _HEADER.unpack_from(raw)[2]))
+                if raw is not None and _mtime(raw) is not None:  # (a value not ours: left out, as a bad name)
+                    found.append(ObjectInfo(full[len(mine):], len(raw) - _HEADER.size, _mtime(raw)))
         return iter(sorted(found, key=lambda info: info.key))
 
 
-class _AppendWriter(AppendWriter):
-    def __init__(self, storage: C10dStorage, key: str):
-        self.key = key
-        self._storage = storage
-        self._buf = bytearray()
-        self._lock = threading.Lock()
+def _mtime(raw: bytes) -> float | None:
+    """The mtime of a stored value, or None when it is not one of ours (too short, another
+    magic, a mtime that is not a finite number: anyone with the store's address can set
+    a key)."""
+    if len(raw) < _HEADER.size:
+        return None
+    magic, _, mtime = _HEADER.unpack_from(raw)
+    return mtime if magic == _MAGIC and math.isfinite(mtime) else None
 
-    def append(self, data) -> int:
-        with self._lock:
-            offset = len(self._buf)
-            self._buf += memoryview(data).cast("B")
-            if len(self._buf) > MAX_OBJECT_BYTES:
-                raise ObjectTooLargeError(f"{self._storage.describe(self.key)}: more than {MAX_OBJECT_BYTES} bytes "
-                                          "appended (commit records only: data files go elsewhere)")
-            return offset
 
-    def close(self) -> int:
-        with self._lock:
-            self._storage.put(self.key, bytes(self._buf))
-            return len(self._buf)
-
-    def abort(self) -> None:
-        try:
-            self._storage.delete(self.key)
-        except Exception:
-            pass
+def _encoded(live: set[str]) -> int:
+    """The bytes of an index holding one ``+`` entry per name of ``live``."""
+    return sum(len(name.encode()) + 2 for name in live)

@@ -10,7 +10,7 @@ import time
 from typing import Iterator
 
 from ..errors import AlreadyExistsError, ObjectNotFoundError, TruncatedObjectError
-from .base import AppendWriter, ObjectInfo, ReadHints, Storage
+from .base import AppendWriter, BufferedAppendWriter, ObjectInfo, ReadHints, Storage
 
 class _Objects(dict):
     """key -> [bytes, mtime], with the lock every view of the store shares."""
@@ -73,7 +73,7 @@ class MemoryStorage(Storage):
             if k in self._objects:
                 raise AlreadyExistsError(f"{self.describe(key)}: already exists")
             self._objects[k] = [b"", time.time()]
-        return _MemoryAppendWriter(self, key, k)
+        return BufferedAppendWriter(self, key)  # (close puts the whole object: one dict entry)
 
     def readinto(self, key: str, offset: int, out: memoryview, on_piece=None) -> None:
         data = self._get(key)
@@ -132,26 +132,3 @@ class MemoryStorage(Storage):
     def items(self) -> list[tuple[str, bytes]]:
         """Every (key, bytes) below this root, for serialising a container."""
         return [(info.key, self._get(info.key)) for info in self.walk()]
-
-
-class _MemoryAppendWriter(AppendWriter):
-    def __init__(self, storage: MemoryStorage, key: str, full_key: str):
-        self.key = key
-        self._storage = storage
-        self._full = full_key
-        self._buf = bytearray()
-        self._lock = threading.Lock()
-
-    def append(self, data) -> int:
-        with self._lock:
-            offset = len(self._buf)
-            self._buf += memoryview(data).cast("B")
-            return offset
-
-    def close(self) -> int:
-        with self._storage._lock:
-            self._storage._objects[self._full] = [bytes(self._buf), time.time()]
-        return len(self._buf)
-
-    def abort(self) -> None:
-        self._storage.delete(self.key)

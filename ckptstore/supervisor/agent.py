@@ -365,7 +365,7 @@ class InJobAgent:
                 rec = injob.get(self.store, injob.exited_key(w.wid))
                 if rec is None:
                     continue
-                w.returncode, w.exit_t = int(rec.get("returncode", 1)), _num(rec.get("t")) or time.time()
+                w.returncode, w.exit_t = injob.int_of(rec.get("returncode"), 1), _num(rec.get("t")) or time.time()
                 w.record = rec.get("record") if isinstance(rec.get("record"), dict) else None
             elif w.proc.poll() is not None:
                 w.returncode, w.exit_t = w.proc.returncode, time.time()
@@ -741,9 +741,9 @@ class InJobAgent:
             if rec is None:
                 raise RuntimeError(f"node {k}'s agent joined the rendezvous but never published its workers "
                                    f"within {self.conf.reform_timeout_s:g}s")
-            for rank, m in (rec.get("members") or {}).items():
-                w = Worker(str(m["worker"]), None, "", spare=False, started_t=time.time(), rank=int(rank),
-                           local_rank=int(rank) % self.nproc, node=k)
+            for rank, wid in injob.agent_members(rec).items():  # (malformed entries left out)
+                w = Worker(wid, None, "", spare=False, started_t=time.time(), rank=rank,
+                           local_rank=rank % self.nproc, node=k)
                 self.workers[w.wid] = self.members[w.rank] = w
         c = self.conf
         self.beats = BeatWatch(self.store, list(range(1, self.nnodes)), silent_s=c.node_silent_s,

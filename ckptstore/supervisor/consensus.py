@@ -54,6 +54,7 @@ import json
 import math
 import re
 import socket
+import sys
 import threading
 import time
 from datetime import datetime, timezone
@@ -84,6 +85,7 @@ EXIT_CODES = frozenset({10, 11, 12, 13, 14, 15, 16, 143})
 FIRST_JOIN_S = 600.0  # torch's own join timeout, which the first attempt keeps
 POLL_S = 0.5
 MAX_PUBLISHED_RANKS = 1024  # ranks' step times one node's heartbeat carries
+MAX_STEP_TIME_S = 86400.0  # a published step time at or above a day is not one (ignored)
 
 
 def node_name(host: str, node_rank) -> str:
@@ -185,6 +187,7 @@ class Heartbeats:
         self._stop = threading.Event()
         self.published: dict = {}  # this node's ranks' step times, carried by its beats (cross-node stragglers)
         self._consumed: dict[str, int] = {}  # node -> the last step_times_seq the leader took from it
+        self.ignored: set[tuple[str, str]] = set()  # (node, why) of beats left out, each said once
 
     def beat(self) -> None:
         with self._put_lock:
@@ -221,6 +224,10 @@ class Heartbeats:
                 leaf = info.key.rsplit("/", 1)[-1]
                 if not leaf.endswith(".json") or not _NODE_RE.fullmatch(leaf[:-5]):
                     continue
+                if not (isinstance(info.mtime, (int, float)) and math.isfinite(info.mtime)):
+                    # (NaN is never equal to itself: such a beat would look new at every look)
+                    self._ignore(leaf[:-5], f"its heartbeat object's modification time is {info.mtime!r}")
+                    continue
                 version = (info.mtime, info.size)
                 seen = self._seen.get(leaf[:-5])
                 if seen is None or seen[0] != version:
@@ -249,10 +256,13 @@ class Heartbeats:
             try:
                 rec = fmt.loads_json(read_capped(self.storage, f"{beats_dir(self.run)}/{n}.json", MAX_EVENT_BYTES,
                                                  "heartbeat"), "heartbeat")
-            except (CkptStoreError, OSError):
+            except (CkptStoreError, OSError) as e:
+                self._ignore(n, f"its heartbeat cannot be read ({str(e)[:200]})")
                 continue
-            if not isinstance(rec, dict) or rec.get("attempt") != attempt or \
-                    not isinstance(rec.get("step_times"), dict):
+            if not isinstance(rec, dict):
+                self._ignore(n, "its heartbeat is not a JSON object")
+                continue
+            if rec.get("attempt") != attempt or not isinstance(rec.get("step_times"), dict):
                 continue
             got = _int(rec.get("step_times_seq"))
             if got is None or got == self._consumed.get(n):
@@ -260,12 +270,20 @@ class Heartbeats:
             self._consumed[n] = got
             theirs = {}
             for k, v in list(rec["step_times"].items())[:MAX_PUBLISHED_RANKS]:
-                if isinstance(k, str) and k.isdigit() and isinstance(v, (int, float)) and not isinstance(v, bool) \
-                        and math.isfinite(v) and v > 0:
+                if isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 9 and \
+                        isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and \
+                        0 < v < MAX_STEP_TIME_S:
                     theirs[int(k)] = float(v)
             if theirs:
                 out.append((rec.get("host")[:256] if isinstance(rec.get("host"), str) else None, theirs))
         return out
+
+    def _ignore(self, node: str, why: str) -> None:
+        """Say once per node and reason that a beat was left out (read as absent)."""
+        if (node, why) not in self.ignored:
+            self.ignored.add((node, why))
+            print(f"ckptstore run: node {node}'s heartbeat ignored: {why} (read as absent: no beat, no step times)",
+                  file=sys.stderr, flush=True)
 
     def _quiet_s(self, node: str, now: float) -> float:
         seen = self._seen.get(node)
@@ -651,7 +669,10 @@ def valid_verdict(rec: dict, policy: Policy = Policy()) -> bool:
 
 
 def _utc(t: float) -> str:
-    return datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    try:
+        return datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    except (OverflowError, OSError, ValueError, TypeError):  # (a store's mtime out of any calendar)
+        return f"t={str(t)[:40]}"
 
 
 def _line(v: dict) -> str:

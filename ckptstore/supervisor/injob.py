@@ -112,6 +112,58 @@ def kill_key(worker: str) -> str:
 
 # --- records -------------------------------------------------------------------------
 
+MAX_RECORD_BYTES = 1 << 20  # a record larger than this is not one of ours: read as absent
+MAX_FAULTS_BYTES = 4 << 20  # a round's notices (``faults``), every line one record
+
+
+def _loads(raw) -> dict | None:
+    """A record's JSON object, or None for anything else: not UTF-8 or JSON, NaN or
+    Infinity, nesting deep enough to overflow the parser, larger than
+    :data:`MAX_RECORD_BYTES`, or not an object (every value here is untrusted)."""
+    if raw is None or len(raw) > MAX_RECORD_BYTES:
+        return None
+    try:
+        value = json.loads(raw, parse_constant=_no_constant)
+    except (ValueError, UnicodeDecodeError, RecursionError, TypeError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _no_constant(name: str):
+    raise ValueError(f"JSON constant {name} is not allowed")
+
+
+def int_of(value, default=None, lo: int | None = None, hi: int | None = None):
+    """``value`` when it is an int (not a bool) within ``lo``..``hi``, else ``default``:
+    how a field of a record (untrusted) is read as a number."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        return default
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        return default
+    return value
+
+
+def rank_of(key) -> int | None:
+    """A rank written as a JSON object's key (``"12"``), or None: ASCII digits only, at
+    most 9 of them (``str.isdigit`` accepts '²', which ``int`` refuses)."""
+    if isinstance(key, str) and 0 < len(key) <= 9 and key.isascii() and key.isdigit():
+        return int(key)
+    return None
+
+
+def agent_members(record: dict | None) -> dict[int, str]:
+    """``{rank: worker}`` of an agent's record (``agent/<node>``: ``members``), leaving
+    out every malformed entry (a rank that is not digits, a worker that is not a
+    non-empty string of at most 128 characters)."""
+    found = record.get("members") if isinstance(record, dict) else None
+    out = {}
+    for r, m in (found.items() if isinstance(found, dict) else ()):
+        rank, worker = rank_of(r), m.get("worker") if isinstance(m, dict) else m
+        if rank is not None and isinstance(worker, str) and 0 < len(worker) <= 128:
+            out[rank] = worker
+    return out
+
+
 def put(store, key: str, record: dict) -> None:
     store.set(key, json.dumps(record))
 
@@ -121,11 +173,7 @@ def get(store, key: str) -> dict | None:
     bad content: every value here is read as untrusted)."""
     if not store.check([key]):
         return None
-    try:
-        value = json.loads(store.get(key))
-    except (ValueError, UnicodeDecodeError):
-        return None
-    return value if isinstance(value, dict) else None
+    return _loads(store.get(key))
 
 
 def create(store, key: str, record: dict) -> tuple[bool, dict | None]:
@@ -133,12 +181,8 @@ def create(store, key: str, record: dict) -> tuple[bool, dict | None]:
     the key holds). A nonce makes two writers' values differ, so the winner is known."""
     mine = json.dumps({**record, "_nonce": uuid.uuid4().hex})
     held = store.compare_set(key, "", mine)
-    held = held.decode() if isinstance(held, bytes) else held
-    try:
-        value = json.loads(held)
-    except ValueError:
-        value = None
-    value = value if isinstance(value, dict) else None
+    held = held.decode(errors="replace") if isinstance(held, bytes) else held
+    value = _loads(held)
     if value is not None:
         value.pop("_nonce", None)
     return held == mine, value
@@ -210,18 +254,16 @@ def faults(store, round_: int) -> list[dict]:
     if not store.check([key]):
         return []
     out = []
-    for line in store.get(key).decode(errors="replace").splitlines():
-        try:
-            value = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(value, dict):
+    for line in store.get(key)[:MAX_FAULTS_BYTES].decode(errors="replace").splitlines():
+        value = _loads(line)
+        if value is not None:
             out.append(value)
     return out
 
 
 def failed_ranks(store, round_: int) -> set[int]:
-    return {int(r) for f in faults(store, round_) for r in f.get("ranks", []) if isinstance(r, int)}
+    return {r for f in faults(store, round_) for r in (f.get("ranks") if isinstance(f.get("ranks"), list) else [])
+            if int_of(r, lo=0) is not None}
 
 
 def post_left(store, round_: int, rank: int, **info) -> None:
@@ -270,8 +312,8 @@ def members(store, round_: int) -> dict[int, dict]:
     rec = get(store, round_key(round_, "members")) or {}
     out = {}
     for r, m in rec.items():
-        if isinstance(m, dict) and r.isdigit():
-            out[int(r)] = m
+        if isinstance(m, dict) and rank_of(r) is not None:
+            out[rank_of(r)] = m
     return out
 
 
@@ -296,8 +338,11 @@ def set_fence(store, round_: int) -> None:
 def fence(store) -> int | None:
     if not store.check([FENCE_KEY]):
         return None
+    raw = store.get(FENCE_KEY)
+    if len(raw) > 20:
+        return None
     try:
-        return int(store.get(FENCE_KEY))
+        return int(raw)
     except ValueError:
         return None
 

@@ -34,6 +34,7 @@ import socket
 import socketserver
 import struct
 import threading
+import time
 import uuid
 
 from .. import names
@@ -42,6 +43,16 @@ from ..hashing import Hasher
 REPLICAS_DIR = "replicas"  # markers of complete replicas: replicas/step-N/rNNNNN.json
 MAX_HEADER_BYTES = 64 << 10
 PIECE_BYTES = 4 << 20
+# Bounds on what a client (trusted or not) can make the server hold: connections served
+# at once (a partner node's ranks keep one each; more are refused at accept), files in
+# the memory directory, directories included (a flood of empty puts would exhaust inodes
+# and slow each put's budget walk), files one replica marker names, and the pace of a put's body: after
+# its first byte a request must arrive within the timeout, a body at MIN_BYTES_PER_S
+# at least, so a stalled or trickling client ends its own connection, not the agent.
+MAX_CONNECTIONS = 64
+MAX_FILES = 100_000
+MAX_REPLICA_FILES = 256
+MIN_BYTES_PER_S = 1 << 20
 _LEN = struct.Struct(">I")
 
 
@@ -82,9 +93,10 @@ def check_replica_path(path) -> tuple[int, str, int]:
     return step, parsed[0], parsed[1]
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None, base: float | None = None) -> bytes:
     buf = bytearray()
     while len(buf) < n:
+        _bound(sock, deadline, base)
         piece = sock.recv(min(n - len(buf), PIECE_BYTES))
         if not piece:
             raise ConnectionError(f"connection closed after {len(buf)} of {n} bytes")
@@ -92,20 +104,39 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
+def _bound(sock: socket.socket, deadline: float | None, base: float | None) -> None:
+    """Make the next socket call end by ``deadline`` (monotonic; None: the socket's own
+    timeout ``base`` only): a peer trickling a byte per timeout cannot hold a request
+    open. The caller restores ``base`` after."""
+    if deadline is None:
+        return
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the request did not arrive in time (a stalled or trickling client)")
+    sock.settimeout(left if base is None else min(base, left))
+
+
 def _send_json(sock: socket.socket, obj: dict) -> None:
     data = json.dumps(obj).encode()
     sock.sendall(_LEN.pack(len(data)) + data)
 
 
-def _recv_json(sock: socket.socket, eof_ok: bool = False) -> dict | None:
+def _recv_json(sock: socket.socket, eof_ok: bool = False, within: float | None = None) -> dict | None:
+    """One length-prefixed JSON object; None at a clean end of the connection when
+    ``eof_ok``. ``within``: seconds the rest may take once its first byte came."""
     first = sock.recv(_LEN.size)
     if not first and eof_ok:
         return None
-    raw = first + _recv_exact(sock, _LEN.size - len(first)) if len(first) < _LEN.size else first
-    (n,) = _LEN.unpack(raw)
-    if n > MAX_HEADER_BYTES:
-        raise ReplicaError(f"a header of {n} bytes (at most {MAX_HEADER_BYTES})")
-    obj = json.loads(_recv_exact(sock, n))
+    deadline, base = (None if within is None else time.monotonic() + within), sock.gettimeout()
+    try:
+        raw = first + _recv_exact(sock, _LEN.size - len(first), deadline, base) if len(first) < _LEN.size else first
+        (n,) = _LEN.unpack(raw)
+        if n > MAX_HEADER_BYTES:
+            raise ReplicaError(f"a header of {n} bytes (at most {MAX_HEADER_BYTES})")
+        obj = json.loads(_recv_exact(sock, n, deadline, base))
+    finally:
+        if deadline is not None:
+            sock.settimeout(base)
     if not isinstance(obj, dict):
         raise ReplicaError("a header that is not a JSON object")
     return obj
@@ -152,7 +183,7 @@ class ReplicaServer:
     count). ``start()`` returns the port; ``close()`` stops it."""
 
     def __init__(self, memory_dir: str, budget_bytes: int | None = None, host: str = "0.0.0.0",
-                 port: int = 0, timeout_s: float = 30.0):
+                 port: int = 0, timeout_s: float = 30.0, max_connections: int = MAX_CONNECTIONS):
         self.root = os.path.abspath(os.fspath(memory_dir))
         self.budget = budget_bytes
         self.timeout_s = timeout_s
@@ -162,6 +193,8 @@ class ReplicaServer:
         self._lock = threading.Lock()  # (budget checks and markers: one request at a time decides)
         self._reserved = 0  # bytes of puts accepted and not written yet
         self._open: set[socket.socket] = set()  # connections being served (closed by close())
+        self.max_connections = max_connections
+        self._active = 0  # connections accepted and not ended (bounded by max_connections)
         self.errors: list[str] = []  # the last refusals, newest last (for tests and logs)
 
     def start(self) -> int:
@@ -175,6 +208,16 @@ class ReplicaServer:
         class Server(socketserver.ThreadingTCPServer):
             daemon_threads = True
             allow_reuse_address = True
+
+            def process_request(self, request, client_address):
+                if not owner._admit():  # (no thread for it: closed at once)
+                    self.shutdown_request(request)
+                    return
+                try:
+                    super().process_request(request, client_address)
+                except BaseException:
+                    owner._leave()
+                    raise
 
         self._server = Server(self._addr, Handler)
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.2},
@@ -206,13 +249,28 @@ class ReplicaServer:
                 pass
 
     # ------------------------------------------------------------------ a connection
+    def _admit(self) -> bool:
+        with self._lock:
+            if self._active >= self.max_connections:
+                admitted = False
+            else:
+                self._active += 1
+                admitted = True
+        if not admitted:
+            self._note(f"a connection refused: {self.max_connections} are being served already")
+        return admitted
+
+    def _leave(self) -> None:
+        with self._lock:
+            self._active -= 1
+
     def _serve(self, sock: socket.socket) -> None:
         sock.settimeout(self.timeout_s)
         with self._lock:
             self._open.add(sock)
         try:
             while True:
-                request = _recv_json(sock, eof_ok=True)
+                request = _recv_json(sock, eof_ok=True, within=self.timeout_s)
                 if request is None:
                     return
                 op = request.get("op")
@@ -235,6 +293,7 @@ class ReplicaServer:
         finally:
             with self._lock:
                 self._open.discard(sock)
+                self._active -= 1
             try:
                 sock.close()
             except OSError:
@@ -243,15 +302,25 @@ class ReplicaServer:
     def _note(self, error: str) -> None:
         self.errors = (self.errors + [error])[-20:]
 
-    def _usage(self) -> int:
-        total = 0
-        for base, _, files in os.walk(self.root):
+    def _usage(self) -> tuple[int, int]:
+        """(bytes, files and directories) held in the memory directory."""
+        total = count = 0
+        for base, dirs, files in os.walk(self.root):
+            count += len(files) + len(dirs)
             for name in files:
                 try:
                     total += os.lstat(os.path.join(base, name)).st_size
                 except OSError:
                     pass
-        return total
+        return total, count
+
+    def _room(self) -> int:
+        """Bytes a put may still take without a budget: what the file system has free."""
+        try:
+            st = os.statvfs(self.root)
+        except OSError:
+            return 0
+        return st.f_bavail * st.f_frsize
 
     def _write_marker(self, step: int, rank: int, record: dict) -> None:
         marker = marker_path(self.root, step, rank)
@@ -265,9 +334,9 @@ class ReplicaServer:
         """Name ``path`` in the replica's marker before it is written (unsealed): a
         replica abandoned halfway is deleted by ``retire`` all the same."""
         found = read_marker(self.root, step, rank) or {}
-        if found.get("attempt") != attempt:
+        if found.get("attempt") != attempt or not isinstance(found.get("files"), list):
             found = {"step": step, "rank": rank, "attempt": attempt, "files": [], "sealed": False,
-                     "older": sorted(set(found.get("files", [])) | set(found.get("older", [])))}
+                     "older": sorted(set(_names_of(found, "files")) | set(_names_of(found, "older")))}
         if path not in found["files"]:
             found["files"].append(path)
             found["sealed"] = False
@@ -281,26 +350,39 @@ class ReplicaServer:
         if not isinstance(want, str) or len(want) != 32:
             raise ReplicaError(f"{path}: bad xxh3 {str(want)[:40]!r}")
         parts = path.split("/")
-        dir_fd = self._dir_of(parts, create=True)  # (no symlink on the way: refused before anything is noted)
-        try:
-            with self._lock:
-                if self.budget is not None and self._usage() + self._reserved + length > self.budget:
-                    raise ReplicaError(f"{path}: {length} bytes would pass this node's memory budget "
-                                       f"({self.budget} bytes, {self._usage()} held): the replica is refused")
-                found = read_marker(self.root, step, rank) or {}
-                if _lexists(parts[-1], dir_fd) and path not in found.get("files", []):
+        with self._lock:  # (one put at a time decides: the budget, the bounds, then its directories)
+            held, count = self._usage()
+            if self.budget is not None and held + self._reserved + length > self.budget:
+                raise ReplicaError(f"{path}: {length} bytes would pass this node's memory budget "
+                                   f"({self.budget} bytes, {held} held): the replica is refused")
+            if self.budget is None and self._reserved + length > self._room():
+                raise ReplicaError(f"{path}: {length} bytes do not fit in the {self._room()} bytes free "
+                                   f"under {self.root}: the replica is refused")
+            if count >= MAX_FILES:
+                raise ReplicaError(f"{path}: {self.root} holds {count} files and directories already (at most "
+                                   f"{MAX_FILES}): the replica is refused")
+            found = read_marker(self.root, step, rank) or {}
+            named = _names_of(found, "files") + _names_of(found, "older")
+            if path not in named and len(named) >= MAX_REPLICA_FILES:
+                raise ReplicaError(f"{path}: rank {rank}'s replica of step {step} names {len(named)} files "
+                                   f"already (at most {MAX_REPLICA_FILES}): refused")
+            dir_fd = self._dir_of(parts, create=True)  # (no symlink on the way: refused before anything is noted)
+            try:
+                if _lexists(parts[-1], dir_fd) and path not in _names_of(found, "files"):
                     raise ReplicaError(f"{path}: this node holds that file of its own (is CKPTSTORE_PEER_REPLICA "
                                        "this node's own server?): refused, nothing overwritten")
                 self._note_file(step, rank, attempt, path)
-                self._reserved += length
-            try:
-                _send_json(sock, {"ok": True})  # go on: send the bytes
-                self._receive(sock, dir_fd, parts[-1], length, want, path)
-            finally:
-                with self._lock:
-                    self._reserved -= length
+            except BaseException:
+                os.close(dir_fd)
+                raise
+            self._reserved += length
+        try:
+            _send_json(sock, {"ok": True})  # go on: send the bytes
+            self._receive(sock, dir_fd, parts[-1], length, want, path)
         finally:
             os.close(dir_fd)
+            with self._lock:
+                self._reserved -= length
         return {"ok": True}
 
     def _dir_of(self, parts: list[str], create: bool) -> int:
@@ -316,8 +398,10 @@ class ReplicaServer:
         done = False
         try:
             hasher, left = Hasher(), length
+            deadline = time.monotonic() + self.timeout_s + length / MIN_BYTES_PER_S
             with os.fdopen(fd, "wb", closefd=False) as out:
                 while left:
+                    _bound(sock, deadline, self.timeout_s)
                     piece = sock.recv(min(left, PIECE_BYTES))
                     if not piece:
                         raise ConnectionError(f"{path}: connection closed with {left} of {length} bytes to come")
@@ -331,6 +415,7 @@ class ReplicaServer:
             done = True
         finally:
             os.close(fd)
+            sock.settimeout(self.timeout_s)  # (the body's deadline ends with it: idle again)
             if not done:
                 try:
                     os.unlink(tmp, dir_fd=dir_fd)
@@ -339,8 +424,8 @@ class ReplicaServer:
 
     def _seal(self, request: dict) -> dict:
         step, rank, attempt, files = (request.get(k) for k in ("step", "rank", "attempt", "files"))
-        if not isinstance(files, list) or not files:
-            raise ReplicaError("seal: no files")
+        if not isinstance(files, list) or not files or len(files) > MAX_REPLICA_FILES:
+            raise ReplicaError(f"seal: no files, or more than {MAX_REPLICA_FILES}")
         for path in files:
             if check_replica_path(path) != (step, attempt, rank):
                 raise ReplicaError(f"seal: {path!r} is not a file of rank {rank}'s attempt {attempt} of step {step}")
@@ -348,17 +433,17 @@ class ReplicaServer:
                 raise ReplicaError(f"seal: {path} has not arrived")
         with self._lock:
             found = read_marker(self.root, step, rank) or {}
-            if found.get("attempt") != attempt or not set(files) <= set(found.get("files", [])):
+            if found.get("attempt") != attempt or not set(files) <= set(_names_of(found, "files")):
                 raise ReplicaError(f"seal: rank {rank}'s files of step {step} were not all sent as a replica")
             self._write_marker(step, rank, {**found, "files": files, "sealed": True,
-                                            "older": sorted(set(found["files"]) - set(files)
-                                                            | set(found.get("older", [])))})
+                                            "older": sorted(set(_names_of(found, "files")) - set(files)
+                                                            | set(_names_of(found, "older")))})
         return {"ok": True}
 
     def _retire(self, request: dict) -> dict:
         rank, below = request.get("rank"), request.get("below")
-        if not (isinstance(rank, int) and isinstance(below, int)):
-            raise ReplicaError("retire: rank and below must be ints")
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (rank, below)):
+            raise ReplicaError(f"retire: rank and below must be ints >= 0, got {str(rank)[:20]!r}, {str(below)[:20]!r}")
         deleted = 0
         top = os.path.join(self.root, REPLICAS_DIR)
         with self._lock:
@@ -367,7 +452,7 @@ class ReplicaServer:
                 if step is None or step >= below:
                     continue
                 found = read_marker(self.root, step, rank) or {}
-                for path in found.get("files", []) + found.get("older", []):
+                for path in _names_of(found, "files") + _names_of(found, "older"):
                     try:
                         check_replica_path(path)
                     except ReplicaError:
@@ -415,7 +500,8 @@ class ReplicaClient:
     @classmethod
     def from_address(cls, address: str, timeout_s: float = 30.0) -> "ReplicaClient":
         host, sep, port = address.rpartition(":")
-        if not sep or not host or not port.isdigit():
+        if not sep or not host or not (port.isascii() and port.isdigit() and 0 < len(port) <= 5
+                                        and 0 < int(port) < 65536):
             raise ValueError(f"a replica server address must be host:port, got {address!r}")
         return cls(host.strip("[]"), int(port), timeout_s)
 
@@ -488,6 +574,13 @@ class ReplicaClient:
 
     def retire(self, rank: int, below: int) -> int:
         return self._request({"op": "retire", "rank": rank, "below": below}).get("deleted", 0)
+
+
+def _names_of(marker: dict, field: str) -> list[str]:
+    """The paths a marker's ``field`` lists (a marker is read as untrusted: anything
+    that is not a list of strings names nothing)."""
+    value = marker.get(field)
+    return [p for p in value if isinstance(p, str)] if isinstance(value, list) else []
 
 
 def _file_digest(path) -> tuple[str, int]:

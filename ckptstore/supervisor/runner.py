@@ -329,10 +329,14 @@ class Supervisor:
         if not self.policy.in_job:
             return
         self._memory_budget = memory.budget_bytes(self.policy.memory_budget)
+        swept: list[str] = []
         try:
-            self._memory_path = memory.claim_dir(self.policy.memory_dir, self._memory_run(), self._node())
-        except OSError as e:  # no tmpfs there: the ranks save without the memory tier
+            self._memory_path = memory.claim_dir(self.policy.memory_dir, self._memory_run(), self._node(),
+                                                 say=say, swept=swept)
+        except OSError as e:  # no tmpfs there, or a live supervisor's: the ranks save without the memory tier
             say(f"memory tier: cannot create {self.policy.memory_dir}/{self._memory_run()}/{self._node()}: {e}")
+        if swept:  # killed supervisors' memory directories (memory.sweep_stale)
+            self._event("memory_swept", paths=swept[:64], count=len(swept))
 
     def _memory_run(self) -> str:
         return memory.run_dir_name(self.journal.run_id, self.store_url)
