@@ -487,6 +487,11 @@ def _check_nccl() -> None:
             f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}); use backend='gloo' on CPU")
 
 
+def _local_rank(assignment: dict, rank: int, world: int) -> int:
+    """The assigned local rank, or ``rank`` when the record's field is not an int in 0..world-1."""
+    return injob.int_of(assignment.get("local_rank"), rank, 0, max(0, world - 1))
+
+
 def _set_cuda_device(local_rank: int) -> None:
     """One GPU per rank: ``cuda:LOCAL_RANK`` (NCCL refuses two ranks of one communicator
     on one device). Set before the group is made, so that its communicator, the
@@ -618,10 +623,11 @@ class _InJob:
                     signal.signal(_WAKE_SIGNAL, previous_wake)
 
     def _export(self, round_: int, rank: int, world: int, a: dict) -> None:
+        # (the assignment is a record of the in-job store: its fields are read as untrusted)
         os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world),
-                           "LOCAL_RANK": str(a.get("local_rank", rank)),
-                           "LOCAL_WORLD_SIZE": str(a.get("local_world", world)),
-                           "GROUP_RANK": str(a.get("node", self.node)), injob.ENV_ROUND: str(round_)})
+                           "LOCAL_RANK": str(_local_rank(a, rank, world)),
+                           "LOCAL_WORLD_SIZE": str(injob.int_of(a.get("local_world"), world, 1, world)),
+                           "GROUP_RANK": str(injob.int_of(a.get("node"), self.node, 0)), injob.ENV_ROUND: str(round_)})
 
     def _round(self, fn, args, kwargs, store, monitor_store, round_, rank, world, a):
         import torch.distributed as dist
@@ -630,7 +636,7 @@ class _InJob:
         self._export(round_, rank, world, a)
         _state.round, _state.first_posted, _state.last_step = round_, False, None
         if self.backend == "nccl":
-            _set_cuda_device(int(a.get("local_rank", rank)))
+            _set_cuda_device(_local_rank(a, rank, world))
         before = _socket_inodes()
         try:
             dist.init_process_group(self.backend, store=injob.round_pg_store(store, round_), rank=rank,

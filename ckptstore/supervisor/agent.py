@@ -867,7 +867,7 @@ class InJobAgent:
                 continue
             if w.rank is None:
                 a = injob.get(self.store, injob.assign_key(w.wid)) or {}
-                w.rank, w.local_rank = rank, a.get("local_rank")
+                w.rank, w.local_rank = rank, injob.int_of(a.get("local_rank"), rank % self.nproc, 0, self.nproc - 1)
             self.members[rank] = w
         self.watch = ProgressWatch(time.monotonic())
 
