@@ -425,6 +425,10 @@ def run(fn, /, *args, backend=None, timeout=None, warmup=None, **kwargs):
     destroyed: build the model and optimizer there, so their first-call costs are paid
     before a failure. ``fn`` must build everything that holds the group itself
     (docs/design/in-job-restart.md section 11) and let BaseException through."""
+    for what, f in (("fn", fn), ("warmup", warmup)):
+        if f is not None and not callable(f) or f is None and what == "fn":
+            raise TypeError(f"inprocess.run: {what} must be a callable (a function that runs the training"
+                            f"{'' if what == 'fn' else ' setup once in a spare'}), got {type(f).__name__} {f!r:.80}")
     if inspect.isgeneratorfunction(fn) or inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn):
         raise InJobUnsupportedError(
             f"inprocess.run: {getattr(fn, '__qualname__', fn)!r} is a generator or coroutine function; "
@@ -490,6 +494,19 @@ def _check_nccl() -> None:
 def _local_rank(assignment: dict, rank: int, world: int) -> int:
     """The assigned local rank, or ``rank`` when the record's field is not an int in 0..world-1."""
     return injob.int_of(assignment.get("local_rank"), rank, 0, max(0, world - 1))
+
+
+def _subgroup_refs() -> list:
+    """Weak references to the groups other than the default one (new_group, a mesh's),
+    taken before a failed round destroys them all: one still alive a round later is kept
+    by the program (``_check_old_groups``)."""
+    import torch.distributed as dist
+
+    try:
+        default = dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
+        return [weakref.ref(g) for g in list(dist.distributed_c10d._world.pg_map) if g is not default]
+    except Exception:  # (a private map: its absence costs only the warning)
+        return []
 
 
 def _set_cuda_device(local_rank: int) -> None:
@@ -698,6 +715,7 @@ class _InJob:
 
         _round_ended()
         abandoned = lifecycle.abandon(f"in-job round {round_} failed: {cause}", self.abort_timeout_s)
+        refs = [group_ref] + _subgroup_refs()  # (a subgroup kept across rounds blocks the next one)
         if dist.is_initialized():
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
@@ -709,7 +727,7 @@ class _InJob:
         gc.collect()  # the largest cost of leaving: the leader decides meanwhile
         _state.stats = {"teardown_s": teardown_s, "gc_s": time.monotonic() - began}
         self._check_old_groups()
-        self.old_groups.append((round_, group_ref))
+        self.old_groups.extend((round_, ref) for ref in refs)
 
     def _check_old_groups(self) -> None:
         """Warn (once) when the group of an earlier round is still alive. Checked a round
@@ -723,10 +741,11 @@ class _InJob:
         round_, group = alive[0][0], alive[0][1]()
         kinds = sorted(_referrer_kinds(group)) if group is not None else []
         del group
-        warnings.warn(f"in-job round {round_}: its process group is still referred to "
-                      f"(by {', '.join(kinds) or 'unknown objects'}) a round later: the model or mesh "
-                      "was built outside the training function; build it inside, or its memory is never freed",
-                      RuntimeWarning, stacklevel=3)
+        warnings.warn(f"in-job round {round_}: its process group or a subgroup of it (dist.new_group, a "
+                      f"DeviceMesh) is still referred to (by {', '.join(kinds) or 'unknown objects'}) a round "
+                      "later: the model, mesh or group was built outside the training function (a global, a "
+                      "cache, warmup=); build it inside: a destroyed group used again blocks the round until "
+                      "its timeout, and its memory is never freed", RuntimeWarning, stacklevel=3)
 
     def _next_round(self, store, round_: int, rank: int) -> int:
         """Wait for the leader's verdict on ``round_``: the next round's number, or exit."""
@@ -743,7 +762,7 @@ class _InJob:
                                         f"verdict: {end.get('reason', '?')}", end.get("code")))
             if time.monotonic() >= deadline:
                 raise InJobEnded(_ended(f"no verdict on round {round_} within {self.timeout_s:g}s "
-                                        f"(CKPTSTORE_INJOB_TIMEOUT); rank {rank} exits, the agent relaunches"))
+                                        f"(ckptstore run --reform-timeout, CKPTSTORE_INJOB_TIMEOUT); rank {rank} exits, the agent relaunches"))
             time.sleep(injob.POLL_S)
         action, reason = v["action"], v.get("reason", "")
         if action == "stop":

@@ -116,6 +116,8 @@ class Store:
                  memory_keep: Retention | None = None, memory_budget: int | None = None,
                  local_every: int | None = None):
         url = os.fspath(url) if not isinstance(url, str) else url
+        if durable_every is not None and not (isinstance(durable_every, str) and durable_every == "auto"):
+            check_every("durable_every", durable_every, 'or "auto"')  # (under any launcher alike)
         if local_every is not None:
             check_every("local_every", local_every)
             if local is None:

@@ -590,7 +590,8 @@ class Tiers:
             self._warned_full = True
             warnings.warn(f"{self.top.url}: the memory tier's budget ({self.budget} bytes) would be passed by the "
                           f"save of step {step}; it goes to the {name} tier ({tier.url}) instead, as do "
-                          "later saves while the budget is passed (raise CKPTSTORE_MEMORY_BUDGET or memory_budget=, "
+                          "later saves while the budget is passed (raise ckptstore run --memory-budget, CKPTSTORE_MEMORY_BUDGET "
+                          "or memory_budget=, "
                           "or make the state smaller)", MemoryFullWarning, stacklevel=4)
         return tier.save_here(step, state, metrics, replicated=replicated, stream=stream)
 

@@ -18,6 +18,7 @@ import torch
 import ckptstore
 from ckptstore import durable_cadence as dc
 from ckptstore.storage import LocalStorage
+from ckptstore.supervisor import injob
 from ckptstore.supervisor.injob import ENV_ROUND
 from ckptstore.supervisor.journal import Journal, new_run_id
 from ckptstore.supervisor.status import status, summarize
@@ -221,9 +222,13 @@ def test_a_store_with_durable_every_auto_promotes_by_the_cadence(tmp_path, monke
 
 
 @pytest.mark.parametrize("bad", ["often", 0, 1.5, True])
-def test_bad_durable_every_is_refused(tmp_path, bad):
+def test_bad_durable_every_is_refused(tmp_path, bad, monkeypatch):
     with pytest.raises(ValueError, match="durable_every"):
         ckptstore.Store(tmp_path / "durable", local=tmp_path / "local", durable_every=bad)
+    # memory="auto" outside ckptstore run is one tier: still refused there, not only in-job
+    monkeypatch.delenv(injob.ENV_MEMORY_DIR, raising=False)
+    with pytest.raises(ValueError, match="durable_every"):
+        ckptstore.Store(tmp_path / "durable", memory="auto", durable_every=bad)
 
 
 # ---------------------------------------------------------------------------- two ranks
@@ -302,3 +307,24 @@ def test_a_forked_child_starts_with_no_cadence_of_its_parent():
     os.close(w)
     assert os.read(r, 8) == b"1"
     os.waitpid(pid, 0)
+
+
+def test_each_in_job_recovery_carries_its_own_breakdown_and_status_prints_the_last():
+    from ckptstore.cli.status import render
+
+    events = [ev("run_start", 0.0), ev("attempt_start", 0.0, attempt=0), ev("resume", 5.0, attempt=0, step=None),
+              ev("recovery", 50.0, attempt=0, round=1, ranks=[1], reason="rank 1 was killed", detect_s=0.01,
+                 teardown_s=0.02, decide_s=0.001, reform_s=0.09, restore_s=0.15, first_step_s=0.37,
+                 restore_from={"memory": [0], "peer": [1]}, restored_step=20),
+              ev("recovery", 60.0, attempt=0, round=2, ranks=[0], detect_s=-1.0, reform_s="x",
+                 restore_from={"durable": "not a list"})]  # (hostile parts read as absent)
+    s = summarize(events, now=100.0)
+    first, second = (f for f in s["failures"] if f["recovered"] == "in_job")
+    assert (first["detect_s"], first["reform_s"], first["restore_s"], first["first_step_s"]) == (0.01, 0.09, 0.15, 0.37)
+    assert first["restore_from"] == {"memory": 1, "peer": 1}
+    assert second["detect_s"] is None and second["reform_s"] is None and second["restore_from"] == {"durable": 0}
+    text = render({**s, "run": "r", "started_at": None})
+    assert "last recovery" in text and "round 2 in -" in text
+    s["failures"], s["last_failure"] = s["failures"][:1], s["failures"][0]
+    assert ("round 1 in 0.37s (detect 0.01, teardown 0.02, re-form 0.09, restore 0.15), restored from memory 1, "
+            "peer 1") in render({**s, "run": "r", "started_at": None})

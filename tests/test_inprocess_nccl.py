@@ -27,6 +27,14 @@ def in_job(monkeypatch):
         monkeypatch.delenv(name, raising=False)
 
 
+@pytest.mark.parametrize("fn, warmup, what", [(42, None, "fn must be a callable"),
+                                              (None, None, "fn must be a callable"),
+                                              (print, 3, "warmup must be a callable")])
+def test_what_is_not_a_function_is_refused_at_once(fn, warmup, what):
+    with pytest.raises(TypeError, match=what):
+        inprocess.run(fn, warmup=warmup)
+
+
 def test_a_torch_without_the_group_abort_is_refused(in_job, monkeypatch):
     monkeypatch.delattr(c10d, "_abort_process_group")
     with pytest.raises(inprocess.InJobUnsupportedError,

@@ -110,6 +110,8 @@ def render(s: dict) -> str:
     if f is not None:
         where = f" at step {f['step']}" if f["step"] is not None else ""
         lines.append(("last failure", f"attempt {f['attempt']}, {f['class']}{where}: {f['reason'] or '?'}"))
+        if f.get("recovered") == "in_job":
+            lines.append(("last recovery", _recovery_line(f)))
     for st in s.get("stragglers") or []:
         host = f" on {st['host']}" if st.get("host") else ""
         lines.append(("straggler", f"rank {st['rank']}{host}: {st['step_s']:.3g}s per step, "
@@ -158,6 +160,18 @@ def _in_job_line(rec: dict) -> str:
     where = ", ".join(f"{t} {c}" for t, c in tiers.items())
     return (f"{n} recover{'y' if n == 1 else 'ies'}, median {'-' if total is None else f'{total:.2f}s'} "
             f"({parts}), restored from {where}")
+
+
+def _recovery_line(f: dict) -> str:
+    """One in-job recovery: ``round N in 0.37s (detect .., teardown .., re-form .., restore ..), from memory 2``."""
+    def secs(part: str) -> str:
+        return "-" if f.get(part) is None else f"{f[part]:.2f}"
+
+    parts = ", ".join(f"{name} {secs(part)}" for name, part in (
+        ("detect", "detect_s"), ("teardown", "teardown_s"), ("re-form", "reform_s"), ("restore", "restore_s")))
+    where = ", ".join(f"{t} {c}" for t, c in (f.get("restore_from") or {}).items()) or "-"
+    total = "-" if f.get("first_step_s") is None else f"{f['first_step_s']:.2f}s"
+    return f"round {f.get('round')} in {total} ({parts}), restored from {where}"
 
 
 def _dur(seconds: float | None) -> str:

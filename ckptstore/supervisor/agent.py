@@ -375,6 +375,13 @@ class InJobAgent:
                 continue
             if w.spare and w.rank is None:
                 self.spare_deaths = self.spare_deaths + 1 if w.hello is None else 0
+                if self.spare_deaths == MAX_SPARE_DEATHS:
+                    # (said once: from here on a failure on this node relaunches cold)
+                    print(f"ckptstore agent: node {self.node}'s spares died before they were warm "
+                          f"{MAX_SPARE_DEATHS} times in a row (the last exit code {w.returncode}; its traceback, "
+                          "if any, is above); no more are started, so a failure on this node now "
+                          "relaunches cold: check the script's warmup= and that it calls ckptstore.inprocess.run",
+                          file=sys.stderr, flush=True)
         if self.leader and self.nnodes > 1:
             self._sync_nodes()
 

@@ -390,10 +390,10 @@ class Supervisor:
                 continue
             self._event(kind, **e)
             if kind == "recovery":
-                say(f"in-job recovery: rank(s) {e.get('ranks')} {e.get('reason')}; round {e.get('round')} "
+                say(f"in-job recovery: {e.get('reason')}; round {e.get('round')} "
                     f"trained {e.get('first_step_s') or 0:.2f}s after the fault, from step {e.get('restored_step')}")
             else:
-                say(f"in-job {kind.replace('_', ' ')}: {e.get('reason')}")
+                say(f"in-job {kind.removeprefix('in_job_').replace('_', ' ')}: {e.get('reason')}")
 
     # ------------------------------------------------------------------ during the attempt
     def _learn_sections(self) -> None:

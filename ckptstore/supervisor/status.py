@@ -30,7 +30,8 @@ nodes may each journal the same one):
   sums; ``recovery_s`` adds each one's ``first_step_s`` (the fault to the last rank's
   first step of the new round); ``recoveries``: ``count``, ``median`` and ``max`` of
   each duration (``detect_s``, ``teardown_s``, ``decide_s``, ``reform_s``,
-  ``restore_s``, ``first_step_s``), ``restore_from`` (tier -> ranks restored from it, summed).
+  ``restore_s``, ``first_step_s``), ``restore_from`` (tier -> ranks restored from it, summed);
+  each recovery's own durations and ``restore_from`` are on its ``failures`` record.
 - ``mtbf_cold_s = wall_s / cold_failures``, None without any: the MTBF of the failures
   that lose the memory tier (or the local tier in its place), after which only the
   durable tier restores (``durable_every="auto"``, durable_cadence.py). Each record of
@@ -245,13 +246,21 @@ def _recoveries(events: list[dict]) -> dict:
         out[part] = {"median": _median(values), "max": values[-1] if values else None}
     tiers: dict[str, int] = {}
     for e in events:
-        where = e.get("restore_from")
-        for tier, ranks in (list(where.items())[:MAX_LIST] if isinstance(where, dict) else []):
-            name = _str(tier, 32)
-            if name:
-                tiers[name] = tiers.get(name, 0) + (len(ranks) if isinstance(ranks, list) else 0)
+        for name, count in _restored_from(e).items():
+            tiers[name] = tiers.get(name, 0) + count
     out["restore_from"] = tiers
     return out
+
+
+def _restored_from(e: dict) -> dict[str, int]:
+    """A recovery event's ``restore_from`` as tier -> how many ranks restored from it."""
+    where = e.get("restore_from")
+    tiers: dict[str, int] = {}
+    for tier, ranks in (list(where.items())[:MAX_LIST] if isinstance(where, dict) else []):
+        name = _str(tier, 32)
+        if name:
+            tiers[name] = tiers.get(name, 0) + (len(ranks) if isinstance(ranks, list) else 0)
+    return tiers
 
 
 def _median(values: list[float]) -> float | None:
@@ -266,8 +275,13 @@ def _recovery_record(e: dict) -> dict:
     ranks = e.get("ranks") if isinstance(e.get("ranks"), list) else []
     rank = next((r for r in (_int(x) for x in ranks) if r is not None), None)
     return {**_failure_record({**e, "rank": rank, "checkpoint_step": e.get("restored_step")}),
-            "recovered": "in_job", "round": _int(e.get("round")), "first_step_s": _num(e.get("first_step_s")),
-            "detected_by": _str(e.get("detected_by"), 64)}
+            "recovered": "in_job", "round": _int(e.get("round")), "detected_by": _str(e.get("detected_by"), 64),
+            **{part: _nonneg(e.get(part)) for part in RECOVERY_PARTS}, "restore_from": _restored_from(e)}
+
+
+def _nonneg(value) -> float | None:
+    v = _num(value)
+    return v if v is not None and v >= 0 else None
 
 
 # A restore from these tiers: the tier above the durable one survived the failure (a

@@ -102,6 +102,7 @@ def build_model_once() -> None:
 def main(args: argparse.Namespace) -> None:
     # Everything that holds the process group is built here: under `ckptstore run --in-job`
     # main runs again in this process after a peer's failure, in a re-formed group.
+    began, round_ = time.time(), ckptstore.inprocess.round()  # (0 outside in-job mode)
     device = device_of(args)
     if not dist.is_initialized():
         dist.init_process_group(args.backend)
@@ -136,8 +137,10 @@ def main(args: argparse.Namespace) -> None:
         sched.step()
         progress["samples"] += args.global_batch
         time.sleep(args.step_delay)
-        if step == start:
+        if step == start and not round_:
             say(f"rank {rank}: first step {time.time() - STARTED:.2f}s after start")
+        elif step == start:  # a later in-job round: the process started long ago
+            say(f"rank {rank}: first step {time.time() - began:.2f}s after round {round_} began")
         say(f"rank {rank}: step {step} pid {os.getpid()}")
         if ckpt.step(step, metrics={"loss": round(loss.item(), 6)}):
             say(f"rank {rank}: preempted, saved step {step}")

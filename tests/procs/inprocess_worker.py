@@ -111,8 +111,10 @@ def main() -> str:
     if scenario == "ring":
         (sleep_forever if rank == victim else block_in_collective)(rank, r)
     elif scenario == "rounds" and r == 0:
-        if rank == 1:  # a group kept outside the function: the wrapper warns a round later
-            KEPT.group = dist.distributed_c10d._get_default_group()
+        sub = dist.new_group([0, 1])  # (every rank creates it: a collective)
+        if rank == 1:  # a subgroup kept outside the function: the wrapper warns a round later
+            KEPT.group = sub
+        del sub
         in_atomic(r) if rank == 0 else sleep_forever(rank, r)
     elif scenario == "rounds":
         (block_in_collective if rank == 0 else sleep_forever)(rank, r)
