@@ -191,3 +191,74 @@ def test_a_node_is_lost_sooner_only_with_a_fault_and_corroborating_evidence():
     assert lost == {1: "refused", 3: "fault+silence"}, lost
     assert 2 in watch.seen  # as silent as node 3, but its agent answers
     live.close()
+
+
+def _journaled(nodes: InJobNodes, kind: str) -> list[dict]:
+    """The run's ``kind`` events once there is one (a bounded poll of the store)."""
+    import time
+
+    from jobutil import HANG_GUARD_S
+
+    deadline = time.monotonic() + HANG_GUARD_S
+    while not nodes.events(kind):
+        assert time.monotonic() < deadline and nodes.jobs[0].proc.poll() is None, (kind, nodes.output())
+        time.sleep(0.05)
+    return nodes.events(kind)
+
+
+def test_node_1_restarted_rejoins_the_running_attempt_as_spares_and_its_spare_takes_the_next_fault(tmp_path):
+    """Node 1 lost whole: node 0's spare takes rank 1 (round 1) and holds at step 12
+    (``hold:12:1``) while node 1's supervisor is restarted; it finds attempt 0 running
+    (node 0's in-job store in the run's shared records), joins it as a node of spares
+    (``node_rejoined``); then node 0's process holding rank 1 is SIGKILLed and rank 1
+    goes home: to the returned node 1's spare, in the same attempt."""
+    nodes = InJobNodes(tmp_path, "--reform-timeout", "60", fault="hold:12:1")
+    nodes.jobs[1].at_step(1, 4)
+    nodes.kill_node(1)
+    assert nodes.jobs[1].finish() == -9
+    nodes.restart(1)
+    [rejoined] = _journaled(nodes, "node_rejoined")
+    assert (rejoined["attempt"], rejoined["node"], rejoined["round"], rejoined["join"]) == (0, 1, 1, 1), rejoined
+    assert [w.startswith("n1-r1-") for w in rejoined["spares"]] == [True], rejoined
+    nodes.jobs[0].at_step(1, 11)  # node 0's spare holds rank 1, waiting at step 12
+    os.kill(nodes.jobs[0].pids[1], 9)
+    assert nodes.finish() == [runner.EXIT_FINISHED] * 2, nodes.output()
+    assert nodes.total() == TOTAL  # no step lost or counted twice across both recoveries
+    assert sorted(e["attempt"] for e in nodes.events("attempt_start")) == [0, 0]  # no relaunch, no new attempt
+    assert nodes.events("failure") == []
+    lost, home = nodes.events("recovery")
+    assert (lost["round"], lost["ranks"], [s["node"] for s in lost["spares"].values()]) == (1, [1], [0]), lost
+    assert (home["attempt"], home["round"], home["ranks"], home["node"]) == (0, 2, [1], 0), home
+    assert [(s["node"], s["worker"]) for s in home["spares"].values()] == [(1, rejoined["spares"][0])], home
+    assert "rejoining it as a node of spares" in nodes.jobs[1].output()
+    assert f"rank 1: step {STEPS - 1} " in nodes.jobs[1].output()  # rank 1 trained to the end on node 1
+
+
+def test_a_restarted_node_that_cannot_rejoin_the_attempt_waits_for_the_next_one(tmp_path):
+    """Both nodes lost while attempt 0 has no verdict: node 1, restarted first, finds
+    node 0's published in-job store but nothing answers there; it says why, falls back
+    to today's path (reports attempt 0 lost, joins the next) and the run finishes
+    in attempt 1 once node 0 is back."""
+    import time
+
+    from jobutil import HANG_GUARD_S
+
+    from ckptstore.supervisor.injob_nodes import published_store
+
+    nodes = InJobNodes(tmp_path, "--decision-wait", "2", fault="hold:10:0")
+    nodes.jobs[1].at_step(1, 9)  # rank 1 holds at step 10: the attempt runs until the kills
+    deadline = time.monotonic() + HANG_GUARD_S
+    while published_store(open_storage(str(nodes.store)), RUN, 0) is None:
+        assert time.monotonic() < deadline, nodes.output()
+        time.sleep(0.05)
+    nodes.kill_node(1)
+    nodes.kill_node(0)
+    assert [job.finish() for job in nodes.jobs] == [-9, -9]
+    (tmp_path / "work" / "release").touch()  # (attempt 1's rank 1 trains through step 10)
+    nodes.restart(1).expect(lambda line: "could not rejoin attempt 0: node 0's in-job store" in line,
+                            "the rejoin's fallback")
+    nodes.restart(0)
+    assert nodes.finish() == [runner.EXIT_FINISHED] * 2, nodes.output()
+    assert nodes.total() == TOTAL
+    assert nodes.events("node_rejoined") == []
+    assert max(e["attempt"] for e in nodes.events("attempt_start")) == 1
