@@ -232,6 +232,11 @@ def test_node_1_restarted_rejoins_the_running_attempt_as_spares_and_its_spare_ta
     assert [(s["node"], s["worker"]) for s in home["spares"].values()] == [(1, rejoined["spares"][0])], home
     assert "rejoining it as a node of spares" in nodes.jobs[1].output()
     assert f"rank 1: step {STEPS - 1} " in nodes.jobs[1].output()  # rank 1 trained to the end on node 1
+    from test_supervisor_injob import status
+
+    st = json.loads(status(nodes.store, "--json"))
+    assert (st["recoveries"]["count"], st["recoveries"]["nodes_rejoined"]) == (2, 1), st["recoveries"]
+    assert "2 recoveries" in status(nodes.store) and "1 node(s) rejoined as spares" in status(nodes.store)
 
 
 def test_a_restarted_node_that_cannot_rejoin_the_attempt_waits_for_the_next_one(tmp_path):
