@@ -9,8 +9,13 @@ The runner passes its in-job settings in ``CKPTSTORE_AGENT_CONF`` (JSON: run, at
 spares, abort/reform timeouts, rounds in a row, hang and first-progress timeouts, the
 memory directory and budget). ``RESULT.json`` is launch.py's format (results.py), so
 the runner classifies and relaunches as before; ``EVENTS.jsonl`` gets one JSON line per
-in-job event (``recovery``, ``recovery_failed``, ``in_job_gave_up``), which the runner
-journals as it reads them.
+in-job event (``recovery``, ``recovery_failed``, ``in_job_gave_up``, ``node_rejoined``),
+which the runner journals as it reads them, and the leader's ``in_job_store`` (its
+store's address, which node 0's runner publishes in the run's shared records).
+
+A lost node restarted while its attempt still runs (``conf.rejoin``: that store's
+address) joins it as a node of spares only (``_rejoin``; the leader's side:
+``_admit_returned``); its ranks are not moved back (that would cost a recovery).
 
 On one node (``--standalone`` or ``--nnodes 1``) the agent hosts the in-job TCPStore
 itself (127.0.0.1, a free port) and is the leader. On several nodes (``--nnodes N``,
