@@ -14,7 +14,11 @@ every step: the final total shows a step lost or counted twice).
   silent node that does not answer, and a live agent (never lost before the beat timeout);
 - node 0's (the leader's, the in-job store's host) tree SIGKILLed and restarted: node 1
   loses the store, ends its workers ("in-job store lost"), and both nodes relaunch cold
-  through the run's shared verdict.
+  through the run's shared verdict;
+- node 1 lost whole and restarted while attempt 0 runs: it rejoins the attempt as a
+  node of spares (``node_rejoined``), and the next failure of rank 1 (held on node 0)
+  goes to its spare; node 0 gone too: the restarted node 1 cannot rejoin, says why and
+  takes today's path; a returning agent refuses another run's attempt and an ended one.
 """
 
 from __future__ import annotations
@@ -240,10 +244,9 @@ def test_node_1_restarted_rejoins_the_running_attempt_as_spares_and_its_spare_ta
 
 
 def test_a_restarted_node_that_cannot_rejoin_the_attempt_waits_for_the_next_one(tmp_path):
-    """Both nodes lost while attempt 0 has no verdict: node 1, restarted first, finds
-    node 0's published in-job store but nothing answers there; it says why, falls back
-    to today's path (reports attempt 0 lost, joins the next) and the run finishes
-    in attempt 1 once node 0 is back."""
+    """Both nodes lost while attempt 0 has no verdict: node 1, restarted, finds node 0's
+    published in-job store but nothing answers there; it says why and falls back to
+    today's path: it reports attempt 0 lost (to join the next one)."""
     import time
 
     from jobutil import HANG_GUARD_S
@@ -259,11 +262,48 @@ def test_a_restarted_node_that_cannot_rejoin_the_attempt_waits_for_the_next_one(
     nodes.kill_node(1)
     nodes.kill_node(0)
     assert [job.finish() for job in nodes.jobs] == [-9, -9]
-    (tmp_path / "work" / "release").touch()  # (attempt 1's rank 1 trains through step 10)
-    nodes.restart(1).expect(lambda line: "could not rejoin attempt 0: node 0's in-job store" in line,
-                            "the rejoin's fallback")
-    nodes.restart(0)
-    assert nodes.finish() == [runner.EXIT_FINISHED] * 2, nodes.output()
-    assert nodes.total() == TOTAL
+    back = nodes.restart(1)
+    line = back.expect(lambda line: "could not rejoin attempt 0: " in line, "the rejoin's fallback")
+    assert "node 0's in-job store at 127.0.0.1:" in line and "does not answer" in line, line
+    back.expect(lambda line: "this node launched attempt 0 before it restarted: reported it lost" in line,
+                "today's path")
+    nodes.kill_node(1)
+    assert back.finish() == -9
     assert nodes.events("node_rejoined") == []
-    assert max(e["attempt"] for e in nodes.events("attempt_start")) == 1
+
+
+def test_a_returning_agent_joins_neither_another_runs_attempt_nor_an_ended_one(tmp_path):
+    """The agent's own checks of the store it was given (in one process): a store that
+    holds another run's attempt, then this run's attempt once it ended: refused each
+    time (RESULT.json ``rejoin_failed``), and nothing written into the attempt."""
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    from torch.distributed import TCPStore
+
+    from ckptstore.supervisor import injob
+    from ckptstore.supervisor.agent import Conf, InJobAgent
+    from ckptstore.supervisor.injob_nodes import rejoin_key
+
+    base = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    address = f"127.0.0.1:{base.port}"
+
+    def attempt(run: str):
+        store = injob.attempt_store(base, injob.attempt_prefix(run, 0))
+        injob.set_fence(store, 0)
+        injob.put(store, injob.agent_key(0), {"host": "node-0"})
+        return store
+
+    def rejoin() -> str:
+        args = SimpleNamespace(nproc_per_node=1, nnodes="2", node_rank=1)
+        agent = InJobAgent(args, Conf(run="mine", attempt=0, rejoin=address, spares=1),
+                           str(tmp_path / "result.json"), str(tmp_path / "events.jsonl"), env={})
+        assert agent.run() == 1
+        return json.loads((tmp_path / "result.json").read_text())["rejoin_failed"]
+
+    attempt("another-run")
+    assert rejoin() == f"the store at {address} holds no in-job attempt 0 of run mine"
+    mine = attempt("mine")
+    injob.end(mine, "finished")
+    assert rejoin() == "attempt 0 ended (finished)"
+    assert not mine.check([rejoin_key(1, "n")]) and not mine.check([rejoin_key(1)])

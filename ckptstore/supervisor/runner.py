@@ -372,7 +372,7 @@ class Supervisor:
         could not be joined (said why): the node then waits for the next attempt."""
         if not (self.policy.in_job and self.node_rank not in (None, 0) and self.policy.spares > 0):
             return None
-        from .injob_nodes import published_store
+        from .injob_nodes import answers, published_store
 
         n = self._shared_call(self.shared.chain)
         if not isinstance(n, int) or self._shared_call(self.shared.verdict, n) is not None \
@@ -385,6 +385,11 @@ class Supervisor:
             return None
         if self.gate.before_launch(relaunch=False).state != "ok":
             return None  # (the loop's gate says why)
+        why = answers(address, 2.0)  # (the agent checks again, and that the store holds this attempt)
+        if why is not None:  # node 0 is gone too: no agent started for nothing
+            say(f"could not rejoin attempt {n}: node 0's in-job store at {address} does not answer ({why[:200]}); "
+                "this node waits for the next attempt")
+            return None
         say(f"attempt {n} still runs without this node: rejoining it as a node of spares (node 0's in-job store "
             f"at {address})")
         outcome = self._attempt(n, started, rejoin=address)
