@@ -840,7 +840,8 @@ class InJobAgent:
             self.beats.watch(k)
             self.alive_at.pop(k, None)
             self.agent_hosts[k] = str(req.get("host") or f"node {k}")[:256]
-            for wid in (req.get("spares") or [])[:1024]:
+            spares = req.get("spares") if isinstance(req.get("spares"), list) else []  # (read as untrusted)
+            for wid in spares[:1024]:
                 if isinstance(wid, str) and wid.startswith(prefix) and wid not in self.workers:
                     self.workers[wid] = Worker(wid, None, "", spare=True, started_t=time.time(), node=k)
             self._note_hellos()
