@@ -14,7 +14,11 @@ every step: the final total shows a step lost or counted twice).
   silent node that does not answer, and a live agent (never lost before the beat timeout);
 - node 0's (the leader's, the in-job store's host) tree SIGKILLed and restarted: node 1
   loses the store, ends its workers ("in-job store lost"), and both nodes relaunch cold
-  through the run's shared verdict.
+  through the run's shared verdict;
+- node 1 lost whole and restarted while attempt 0 runs: it rejoins the attempt as a
+  node of spares (``node_rejoined``), and the next failure of rank 1 (held on node 0)
+  goes to its spare; node 0 gone too: the restarted node 1 cannot rejoin, says why and
+  takes today's path; a returning agent refuses another run's attempt and an ended one.
 """
 
 from __future__ import annotations
@@ -191,3 +195,115 @@ def test_a_node_is_lost_sooner_only_with_a_fault_and_corroborating_evidence():
     assert lost == {1: "refused", 3: "fault+silence"}, lost
     assert 2 in watch.seen  # as silent as node 3, but its agent answers
     live.close()
+
+
+def _journaled(nodes: InJobNodes, kind: str) -> list[dict]:
+    """The run's ``kind`` events once there is one (a bounded poll of the store)."""
+    import time
+
+    from jobutil import HANG_GUARD_S
+
+    deadline = time.monotonic() + HANG_GUARD_S
+    while not nodes.events(kind):
+        assert time.monotonic() < deadline and nodes.jobs[0].proc.poll() is None, (kind, nodes.output())
+        time.sleep(0.05)
+    return nodes.events(kind)
+
+
+def test_node_1_restarted_rejoins_the_running_attempt_as_spares_and_its_spare_takes_the_next_fault(tmp_path):
+    """Node 1 lost whole: node 0's spare takes rank 1 (round 1) and holds at step 12
+    (``hold:12:1``) while node 1's supervisor is restarted; it finds attempt 0 running
+    (node 0's in-job store in the run's shared records), joins it as a node of spares
+    (``node_rejoined``); then node 0's process holding rank 1 is SIGKILLed and rank 1
+    goes home: to the returned node 1's spare, in the same attempt."""
+    nodes = InJobNodes(tmp_path, "--reform-timeout", "60", fault="hold:12:1")
+    nodes.jobs[1].at_step(1, 4)
+    nodes.kill_node(1)
+    assert nodes.jobs[1].finish() == -9
+    nodes.restart(1)
+    [rejoined] = _journaled(nodes, "node_rejoined")
+    assert (rejoined["attempt"], rejoined["node"], rejoined["round"], rejoined["join"]) == (0, 1, 1, 1), rejoined
+    assert [w.startswith("n1-r1-") for w in rejoined["spares"]] == [True], rejoined
+    nodes.jobs[0].at_step(1, 11)  # node 0's spare holds rank 1, waiting at step 12
+    os.kill(nodes.jobs[0].pids[1], 9)
+    assert nodes.finish() == [runner.EXIT_FINISHED] * 2, nodes.output()
+    assert nodes.total() == TOTAL  # no step lost or counted twice across both recoveries
+    assert sorted(e["attempt"] for e in nodes.events("attempt_start")) == [0, 0]  # no relaunch, no new attempt
+    assert nodes.events("failure") == []
+    lost, home = nodes.events("recovery")
+    assert (lost["round"], lost["ranks"], [s["node"] for s in lost["spares"].values()]) == (1, [1], [0]), lost
+    assert (home["attempt"], home["round"], home["ranks"], home["node"]) == (0, 2, [1], 0), home
+    assert [(s["node"], s["worker"]) for s in home["spares"].values()] == [(1, rejoined["spares"][0])], home
+    assert "rejoining it as a node of spares" in nodes.jobs[1].output()
+    assert f"rank 1: step {STEPS - 1} " in nodes.jobs[1].output()  # rank 1 trained to the end on node 1
+    from test_supervisor_injob import status
+
+    st = json.loads(status(nodes.store, "--json"))
+    assert (st["recoveries"]["count"], st["recoveries"]["nodes_rejoined"]) == (2, 1), st["recoveries"]
+    assert "2 recoveries" in status(nodes.store) and "1 node(s) rejoined as spares" in status(nodes.store)
+
+
+def test_a_restarted_node_that_cannot_rejoin_the_attempt_waits_for_the_next_one(tmp_path):
+    """Both nodes lost while attempt 0 has no verdict: node 1, restarted, finds node 0's
+    published in-job store but nothing answers there; it says why and falls back to
+    today's path: it reports attempt 0 lost (to join the next one)."""
+    import time
+
+    from jobutil import HANG_GUARD_S
+
+    from ckptstore.supervisor.injob_nodes import published_store
+
+    nodes = InJobNodes(tmp_path, "--decision-wait", "2", fault="hold:10:0")
+    nodes.jobs[1].at_step(1, 9)  # rank 1 holds at step 10: the attempt runs until the kills
+    deadline = time.monotonic() + HANG_GUARD_S
+    while published_store(open_storage(str(nodes.store)), RUN, 0) is None:
+        assert time.monotonic() < deadline, nodes.output()
+        time.sleep(0.05)
+    nodes.kill_node(1)
+    nodes.kill_node(0)
+    assert [job.finish() for job in nodes.jobs] == [-9, -9]
+    back = nodes.restart(1)
+    line = back.expect(lambda line: "could not rejoin attempt 0: " in line, "the rejoin's fallback")
+    assert "node 0's in-job store at 127.0.0.1:" in line and "does not answer" in line, line
+    back.expect(lambda line: "this node launched attempt 0 before it restarted: reported it lost" in line,
+                "today's path")
+    nodes.kill_node(1)
+    assert back.finish() == -9
+    assert nodes.events("node_rejoined") == []
+
+
+def test_a_returning_agent_joins_neither_another_runs_attempt_nor_an_ended_one(tmp_path):
+    """The agent's own checks of the store it was given (in one process): a store that
+    holds another run's attempt, then this run's attempt once it ended: refused each
+    time (RESULT.json ``rejoin_failed``), and nothing written into the attempt."""
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    from torch.distributed import TCPStore
+
+    from ckptstore.supervisor import injob
+    from ckptstore.supervisor.agent import Conf, InJobAgent
+    from ckptstore.supervisor.injob_nodes import rejoin_key
+
+    base = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    address = f"127.0.0.1:{base.port}"
+
+    def attempt(run: str):
+        store = injob.attempt_store(base, injob.attempt_prefix(run, 0))
+        injob.set_fence(store, 0)
+        injob.put(store, injob.agent_key(0), {"host": "node-0"})
+        return store
+
+    def rejoin() -> str:
+        args = SimpleNamespace(nproc_per_node=1, nnodes="2", node_rank=1)
+        agent = InJobAgent(args, Conf(run="mine", attempt=0, rejoin=address, spares=1),
+                           str(tmp_path / "result.json"), str(tmp_path / "events.jsonl"), env={})
+        assert agent.run() == 1
+        return json.loads((tmp_path / "result.json").read_text())["rejoin_failed"]
+
+    attempt("another-run")
+    assert rejoin() == f"the store at {address} holds no in-job attempt 0 of run mine"
+    mine = attempt("mine")
+    injob.end(mine, "finished")
+    assert rejoin() == "attempt 0 ended (finished)"
+    assert not mine.check([rejoin_key(1, "n")]) and not mine.check([rejoin_key(1)])

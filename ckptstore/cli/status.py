@@ -158,8 +158,9 @@ def _in_job_line(rec: dict) -> str:
     tiers = dict.fromkeys(("memory", "local", "durable"), 0)
     tiers.update(rec.get("restore_from") or {})
     where = ", ".join(f"{t} {c}" for t, c in tiers.items())
+    back = rec.get("nodes_rejoined") or 0
     return (f"{n} recover{'y' if n == 1 else 'ies'}, median {'-' if total is None else f'{total:.2f}s'} "
-            f"({parts}), restored from {where}")
+            f"({parts}), restored from {where}" + (f", {back} node(s) rejoined as spares" if back else ""))
 
 
 def _recovery_line(f: dict) -> str:

@@ -9,8 +9,13 @@ The runner passes its in-job settings in ``CKPTSTORE_AGENT_CONF`` (JSON: run, at
 spares, abort/reform timeouts, rounds in a row, hang and first-progress timeouts, the
 memory directory and budget). ``RESULT.json`` is launch.py's format (results.py), so
 the runner classifies and relaunches as before; ``EVENTS.jsonl`` gets one JSON line per
-in-job event (``recovery``, ``recovery_failed``, ``in_job_gave_up``), which the runner
-journals as it reads them.
+in-job event (``recovery``, ``recovery_failed``, ``in_job_gave_up``, ``node_rejoined``),
+which the runner journals as it reads them, and the leader's ``in_job_store`` (its
+store's address, which node 0's runner publishes in the run's shared records).
+
+A lost node restarted while its attempt still runs (``conf.rejoin``: that store's
+address) joins it as a node of spares only (``_rejoin``; the leader's side:
+``_admit_returned``); its ranks are not moved back (that would cost a recovery).
 
 On one node (``--standalone`` or ``--nnodes 1``) the agent hosts the in-job TCPStore
 itself (127.0.0.1, a free port) and is the leader. On several nodes (``--nnodes N``,
@@ -82,7 +87,8 @@ from .progress_watch import ProgressWatch
 from .results import exited, write
 
 ENV_CONF = "CKPTSTORE_AGENT_CONF"
-EVENT_KINDS = ("recovery", "recovery_failed", "in_job_gave_up")  # what EVENTS.jsonl holds (journal.py)
+EVENT_KINDS = ("recovery", "recovery_failed", "in_job_gave_up", "node_rejoined")  # journaled (journal.py)
+STORE_EVENT = "in_job_store"  # EVENTS.jsonl: where the leader's store listens (the runner publishes it)
 TICK_S = 0.01  # how often the agent looks at its children and the store
 HANG_CHECK_S = 0.25  # how often the progress files are read for hangs
 SPARE_NICE = 5  # spares warm up beside training: lower CPU priority
@@ -116,6 +122,9 @@ class Conf:
     node_silent_s: float = injob.NODE_SILENT_S
     node_fault_silent_s: float = 1.5
     node_probe_timeout_s: float = 0.25
+    # a restarted node: the running attempt's in-job store (``host:port``) to join as a
+    # node of spares (``_rejoin``); "" joins through the attempt's rendezvous as usual
+    rejoin: str = ""
 
     @classmethod
     def from_env(cls, env) -> "Conf":
@@ -191,6 +200,9 @@ class InJobAgent:
         self.alive = None  # injob_nodes.AliveListener: the leader's probe of this agent (several nodes)
         self.alive_at: dict[int, str] = {}  # the leader: node -> its agent's AliveListener address
         self.node_loss: dict[int, dict] = {}  # the leader: node -> what decided it lost, when
+        self.gen = ""  # a returning agent's worker id part (injob_nodes.rejoin_prefix): "r<j>-"
+        self.admitted: dict[int, int] = {}  # the leader: node -> the last join number looked at
+        self.node_gen: dict[int, str] = {}  # the leader: a returned node -> its workers' id prefix
 
     # ------------------------------------------------------------------ set-up
     def _open_store(self) -> None:
@@ -204,7 +216,8 @@ class InJobAgent:
 
             rendezvous(self.args, self.env)
             self.nodes = NodesStore(self.args, self.node, self.nnodes, self.conf.reform_timeout_s)
-            self.alive = AliveListener(self.nodes.own_host) if not self.leader else None
+            self.own_host = self.nodes.own_host
+            self.alive = AliveListener(self.own_host) if not self.leader else None
             self.base, self.address, self.host = self.nodes.base, self.nodes.address, self.nodes.host
             self.store = injob.attempt_store(self.base, self.prefix)
             self.beat = Beat(self.address, self.prefix, self.node)
@@ -230,7 +243,7 @@ class InJobAgent:
             if self.conf.memory_dir else None
         if self.replica is None:
             return  # (no memory tier: nothing to replicate)
-        injob.post_replica_server(self.store, self.node, self.nodes.own_host, self.replica.start())
+        injob.post_replica_server(self.store, self.node, self.own_host, self.replica.start())
         wait_s = min(30.0, self.conf.reform_timeout_s)
         partner = injob.partner_replica(self.store, self.node, self.nnodes, timeout_s=wait_s)
         if partner is None:
@@ -258,7 +271,7 @@ class InJobAgent:
         return [sys.executable, "-u", *(["-m"] if a.module else []), a.training_script, *a.training_script_args]
 
     def _start(self, *, rank: int | None) -> Worker:
-        wid = f"n{self.node}-w{self.started}"
+        wid = f"n{self.node}-{self.gen}w{self.started}"
         self.started += 1
         error_file = os.path.join(self.errors_dir, f"{wid}.json")
         env = dict(self.env)
@@ -318,6 +331,8 @@ class InJobAgent:
             self.close()  # (after the workers ended on every path: their last replication is in)
 
     def _run(self) -> int:
+        if self.conf.rejoin:
+            return self._rejoin()
         self._open_store()
         for r in range(self.node * self.nproc, (self.node + 1) * self.nproc):
             self._start(rank=r)
@@ -328,6 +343,7 @@ class InJobAgent:
             if not self.leader:
                 return self._follow()
             self._await_nodes()
+            self._emit(STORE_EVENT, attempt=self.conf.attempt, address=self.address)
         self._post_members(0)
         injob.set_fence(self.store, 0)
         next_hang_check = 0.0
@@ -338,6 +354,8 @@ class InJobAgent:
             self._note_hellos()
             self._replenish()
             self._check_pending()
+            if self.lost_nodes:
+                self._admit_returned()
             dead = [w for w in self.members.values() if w.returncode not in (None, 0)]
             if dead or self.store.check([injob.round_key(self.round, "fault")]):
                 code = self._recover(min(dead, key=lambda w: (w.exit_t or 0, w.rank)) if dead else None)
@@ -773,7 +791,7 @@ class InJobAgent:
                 self.alive_at[k] = alive
                 self.beats.prober.start(k, alive)
             for wid in rec.get("spares") or []:
-                if isinstance(wid, str) and wid not in self.workers:
+                if isinstance(wid, str) and wid not in self.workers and wid.startswith(self.node_gen.get(k, "")):
                     self.workers[wid] = Worker(wid, None, "", spare=True, started_t=time.time(), node=k)
         fault = self.store.check([injob.round_key(self.round, "fault")])
         for k, decided_by, silent_s in self.beats.silent(fault, self.alive_at):
@@ -801,6 +819,123 @@ class InJobAgent:
                 w.returncode, w.exit_t, w.detected_by = -int(signal.SIGKILL), time.time(), "agent:node"
                 w.record = {"local_rank": w.local_rank, "pid": w.pid, "exitcode": -9, "signal": "SIGKILL",
                             "error": why, "first": None, "traceback": None, "timestamp": int(time.time())}
+
+    def _admit_returned(self) -> None:
+        """A lost node's returning agent asks to rejoin (``_rejoin``): between rounds (no
+        fault notice), the leader admits it as a node of spares. Its ranks stay where the
+        recovery put them (moving them back would cost a recovery); its warm spares count
+        from now, on the own-node-first rule (``_choose``). The admission is create-only
+        against the agent's own give-up: never both."""
+        from .injob_nodes import rejoin_key, rejoin_prefix, rejoined_key
+
+        if self.store.check([injob.round_key(self.round, "fault")]):
+            return
+        for k in sorted(self.lost_nodes):
+            if not self.store.check([rejoin_key(k)]):
+                continue
+            req = injob.get(self.store, rejoin_key(k)) or {}
+            join = injob.int_of(req.get("join"), 0, 0)
+            if join <= self.admitted.get(k, 0):
+                continue
+            self.admitted[k] = join
+            won, _ = injob.create(self.store, rejoined_key(k, join), {"round": self.round, "t": time.time()})
+            if not won:  # (it gave up waiting first)
+                continue
+            prefix = rejoin_prefix(k, join)
+            self.lost_nodes.discard(k)
+            self.node_gen[k] = prefix
+            self.beats.watch(k)
+            self.alive_at.pop(k, None)
+            self.agent_hosts[k] = str(req.get("host") or f"node {k}")[:256]
+            spares = req.get("spares") if isinstance(req.get("spares"), list) else []  # (read as untrusted)
+            for wid in spares[:1024]:
+                if isinstance(wid, str) and wid.startswith(prefix) and wid not in self.workers:
+                    self.workers[wid] = Worker(wid, None, "", spare=True, started_t=time.time(), node=k)
+            self._note_hellos()
+            warm = [w.wid for w in self._warm_spares() if w.node == k]
+            lost_t = _num(self.node_loss.get(k, {}).get("t"))
+            self._emit("node_rejoined", attempt=self.conf.attempt, round=self.round, node=k, join=join,
+                       node_host=self.agent_hosts[k], spares=warm,
+                       lost_s=None if lost_t is None else round(max(0.0, time.time() - lost_t), 3))
+            print(f"ckptstore agent: node {k} rejoined attempt {self.conf.attempt} in round {self.round} "
+                  f"with {len(warm)} warm spare(s); its ranks stay where they are", file=sys.stderr, flush=True)
+
+    # ------------------------------------------------------------------ several nodes: a lost node's return
+    def _rejoin(self) -> int:
+        """This node was lost and restarted while its run's in-job attempt still runs:
+        join it as a node of spares (``conf.rejoin``: the leader's store, found by the
+        runner in the run's shared records). The store must hold this very attempt (its
+        prefix names the run and the attempt) and not have ended; the spares warm, the
+        request is posted, and the leader admits it between rounds (``_admit_returned``)
+        within the reform timeout, else the agent gives up (create-only: never admitted
+        as well). On any failure the spares end and RESULT.json says ``rejoin_failed``:
+        the runner then waits for the next attempt as before."""
+        from .injob_nodes import (AliveListener, Beat, advertised_host, answers, rejoin_key, rejoin_prefix,
+                                  rejoined_key)
+
+        self.prefix = injob.attempt_prefix(self.conf.run, self.conf.attempt)
+        address = self.conf.rejoin
+        why = answers(address, 2.0)
+        if why is not None:
+            return self._rejoin_failed(f"node 0's in-job store at {address} does not answer ({why[:200]})")
+        self.base = injob.connect(address, 10.0)
+        self.store = injob.attempt_store(self.base, self.prefix)
+        self.address, self.host = address, address.rpartition(":")[0]
+        if injob.fence(self.store) is None or injob.get(self.store, injob.agent_key(0)) is None:
+            return self._rejoin_failed(f"the store at {address} holds no in-job attempt {self.conf.attempt} of run "
+                                       f"{self.conf.run}")
+        ended = injob.ended(self.store)
+        if ended is not None:
+            return self._rejoin_failed(f"attempt {self.conf.attempt} ended ({str(ended.get('reason'))[:200]})")
+        join = self.store.add(rejoin_key(self.node, "n"), 1)
+        self.gen = rejoin_prefix(self.node, join).split("-", 1)[1]
+        self.own_host = advertised_host(self.host)
+        self.alive = AliveListener(self.own_host)
+        self._serve_replicas()
+        for _ in range(self.conf.spares):
+            self._start(rank=None)
+        deadline = time.monotonic() + self.conf.reform_timeout_s
+        while not self._warm_spares():  # (a returned node is worth admitting only with a warm spare)
+            self._poll_all()
+            self._note_hellos()
+            self._replenish()
+            if injob.ended(self.store) is not None:
+                return self._rejoin_failed(f"attempt {self.conf.attempt} ended while this node's spares warmed")
+            if time.monotonic() >= deadline or self.conf.spares == 0 or self.spare_deaths >= MAX_SPARE_DEATHS \
+                    or self.stop_signal is not None:
+                return self._rejoin_failed(f"no spare of this node warm within {self.conf.reform_timeout_s:g}s "
+                                           f"(--spares {self.conf.spares})")
+            time.sleep(TICK_S)
+        injob.put(self.store, rejoin_key(self.node), {
+            "join": join, "host": _host(), "pid": os.getpid(), "alive": self.alive.address,
+            "spares": sorted(w.wid for w in self.workers.values() if w.spare and w.returncode is None)})
+        key = rejoined_key(self.node, join)
+        while not self.store.check([key]) and time.monotonic() < deadline and self.stop_signal is None \
+                and injob.ended(self.store) is None:
+            time.sleep(TICK_S)
+        won, admitted = injob.create(self.store, key, {"gave_up": True})
+        if won or not admitted or "round" not in admitted:
+            why = "it ended" if injob.ended(self.store) is not None else \
+                f"node 0 did not admit this node within {self.conf.reform_timeout_s:g}s"
+            return self._rejoin_failed(f"attempt {self.conf.attempt}: {why}")
+        self.round = injob.int_of(admitted.get("round"), 0, 0)
+        self._publish()
+        self.beat = Beat(self.address, self.prefix, self.node)
+        self.beat.start()
+        print(f"ckptstore agent: node {self.node} rejoined attempt {self.conf.attempt} (round {self.round}) as "
+              "a node of spares", file=sys.stderr, flush=True)
+        return self._follow()
+
+    def _rejoin_failed(self, why: str) -> int:
+        """Not rejoined: this node's spares end (none was ever the leader's), the runner
+        waits for the next attempt."""
+        for w in self.workers.values():
+            if w.returncode is None and w.proc is not None:
+                _signal(w, signal.SIGKILL)
+                w.proc.wait()
+                w.returncode = w.proc.returncode
+        write(self.result_path, {"ok": False, "failures": {}, "rejoin_failed": why})
+        return 1
 
     # ------------------------------------------------------------------ several nodes: the others
     def _publish(self) -> None:
@@ -894,7 +1029,8 @@ class InJobAgent:
         """The leader's verdict ended the attempt (``stop``, ``cold``) or it said ``end``."""
         self._end_workers(how, kill=how == "cold")
         mine = list(self.members.values())  # this node's members of the current round
-        if how == "end" and mine and all(w.returncode == 0 for w in mine):
+        spares_only = not mine and bool(self.conf.rejoin) and reason == "finished"  # a returned node's
+        if how == "end" and (spares_only or (mine and all(w.returncode == 0 for w in mine))):
             write(self.result_path, {"ok": True, "failures": {}})
             return 0
         if how == "stop":

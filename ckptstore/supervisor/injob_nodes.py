@@ -327,5 +327,90 @@ class BeatWatch:
             return None  # not asked yet, still asking, or its agent lives: the beat timeout decides
         return BY_FAULT_SILENCE if age >= self.fault_silent_s else None
 
+    def watch(self, k: int) -> None:
+        """Node k is back (a returning agent admitted): its beat is timed from now, and
+        nothing known of its lost agent's port counts (the new one must accept first)."""
+        self.seen[k] = (None, time.monotonic())
+        self.probed.pop(k, None)
+        self.prober.answer.pop(k, None)
+        self.prober.trusted.discard(k)
+        old = self.prober.inflight.pop(k, None)
+        if old is not None:
+            old[0].close()
+
     def close(self) -> None:
         self.prober.close()
+
+
+# ------------------------------------------------------------------ a lost node's return
+#
+# A node restarted while its run's in-job attempt still runs joins that attempt as a node
+# of spares only (agent.py, ``InJobAgent._rejoin``). It finds the leader's store through
+# the run's shared records (node 0's supervisor publishes the address there:
+# :func:`publish_store`), since the attempt's rendezvous is closed. In the leader's store:
+#
+# ``rejoin/<node>/n``          the returning agent   a counter: its join number j (1, 2, ...)
+# ``rejoin/<node>``            the returning agent   its request: join, host, pid, alive, spares
+# ``rejoined/<node>/<j>``      create-only           the leader's admission (``round``), or the
+#                                                    returning agent's ``gave_up``: whoever is first
+
+STORE_LEAF = "injob-store.json"  # in journal/.shared/<run>/attempt-<n>/: the leader's in-job store
+
+
+def rejoin_key(node: int, what: str | None = None) -> str:
+    return f"rejoin/{node}" if what is None else f"rejoin/{node}/{what}"
+
+
+def rejoined_key(node: int, join: int) -> str:
+    return f"rejoined/{node}/{join}"
+
+
+def rejoin_prefix(node: int, join: int) -> str:
+    """The worker ids of a returning agent's join ``join``: never an id of the lost agent's."""
+    return f"n{node}-r{join}-"
+
+
+def publish_store(storage, run: str, attempt: int, address: str) -> None:
+    """Node 0's supervisor: where the attempt's in-job store listens (create-only)."""
+    import json
+
+    from ..errors import AlreadyExistsError
+    from .consensus import attempt_dir
+
+    data = json.dumps({"run": run, "attempt": attempt, "address": address, "t": time.time()}).encode()
+    try:
+        storage.put(f"{attempt_dir(run, attempt)}/{STORE_LEAF}", data, if_absent=True)
+    except AlreadyExistsError:
+        pass
+
+
+def published_store(storage, run: str, attempt: int) -> str | None:
+    """The in-job store address node 0 published for ``attempt`` of ``run`` (``host:port``),
+    or None: none published, unreadable, or not this run's and attempt's."""
+    from .. import format as fmt
+    from ..checkpoint.manifests import read_capped
+    from ..errors import CkptStoreError
+    from .consensus import attempt_dir
+
+    try:
+        rec = fmt.loads_json(read_capped(storage, f"{attempt_dir(run, attempt)}/{STORE_LEAF}", 4096,
+                                         "in-job store record"), "in-job store record")
+    except (CkptStoreError, OSError, ValueError):
+        return None
+    if not isinstance(rec, dict) or rec.get("run") != run or rec.get("attempt") != attempt:
+        return None
+    address = rec.get("address")
+    if not isinstance(address, str) or len(address) > 300:
+        return None
+    host, _, port = address.rpartition(":")
+    return address if host and port.isdigit() and 0 < int(port) < 65536 else None
+
+
+def answers(address: str, timeout_s: float) -> str | None:
+    """None when something accepts a connection at ``host:port``, else why not."""
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+        return None
+    except (OSError, ValueError) as e:
+        return f"{type(e).__name__}: {e}"

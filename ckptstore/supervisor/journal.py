@@ -64,7 +64,9 @@ evidence was chosen), ``give_up`` and ``finish``.
   "fault+silence", ``silent_s``: the nodes lost with the failed ranks); ``recovery_failed``: ``attempt``, ``round``, ``reason`` (the new
   round failed before every rank trained); ``in_job_gave_up``: ``attempt``, ``round``,
   ``reason`` (the attempt goes cold: its ``failure`` event follows, reason "in-job
-  recovery gave up: ...").
+  recovery gave up: ..."); ``node_rejoined``: ``attempt``, ``round``, ``node``, ``join``,
+  ``node_host``, ``spares`` (its warm spares' ids), ``lost_s`` (a lost node's restarted
+  agent back in the running attempt as a node of spares: agent.py ``_admit_returned``).
 
 Any event may carry ``save_blocking_s`` / ``step_s``; status takes the latest of each.
 

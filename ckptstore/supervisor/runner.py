@@ -125,34 +125,41 @@ class Supervisor:
                     hosts=[socket.gethostname()], policy=policy)
         history = self._history = History()
         last_ckpt = self._stored_checkpoint()[0]  # where the last attempt (or the first) resumes
-        attempt = 0
-        if self.shared is not None:  # a node (re)started late joins where the run is
+        attempt, rejoined = 0, None
+        if self.shared is not None:  # a restarted node rejoins its run's running in-job attempt, if it can
+            rejoined = self._rejoin(started)
+        if rejoined is not None:
+            attempt, rejoined = rejoined
+        elif self.shared is not None:  # a node (re)started late joins where the run is
             attempt, ended = self.shared.start(
                 lambda n: self.join_timeout_s if n > 0 else consensus.FIRST_JOIN_S,
                 stopped=lambda: self._stop_signal is not None, say=say)
             if ended is not None:
                 return self._follow(attempt, self.shared.settled_from(ended, False))
         while True:
-            fit = self.gate.before_launch(relaunch=attempt > 0)
-            if fit.state == "stopped":
-                return self._stopped()
-            if fit.state == "unhealthy":
-                # the last event: `status` reads the run as ended on an unhealthy node
-                self._event("unhealthy", checks=[c for c in checks_json(fit.checks) if not c["ok"]],
-                            reason=fit.reason)
-                say(f"unhealthy node: {fit.reason} (exit {EXIT_UNHEALTHY})")
-                if self.shared is not None:  # the others, waiting for this node in the rendezvous, stop too
-                    self._decree(attempt, "give_up", EXIT_UNHEALTHY, "unhealthy",
-                                 f"node {self.shared.node} is unhealthy: {fit.reason}")
-                return EXIT_UNHEALTHY
-            if fit.state == "store":
-                return self._give_up(f"the store is unreachable: {fit.reason} (checked for "
-                                     f"{self.policy.outage_window_s:g}s; the node is healthy)",
-                                     EXIT_STORE_UNREACHABLE, "store")
-            self._event("attempt_start", attempt=attempt)
-            if self.shared is not None:
-                self._shared_call(self.shared.join, attempt, self.node_rank)
-            outcome = self._attempt(attempt, started)
+            if rejoined is not None:  # the rejoined attempt ended: settled as any attempt
+                outcome, rejoined = rejoined, None
+            else:
+                fit = self.gate.before_launch(relaunch=attempt > 0)
+                if fit.state == "stopped":
+                    return self._stopped()
+                if fit.state == "unhealthy":
+                    # the last event: `status` reads the run as ended on an unhealthy node
+                    self._event("unhealthy", checks=[c for c in checks_json(fit.checks) if not c["ok"]],
+                                reason=fit.reason)
+                    say(f"unhealthy node: {fit.reason} (exit {EXIT_UNHEALTHY})")
+                    if self.shared is not None:  # the others, waiting for this node in the rendezvous, stop too
+                        self._decree(attempt, "give_up", EXIT_UNHEALTHY, "unhealthy",
+                                     f"node {self.shared.node} is unhealthy: {fit.reason}")
+                    return EXIT_UNHEALTHY
+                if fit.state == "store":
+                    return self._give_up(f"the store is unreachable: {fit.reason} (checked for "
+                                         f"{self.policy.outage_window_s:g}s; the node is healthy)",
+                                         EXIT_STORE_UNREACHABLE, "store")
+                self._event("attempt_start", attempt=attempt)
+                if self.shared is not None:
+                    self._shared_call(self.shared.join, attempt, self.node_rank)
+                outcome = self._attempt(attempt, started)
             if outcome.klass == "unhealthy":  # a GPU failed during the run: the job saved and stopped
                 return self._unhealthy_in_run(attempt, outcome)
             if outcome.klass == "finished" and self.shared is not None:
@@ -214,14 +221,14 @@ class Supervisor:
             attempt += 1
 
     # ------------------------------------------------------------------ one attempt
-    def _attempt(self, attempt: int, started: float) -> Verdict:
+    def _attempt(self, attempt: int, started: float, rejoin: str = "") -> Verdict:
         work = tempfile.mkdtemp(prefix=f"ckptstore-run-{attempt}-")
         try:
-            return self._attempt_in(work, attempt, started)
+            return self._attempt_in(work, attempt, started, rejoin)
         finally:  # however the attempt ends (a run timeout returns from inside it)
             shutil.rmtree(work, ignore_errors=True)
 
-    def _attempt_in(self, work: str, attempt: int, started: float) -> Verdict:
+    def _attempt_in(self, work: str, attempt: int, started: float, rejoin: str = "") -> Verdict:
         progress_dir = os.path.join(work, "progress")
         os.mkdir(progress_dir)
         result_path = os.path.join(work, "result.json")
@@ -233,7 +240,7 @@ class Supervisor:
         events_path = os.path.join(work, "events.jsonl")
         self._events_read = 0
         if self.policy.in_job:  # the node agent (agent.py) in torch's launcher's place
-            env[agent.ENV_CONF] = json.dumps(self._agent_conf(attempt))
+            env[agent.ENV_CONF] = json.dumps({**self._agent_conf(attempt), "rejoin": rejoin})
             cmd = agent.command(result_path, events_path, self.launcher_args)
         else:
             cmd = launch.command(result_path, ["--max-restarts=0", *self.launcher_args])
@@ -316,6 +323,8 @@ class Supervisor:
             else:
                 result = _read_json(result_path) or {"failures": {}, "launcher_error": f"exit code {code}"}
                 verdict = classify(result, watch.max_step, relaunched=attempt > 0 and not watch.trained)
+                if rejoin and isinstance(result.get("rejoin_failed"), str):  # (_rejoin falls back)
+                    verdict.evidence["rejoin_failed"] = result["rejoin_failed"][:500]
         verdict.evidence.update(evidence)
         return verdict
 
@@ -355,6 +364,41 @@ class Supervisor:
                 "node_silent_s": p.node_silent_s, "node_fault_silent_s": p.node_fault_silent_s,
                 "node_probe_timeout_s": p.node_probe_timeout_s}
 
+    def _rejoin(self, started: float) -> tuple[int, Verdict] | None:
+        """In-job, a node other than 0 restarted while the attempt its previous
+        supervisor launched still runs (no verdict; node 0 published its in-job store:
+        injob_nodes.publish_store): join it as a node of spares (agent.py, ``_rejoin``).
+        (the attempt, how it ended) once joined; None when there is nothing to join or it
+        could not be joined (said why): the node then waits for the next attempt."""
+        if not (self.policy.in_job and self.node_rank not in (None, 0) and self.policy.spares > 0):
+            return None
+        from .injob_nodes import answers, published_store
+
+        n = self._shared_call(self.shared.chain)
+        if not isinstance(n, int) or self._shared_call(self.shared.verdict, n) is not None \
+                or self.shared.node not in (self._shared_call(self.shared.members, n) or ()):
+            return None
+        address = published_store(self.storage, self.journal.run_id, n)
+        if address is None:
+            say(f"attempt {n} runs without this node and node 0 published no in-job store for it: "
+                "this node cannot rejoin it")
+            return None
+        if self.gate.before_launch(relaunch=False).state != "ok":
+            return None  # (the loop's gate says why)
+        why = answers(address, 2.0)  # (the agent checks again, and that the store holds this attempt)
+        if why is not None:  # node 0 is gone too: no agent started for nothing
+            say(f"could not rejoin attempt {n}: node 0's in-job store at {address} does not answer ({why[:200]}); "
+                "this node waits for the next attempt")
+            return None
+        say(f"attempt {n} still runs without this node: rejoining it as a node of spares (node 0's in-job store "
+            f"at {address})")
+        outcome = self._attempt(n, started, rejoin=address)
+        why = outcome.evidence.get("rejoin_failed")
+        if why:
+            say(f"could not rejoin attempt {n}: {why}; this node waits for the next attempt")
+            return None
+        return n, outcome
+
     def _await_leader(self, attempt: int, result_path: str) -> None:
         """In-job on a node other than 0: this node's agent died (killed, no RESULT.json)
         while the leader lives on; the leader replaces this node's ranks with spares
@@ -386,12 +430,20 @@ class Supervisor:
             except ValueError:
                 continue
             kind = e.pop("kind", None) if isinstance(e, dict) else None
+            if kind == agent.STORE_EVENT and self.shared is not None and isinstance(e.get("address"), str):
+                from .injob_nodes import publish_store  # where a lost node's return finds the attempt
+
+                self._shared_call(publish_store, self.storage, self.journal.run_id, e.get("attempt"), e["address"])
+                continue
             if kind not in agent.EVENT_KINDS:
                 continue
             self._event(kind, **e)
             if kind == "recovery":
                 say(f"in-job recovery: {e.get('reason')}; round {e.get('round')} "
                     f"trained {e.get('first_step_s') or 0:.2f}s after the fault, from step {e.get('restored_step')}")
+            elif kind == "node_rejoined":
+                say(f"in-job: node {e.get('node')} rejoined attempt {e.get('attempt')} as a node of spares "
+                    f"(round {e.get('round')}, {len(e.get('spares') or [])} warm)")
             else:
                 say(f"in-job {kind.removeprefix('in_job_').replace('_', ' ')}: {e.get('reason')}")
 

@@ -41,6 +41,8 @@ nodes may each journal the same one):
   memory directory outlives a relaunch); an in-job ``recovery`` does only when its
   ``restore_from`` names ``durable`` (a node lost without a surviving partner). ``recovery_failed`` and ``in_job_gave_up`` are not counted: a
   round that fails is retried in-job or ends in the attempt's ``failure``.
+  ``recoveries.nodes_rejoined``: ``node_rejoined`` events (a lost node back in its
+  running in-job attempt as a node of spares).
 - Young/Daly: ``recommended_interval_s = min(MAX_INTERVAL_S, max(MIN_INTERVAL_SAVES * C,
   sqrt(2 * C * M)))``, C the latest journaled ``save_blocking_s``, M ``mtbf_s`` or,
   before the first failure that counts, ``PRIOR_MTBF_S``; ``recommended_interval_steps
@@ -117,6 +119,7 @@ def summarize(events: list[dict], now: float, checkpoint: dict | None = None) ->
 
     state, end = "running", now
     attempts, failures, resumes, recoveries = set(), {}, {}, {}
+    rejoins = set()  # (attempt, node, join): a lost node back in its in-job attempt (agent.py)
     for e in events:
         kind, attempt = _str(e.get("kind"), 64), _int(e.get("attempt"))
         if kind in ("run_start", "attempt_start"):
@@ -134,6 +137,8 @@ def summarize(events: list[dict], now: float, checkpoint: dict | None = None) ->
             failures.setdefault(attempt if attempt is not None else ("?", id(e)), e)
         elif kind == "recovery":  # (several nodes' supervisors: the first of each round counts)
             recoveries.setdefault((attempt, _int(e.get("round"))) if attempt is not None else ("?", id(e)), e)
+        elif kind == "node_rejoined":
+            rejoins.add((attempt, _int(e.get("node")), _int(e.get("join"))))
         elif kind == "resume":
             resumes.setdefault(attempt if attempt is not None else ("?", id(e)), e)
         for k in ("save_blocking_s", "step_s"):  # the latest measurement wins
@@ -154,7 +159,7 @@ def summarize(events: list[dict], now: float, checkpoint: dict | None = None) ->
     if both:
         last = max(fails + in_job, key=lambda e: e["t"])
         out["last_failure"] = {**out["failures"][-1], "traceback": _str(last.get("traceback"), 16384)}
-    out["recoveries"] = _recoveries(in_job)
+    out["recoveries"] = {**_recoveries(in_job), "nodes_rejoined": len(rejoins)}
     # (max: a journal written before lost work was clamped may hold a negative figure)
     out["lost_steps"] = sum(max(0, f["lost_steps"] or 0) for f in out["failures"])
     out["lost_s"] = sum(max(0.0, f["lost_s"] or 0.0) for f in out["failures"])

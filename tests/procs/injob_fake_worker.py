@@ -19,6 +19,7 @@ about to train STEP (in round ROUND only, when given):
   stuck          stops for good (no notice wakes it; its peer waits in the all-reduce)
   notice         leaves the round as on a collective error, alive: the round fails with
                  no process lost
+  hold           waits (in Python) until the round's fault notice or DIR/release exists
 """
 
 from __future__ import annotations
@@ -103,6 +104,10 @@ def main() -> int:
                     if kind == "stuck":  # hung where no notice reaches it (a C call holding on)
                         while True:
                             time.sleep(1)
+                    if kind == "hold":  # the test acts meanwhile (kills this rank, say)
+                        while not (store.check([injob.round_key(round_, "fault")]) or
+                                   os.path.exists(os.path.join(a.dir, "release"))):
+                            time.sleep(0.01)
                     if kind == "notice":  # a collective error with every process alive
                         raise RoundFailed(f"simulated collective error at step {step}")
                 t = torch.tensor([float(step + 1)])
