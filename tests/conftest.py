@@ -36,6 +36,7 @@ warnings.filterwarnings("ignore", message=r"ckptstore\.native", category=Runtime
 import ckptstore  # noqa: E402
 from ckptstore.errors import CkptStoreError  # noqa: E402
 from ckptstore.storage import LocalStorage, MemoryStorage  # noqa: E402
+from ckptstore.supervisor.quick_exit import skip_final_collections  # noqa: E402
 
 
 NATIVE_CUDA_OPTIONAL_ENV = "CKPTSTORE_TEST_NATIVE_CUDA_OPTIONAL"
@@ -135,3 +136,6 @@ def pytest_sessionfinish(session, exitstatus):
         ckptstore.wait(timeout=60)
     except Exception:  # noqa: BLE001 - failures tests left on purpose, of any type
         pass
+    # pytest's own exit, a second sooner (ckptstore/supervisor/quick_exit.py): nothing of the
+    # session needs the interpreter's last collections
+    skip_final_collections()

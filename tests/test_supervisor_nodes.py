@@ -31,6 +31,10 @@ from jobutil import HANG_GUARD_S, Job, assert_bit_identical  # noqa: E402
 from test_supervisor import SCRIPT, STEPS, kinds, reference, status  # noqa: E402,F401
 
 RUN = "nodes"
+# A lost node's report never comes and it never joins a relaunch: in the tests where a
+# node is gone for good these waits are spent in full, so they are shorter there than the
+# class's defaults (5 s each), which bound the waits for a node that does answer.
+LOST_NODE_WAITS = ("--decision-wait", "2", "--join-timeout", "3")
 
 
 def free_port() -> int:
@@ -168,8 +172,8 @@ def test_a_node_that_never_returns_stops_the_others_within_the_join_timeout(tmp_
     """Node 1 is lost at step 8 (every process of it SIGKILLed, as a node that dies): node
     0 waits at most --decision-wait for its report, relaunches, waits at most
     --join-timeout in the rendezvous of attempt 1 and stops with exit 16, naming the
-    node."""
-    nodes = Nodes(tmp_path / "store", tmp_path)
+    node. (Both waits are spent in full, node 1 being gone: shorter than the class's.)"""
+    nodes = Nodes(tmp_path / "store", tmp_path, *LOST_NODE_WAITS)
     lost = nodes.jobs[1]
     lost.expect(lambda l: l.startswith("rank ") and " step 8 " in l, "a step 8 on node 1")
     tree = [lost.proc, *psutil.Process(lost.proc.pid).children(recursive=True)]
@@ -191,7 +195,8 @@ def test_with_min_max_nodes_the_others_continue_without_a_lost_node(tmp_path):
     """``--nnodes 1:2``: node 1 is lost at step 8; node 0 relaunches, torch's rendezvous
     completes with the one node left (after its last-call wait), and the job resumes on
     one rank from the two ranks' checkpoint (resharded) and finishes."""
-    nodes = Nodes(tmp_path / "store", tmp_path, "--rdzv-conf", "last_call_timeout=2", nnodes="1:2")
+    nodes = Nodes(tmp_path / "store", tmp_path, "--rdzv-conf", "last_call_timeout=2", "--decision-wait",
+                  LOST_NODE_WAITS[1], nnodes="1:2")  # (node 1's report never comes: the wait is spent in full)
     lost = nodes.jobs[1]
     lost.expect(lambda l: l.startswith("rank ") and " step 8 " in l, "a step 8 on node 1")
     for p in [lost.proc, *psutil.Process(lost.proc.pid).children(recursive=True)]:
@@ -332,7 +337,8 @@ def test_the_rendezvous_host_restarted_late_is_waited_for_and_recovers_bit_ident
     1's relaunch is waiting for the store that died with it (within the join timeout):
     node 1's launcher connects when the new node 0 hosts the store again, attempt 0 has
     one failure record, and both finish bit-identical."""
-    nodes = Nodes(tmp_path / "store", tmp_path, "--join-timeout", "30", options=PINNED)
+    nodes = Nodes(tmp_path / "store", tmp_path, "--join-timeout", "30", "--decision-wait", LOST_NODE_WAITS[1],
+                  options=PINNED)  # (node 0's report of attempt 0 never comes: that wait is spent in full)
     lost = _lose(nodes, 0)
     _wait_launched(nodes, 1, 1)  # node 1 relaunched without node 0: its launcher waits for the store
     nodes.restart(0)
@@ -348,10 +354,10 @@ def test_the_rendezvous_host_restarted_late_is_waited_for_and_recovers_bit_ident
 def test_a_rendezvous_host_that_never_returns_stops_the_others_with_exit_16(tmp_path):
     """Node 0 (the c10d store's only host) is lost for good at step 8: node 1 relaunches,
     its launcher finds no store at the --rdzv-endpoint within the join timeout (torch's
-    read_timeout, which the supervisor sets to --join-timeout on a relaunch: 5 s here) and
+    read_timeout, which the supervisor sets to --join-timeout on a relaunch: 3 s here) and
     the run stops with exit 16 at once, naming the endpoint. Before, it retried a
     rendezvous nobody hosts until the no-progress limit (exit 12, four failures)."""
-    nodes = Nodes(tmp_path / "store", tmp_path, options=PINNED)
+    nodes = Nodes(tmp_path / "store", tmp_path, *LOST_NODE_WAITS, options=PINNED)
     lost = _lose(nodes, 0)
     assert nodes.jobs[1].finish() == runner.EXIT_NODES_MISSING, nodes.output()
     lost.finish()
@@ -369,7 +375,8 @@ def test_a_frozen_node_is_recognised_by_its_heartbeat_and_the_others_stop_with_e
     (--heartbeat-timeout 3), stops its attempt, decides at once without node 1's report
     ("stopped beating"), and its relaunch stops with exit 16 after the join timeout.
     Before heartbeats, node 0 waited until its hang timeout (600 s here)."""
-    nodes = Nodes(tmp_path / "store", tmp_path, "--heartbeat-timeout", "3", options=PINNED)
+    nodes = Nodes(tmp_path / "store", tmp_path, "--heartbeat-timeout", "3", "--join-timeout", LOST_NODE_WAITS[3],
+                  options=PINNED)  # (node 1 never joins the relaunch: the join timeout is spent in full)
     frozen = nodes.jobs[1]
     frozen.expect(lambda l: l.startswith("rank ") and " step 8 " in l, "a step 8 on node 1")
     tree = [frozen.proc, *psutil.Process(frozen.proc.pid).children(recursive=True)]

@@ -102,7 +102,8 @@ def command(result_path: str, events_path: str, launcher_args: list[str]) -> lis
     from .launch import PACKAGE_ROOT
 
     stub = (f"import sys; sys.path[:1 if sys.path and sys.path[0] == '' else 0] = [{PACKAGE_ROOT!r}]; "
-            "from ckptstore.supervisor.agent import main; sys.exit(main())")
+            "from ckptstore.supervisor.agent import main; from ckptstore.supervisor.quick_exit import exit_with; "
+            "exit_with(main)")
     return [sys.executable, "-c", stub, result_path, events_path, *launcher_args]
 
 

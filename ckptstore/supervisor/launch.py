@@ -42,7 +42,8 @@ def command(result_path: str, launcher_args: list[str]) -> list[str]:
     directory this package lives in, whatever the working directory holds ('' of
     ``-c``, the working directory, is replaced by it)."""
     stub = (f"import sys; sys.path[:1 if sys.path and sys.path[0] == '' else 0] = [{PACKAGE_ROOT!r}]; "
-            "from ckptstore.supervisor.launch import main; sys.exit(main())")
+            "from ckptstore.supervisor.launch import main; from ckptstore.supervisor.quick_exit import exit_with; "
+            "exit_with(main)")
     return [sys.executable, "-c", stub, result_path, *launcher_args]
 
 

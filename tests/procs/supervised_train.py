@@ -23,6 +23,7 @@ example = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(example)
 
 import ckptstore  # noqa: E402
+from ckptstore.supervisor.quick_exit import skip_final_collections  # noqa: E402
 
 FAULTS = {}  # step -> (kind, marker)
 for fault in os.environ.get("FAULT", "none:-1").split(","):
@@ -74,4 +75,7 @@ def save(self, step, *args, **kwargs):
 ckptstore.Store.save = save
 sys.argv[0] = EXAMPLE
 arguments = example.parse_args()
-ckptstore.inprocess.run(example.main, arguments, backend=arguments.backend, warmup=example.build_model_once)
+try:
+    ckptstore.inprocess.run(example.main, arguments, backend=arguments.backend, warmup=example.build_model_once)
+finally:  # the rank's exit, a second sooner: the interpreter's last collections skip torch's objects
+    skip_final_collections()
