@@ -90,6 +90,21 @@ if [ "$DRY" = 1 ]; then
   exit $?
 fi
 
+# One bench_goodput.py run of step 6, when more than MIN s are left (less 5 s), cut at
+# that time by SIGINT (the bench then scores and writes what ran).
+injob_bench() {
+  local min="$1" what="$2" out="$3" limit
+  shift 3
+  limit=$(( $(left) - 5 ))
+  if [ "$limit" -le "$min" ]; then
+    log "in-job bench, ${what}: NOT RUN (${limit} s left)"
+    return 0
+  fi
+  log "in-job bench, ${what} (${limit} s): bench_goodput.py $*"
+  timeout -s INT -k 15 "$limit" "$PY" "$REPO/bench/bench_goodput.py" "$@" --out "$out" >> "$OUT/injob.log" 2>&1
+  log "  rc=$?"
+}
+
 # Step 6 (a function: --injob-only runs it alone). Its time: what is left, less 5 s.
 injob_step() {
   local limit rc_t nccl_out gloo_out
@@ -107,24 +122,9 @@ injob_step() {
   cat "$WORK/injob_tests.log" >> "$OUT/injob.log"
   log "in-job tests (rc=$rc_t): $(tail -1 "$WORK/injob_tests.log")"
   grep -E "^(FAILED|ERROR|SKIPPED)|recovery: " "$WORK/injob_tests.log" | head -12 | tee -a "$OUT/summary.txt"
-  limit=$(( $(left) - 5 ))
-  if [ "$limit" -gt 40 ]; then
-    log "in-job bench, NCCL, 1 rank (${limit} s): bench_goodput.py $INJOB_NCCL_ARGS"
-    # shellcheck disable=SC2086
-    timeout -s INT -k 15 "$limit" "$PY" "$REPO/bench/bench_goodput.py" $INJOB_NCCL_ARGS --out "$nccl_out" \
-      >> "$OUT/injob.log" 2>&1
-    log "  rc=$?"
-  fi
-  limit=$(( $(left) - 5 ))
-  if [ "$limit" -gt 60 ]; then
-    log "in-job bench, gloo with CUDA tensors, 2 ranks (${limit} s): bench_goodput.py $INJOB_GLOO_ARGS"
-    # shellcheck disable=SC2086
-    timeout -s INT -k 15 "$limit" "$PY" "$REPO/bench/bench_goodput.py" $INJOB_GLOO_ARGS --out "$gloo_out" \
-      >> "$OUT/injob.log" 2>&1
-    log "  rc=$?"
-  else
-    log "in-job bench, gloo with CUDA tensors: NOT RUN (${limit} s left)"
-  fi
+  # shellcheck disable=SC2086
+  injob_bench 40 "NCCL, 1 rank" "$nccl_out" $INJOB_NCCL_ARGS
+  injob_bench 60 "gloo with CUDA tensors, 2 ranks" "$gloo_out" $INJOB_GLOO_ARGS
   "$PY" - "$OUT/injob.json" "$WORK/injob_tests.log" "$rc_t" "$nccl_out" "$gloo_out" <<'PYEOF' 2>&1 | tee -a "$OUT/summary.txt"
 import json, os, sys
 out, tests_log, rc, *benches = sys.argv[1:]

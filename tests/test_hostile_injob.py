@@ -210,6 +210,20 @@ def server(tmp_path):
     srv.close()
 
 
+def _trickle(s: socket.socket, data: bytes) -> int:
+    """Send ``data`` one byte per 0.3 s (a slow client: each recv of the server is within
+    its 1 s timeout) until the server closes the connection; the bytes sent."""
+    sent = 0
+    try:
+        while sent < len(data):
+            s.sendall(data[sent:sent + 1])
+            sent += 1
+            time.sleep(0.3)  # (the attack's pace, not a wait for anything)
+    except OSError:  # the server closed it: a reset
+        pass
+    return sent
+
+
 def _ended_by_server(s: socket.socket) -> bytes:
     """What the server sent before it closed ``s`` (the socket's timeout bounds the wait)."""
     got = b""
@@ -254,15 +268,8 @@ def test_replica_a_trickling_header_is_cut_off_by_the_request_deadline(server):
     raw = json.dumps({"op": "put", "path": PATH, "length": 1, "xxh3": "0" * 32}).encode()
     with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
         s.sendall(len(raw).to_bytes(4, "big"))
-        sent = 0
         started = time.monotonic()
-        try:
-            while sent < len(raw):  # one byte per 0.3 s: each recv is within the 1 s timeout
-                s.sendall(raw[sent:sent + 1])
-                sent += 1
-                time.sleep(0.3)
-        except OSError:  # the server closed it: a reset
-            pass
+        sent = _trickle(s, raw)
         assert _ended_by_server(s) == b""
     assert sent < len(raw) and time.monotonic() - started < 20
     assert any("Timeout" in e for e in srv.errors), srv.errors  # (each byte came within the 1 s timeout)
@@ -474,14 +481,7 @@ def test_replica_a_trickling_body_is_cut_off_and_leaves_no_file(server):
         s.sendall(len(raw).to_bytes(4, "big") + raw)
         n = int.from_bytes(s.recv(4), "big")
         assert json.loads(s.recv(n)) == {"ok": True}
-        sent = 0
-        try:
-            while sent < len(body):  # one byte per 0.3 s: each recv is within the 1 s timeout
-                s.sendall(body[sent:sent + 1])
-                sent += 1
-                time.sleep(0.3)
-        except OSError:  # the server closed it: a reset
-            pass
+        sent = _trickle(s, body)
         _ended_by_server(s)
     assert sent < len(body)
     assert any("Timeout" in e for e in srv.errors), srv.errors
