@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -86,7 +87,10 @@ def test_a_killed_rank_is_replaced_by_a_spare_within_the_attempt(tmp_path):
     assert st["restarts"] == 0 and [f["recovered"] for f in st["failures"]] == ["in_job"]
     assert st["recoveries"]["count"] == 1 and st["recoveries"]["restore_from"] == {"local": 2}
     assert st["recovery_s"] >= rec["first_step_s"]
-    assert "in-job        1 recovery, median" in status(job.store)
+    text = status(job.store)
+    assert re.search(r"^in-job +1 recovery, median", text, re.M), text  # (the label column's width varies)
+    assert re.search(r"^last recovery +round 1 in [0-9.]+s \(detect [0-9.]+, teardown [0-9.]+, re-form [0-9.]+, "
+                     r"restore [0-9.]+\), restored from local 2$", text, re.M), text
     run = memory.run_dir_name(latest_run(open_storage(str(job.store))), str(job.store))  # (its id, its store's digest)
     assert job.result()["memory_dir"] == str(job.mem / run / "0") and int(job.result()["memory_budget"]) > 0
     assert not (job.mem / run).exists()  # the memory directory went with the run
