@@ -93,3 +93,25 @@ def test_records_are_read_as_untrusted(store):
 def test_R1_each_round_bootstraps_under_its_own_prefix(store):
     injob.round_pg_store(store, 0).set("k", "round 0")
     assert not injob.round_pg_store(store, 1).check(["k"])
+
+
+def test_the_agent_stops_and_joins_its_beat_before_the_process_ends():
+    """A daemon thread still inside a TCPStore call when the interpreter finalizes is
+    ended by a forced unwind that aborts the process ("terminate called without an
+    active exception": a leader that wrote its result then died by SIGABRT, seen in CI):
+    the agent's close stops its beat and waits for its last call."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from ckptstore.supervisor.agent import InJobAgent
+    from ckptstore.supervisor.injob_nodes import Beat
+
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    beat = Beat(f"127.0.0.1:{server.port}", "run/0/", 1)
+    beat.start()
+    agent = object.__new__(InJobAgent)  # (only what close() reads)
+    agent.beat, agent.replica, agent.alive, agent.beats = beat, None, None, None
+    agent.close()
+    assert not beat.is_alive() and agent.beat is None
+    assert int(injob.attempt_store(server, "run/0/").add(injob.agent_key(1, "beat"), 0)) >= 1  # it did beat

@@ -93,6 +93,7 @@ TICK_S = 0.01  # how often the agent looks at its children and the store
 HANG_CHECK_S = 0.25  # how often the progress files are read for hangs
 SPARE_NICE = 5  # spares warm up beside training: lower CPU priority
 END_GRACE_S = 10.0  # members and spares told to end (the ``end`` key, SIGTERM) before SIGKILL
+BEAT_JOIN_S = 15.0  # the beat's last store call (its client's timeout is 10 s) at the agent's end
 MAX_SPARE_DEATHS = 3  # spares that died before their hello, in a row, before no more are started
 EXITS_KEY = "exited"  # several nodes: a counter the agents bump after each ``exited/<worker>`` record
 
@@ -255,7 +256,14 @@ class InJobAgent:
         self.env[injob.ENV_PEER_REPLICA] = partner
 
     def close(self) -> None:
-        """What the agent holds beyond its workers: the replica server, the probe port."""
+        """What the agent holds beyond its workers: the beat, the replica server, the probe port."""
+        if self.beat is not None:
+            # Stopped and joined before the process ends: a daemon thread still inside the
+            # store's C++ call when the interpreter finalizes is ended by a forced unwind,
+            # which aborts the process ("terminate called without an active exception").
+            self.beat.stop.set()
+            self.beat.join(timeout=BEAT_JOIN_S)
+            self.beat = None
         if self.replica is not None:
             self.replica.close()
             self.replica = None
