@@ -151,9 +151,9 @@ def summarize(events: list[dict], now: float, checkpoint: dict | None = None) ->
 
     fails = sorted(failures.values(), key=lambda e: e["t"])
     in_job = sorted(recoveries.values(), key=lambda e: e["t"])
-    both = sorted([(e["t"], _failure_record(e), e) for e in fails] + [(e["t"], _recovery_record(e), e) for e in in_job],
+    both = sorted([(e["t"], _failure_record(e)) for e in fails] + [(e["t"], _recovery_record(e)) for e in in_job],
                   key=lambda te: te[0])
-    out["failures"] = [{**f, "loses_memory": _loses_memory(f, e, resumes)} for _, f, e in both]
+    out["failures"] = [{**f, "loses_memory": _loses_memory(f, resumes)} for _, f in both]
     for f in out["failures"]:
         out["failures_by_class"][f["class"]] = out["failures_by_class"].get(f["class"], 0) + 1
     if both:
@@ -247,7 +247,7 @@ def _recoveries(events: list[dict]) -> dict:
     """The ``recoveries`` summary (module docstring) of in-job ``recovery`` events."""
     out: dict = {"count": len(events)}
     for part in RECOVERY_PARTS:
-        values = sorted(v for v in (_num(e.get(part)) for e in events) if v is not None and v >= 0)
+        values = sorted(v for v in (_nonneg(e.get(part)) for e in events) if v is not None)
         out[part] = {"median": _median(values), "max": values[-1] if values else None}
     tiers: dict[str, int] = {}
     for e in events:
@@ -294,11 +294,10 @@ def _nonneg(value) -> float | None:
 _UPPER_TIERS = ("memory", "peer", "local")
 
 
-def _loses_memory(record: dict, e: dict, resumes: dict) -> bool:
+def _loses_memory(record: dict, resumes: dict) -> bool:
     """Whether a failure lost the memory tier (module docstring, ``mtbf_cold_s``)."""
     if record["recovered"] == "in_job":
-        where = e.get("restore_from")
-        return isinstance(where, dict) and any(_str(tier, 32) == "durable" for tier in list(where)[:MAX_LIST])
+        return "durable" in record["restore_from"]
     if record["class"] == "preempted":
         return False
     attempt = record["attempt"]
