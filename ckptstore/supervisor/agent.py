@@ -122,8 +122,8 @@ class Conf:
     memory_budget: int = 0
     # several nodes: when a node is lost (injob_nodes.BeatWatch; decide.Policy documents them)
     node_silent_s: float = injob.NODE_SILENT_S
-    node_fault_silent_s: float = 1.5
-    node_probe_timeout_s: float = 0.25
+    node_fault_silent_s: float = injob.NODE_FAULT_SILENT_S
+    node_probe_timeout_s: float = injob.NODE_PROBE_TIMEOUT_S
     # a restarted node: the running attempt's in-job store (``host:port``) to join as a
     # node of spares (``_rejoin``); "" joins through the attempt's rendezvous as usual
     rejoin: str = ""
@@ -182,6 +182,7 @@ class InJobAgent:
         self.nodes = None  # injob_nodes.NodesStore (several nodes)
         self.store = None  # the attempt's in-job store (_open_store)
         self.beat = None
+        self.beats = None  # the leader's BeatWatch of the other nodes (several nodes)
         self.lost_nodes: set[int] = set()
         self.agent_hosts: dict[int, str] = {}
         self.published = None
@@ -270,7 +271,7 @@ class InJobAgent:
         if self.alive is not None:
             self.alive.close()
             self.alive = None
-        if getattr(self, "beats", None) is not None:
+        if self.beats is not None:
             self.beats.close()
 
     def _cmd(self) -> list[str]:
@@ -840,9 +841,9 @@ class InJobAgent:
         if self.store.check([injob.round_key(self.round, "fault")]):
             return
         for k in sorted(self.lost_nodes):
-            if not self.store.check([rejoin_key(k)]):
+            req = injob.get(self.store, rejoin_key(k))  # (None: no request)
+            if req is None:
                 continue
-            req = injob.get(self.store, rejoin_key(k)) or {}
             join = injob.int_of(req.get("join"), 0, 0)
             if join <= self.admitted.get(k, 0):
                 continue

@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from . import injob  # (its defaults of a node's loss; it imports nothing of the package)
 from .classify import Verdict
 from .health import HealthLimits
 
@@ -83,9 +84,9 @@ class Policy:
     # connection (the agent is dead), or its beat stood still for node_fault_silent_s and
     # the agent did not answer within node_probe_timeout_s. A node whose agent answers is
     # never lost before node_silent_s. node_fault_silent_s 0: the beat timeout alone.
-    node_silent_s: float = 3.0
-    node_fault_silent_s: float = 1.5
-    node_probe_timeout_s: float = 0.25
+    node_silent_s: float = injob.NODE_SILENT_S
+    node_fault_silent_s: float = injob.NODE_FAULT_SILENT_S
+    node_probe_timeout_s: float = injob.NODE_PROBE_TIMEOUT_S
     # Each node's supervisor overwrites its heartbeat object in the store every
     # heartbeat_s (at most a quarter of the timeout); a peer whose beat did not change for
     # heartbeat_timeout_s, as this node watched it, is gone: its report is not waited

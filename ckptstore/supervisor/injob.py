@@ -96,6 +96,8 @@ def connect(address: str, timeout_s: float = 60.0):
 
 BEAT_S = 0.5
 NODE_SILENT_S = 3.0  # a node whose beat stood still this long is lost, with every rank on it
+NODE_FAULT_SILENT_S = 1.5  # ... this long, after a fault notice, its agent not answering (injob_nodes.BeatWatch)
+NODE_PROBE_TIMEOUT_S = 0.25  # how long the leader waits for an agent's probe port to answer
 
 
 def agent_key(node: int, what: str | None = None) -> str:

@@ -274,12 +274,6 @@ class BeatWatch:
         self.seen = {k: (None, now) for k in nodes}
         self.probed: dict[int, float] = {}  # node -> when it was last probed under the current fault
 
-    def probe_all(self, addresses: dict[int, str]) -> None:
-        """Probe every node once (at the start: a port that accepts becomes trusted)."""
-        for k in self.seen:
-            if k in addresses:
-                self.prober.start(k, addresses[k])
-
     def silent(self, fault: bool = False, addresses: dict[int, str] | None = None) -> list[tuple[int, str, float]]:
         """The nodes now lost, each said once: (node, what decided it, seconds its beat
         stood still). ``fault``: the current round has a fault notice; ``addresses``:
