@@ -315,13 +315,9 @@ def _abort_group(sockets: _GroupSockets | None, backend: str, timeout_s: float) 
     """Make the group's blocked collectives return. Returns False when an NCCL abort did
     not return within ``timeout_s`` (ncclCommAbort can hang: NVIDIA/nccl#1013)."""
     if backend == "nccl":
-        failed: list[BaseException] = []
-
         def abort():
-            try:
+            with contextlib.suppress(Exception):  # (a group destroyed meanwhile: nothing left to abort)
                 _abort_nccl()
-            except Exception as e:  # (a group destroyed meanwhile: nothing left to abort)
-                failed.append(e)
 
         # In a thread: a call into NCCL that never returns must not take this one with it.
         t = threading.Thread(target=abort, name="ckptstore-nccl-abort", daemon=True)
@@ -425,10 +421,12 @@ def run(fn, /, *args, backend=None, timeout=None, warmup=None, **kwargs):
     destroyed: build the model and optimizer there, so their first-call costs are paid
     before a failure. ``fn`` must build everything that holds the group itself
     (docs/design/in-job-restart.md section 11) and let BaseException through."""
-    for what, f in (("fn", fn), ("warmup", warmup)):
-        if f is not None and not callable(f) or f is None and what == "fn":
-            raise TypeError(f"inprocess.run: {what} must be a callable (a function that runs the training"
-                            f"{'' if what == 'fn' else ' setup once in a spare'}), got {type(f).__name__} {f!r:.80}")
+    if not callable(fn):
+        raise TypeError(f"inprocess.run: fn must be a callable (a function that runs the training), "
+                        f"got {type(fn).__name__} {fn!r:.80}")
+    if warmup is not None and not callable(warmup):
+        raise TypeError(f"inprocess.run: warmup must be a callable (a function that runs the training setup once "
+                        f"in a spare), got {type(warmup).__name__} {warmup!r:.80}")
     if inspect.isgeneratorfunction(fn) or inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn):
         raise InJobUnsupportedError(
             f"inprocess.run: {getattr(fn, '__qualname__', fn)!r} is a generator or coroutine function; "
@@ -475,10 +473,9 @@ def _check_nccl() -> None:
     from torch.distributed import distributed_c10d as c10d
 
     # (only this is called: it reaches each backend's abort itself, whatever the version)
-    missing = [name for name in ("_abort_process_group",) if not hasattr(c10d, name)]
-    if missing:
+    if not hasattr(c10d, "_abort_process_group"):
         raise InJobUnsupportedError(
-            f"inprocess.run: backend 'nccl' needs torch's process-group abort ({', '.join(missing)}), which "
+            "inprocess.run: backend 'nccl' needs torch's process-group abort (_abort_process_group), which "
             f"torch {torch.__version__} lacks: a survivor could not leave a collective whose peer died. Use "
             "torch 2.5 or later (checked against 2.13), or run without --in-job (the relaunch mode)")
     if not dist.is_nccl_available():
