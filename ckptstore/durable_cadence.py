@@ -121,11 +121,11 @@ class Cadence:
         """A promotion of ``step`` was scheduled (its future): the next is due an interval
         from now; its duration becomes P when it ends (``future.promotion_s``, set by
         the Promoter; none for a promotion that never ran)."""
+        round_ = current_round()
         with self._lock:
             self.last_promoted = self._clock()
-            self._in_flight.append((future, current_round()))
+            self._in_flight.append((future, round_))
             self.promoted_steps.append(step)
-        round_ = current_round()
         future.add_done_callback(lambda f: self._ended(f, round_))
 
     def _ended(self, future, round_: int) -> None:

@@ -540,8 +540,10 @@ class Tiers:
         directory, which only the ranks of one node share (docs/tiers.md, "Across
         nodes"). Asked once, of every rank alike (a collective in the blocking part, as
         the save's own)."""
+        if world <= 1 or self._one_node:  # (first: this runs at every save)
+            return
         unsplit = [name for name, tier in self.chain[:-1] if tier.storage.sees_all_data]
-        if not unsplit or world <= 1 or self._one_node:
+        if not unsplit:
             return
         hosts = sorted(set(gather(socket.gethostname(), group)))
         if len(hosts) > 1:
